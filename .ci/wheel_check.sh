@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The wheel ships conf/ and the demo models: install it (not editable) into a fresh venv and run
+# `specflow run` from a folder that is not the checkout.
+set -euo pipefail
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+"$repo/.venv/bin/python" -m pip wheel -q --no-deps -w "$tmp/dist" "$repo"
+python3 -m venv "$tmp/venv"
+"$tmp/venv/bin/python" -m pip install -q --upgrade pip
+"$tmp/venv/bin/python" -m pip install -q "${TORCH:-torch==2.13.0}"
+"$tmp/venv/bin/python" -m pip install -q "$tmp"/dist/specflow-*.whl
+cd "$tmp"
+out="$("$tmp/venv/bin/specflow" run max_new_tokens=16 'prompt=def add(a, b):' hydra.run.dir="$tmp/run")"
+echo "$out" | tail -n 5
+test -s "$tmp/run/metrics.json"
+"$tmp/venv/bin/specflow" plugins > /dev/null
+echo "wheel-check: ok ($(ls "$tmp"/dist))"

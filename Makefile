@@ -1,0 +1,38 @@
+# specflow: `make demo` runs the main job, `make test` the tests; both set up .venv on a fresh machine.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+# CPU build from this machine's local disk; GPU users: make TORCH="torch" (or install torch first)
+TORCH  ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-fast bench sim wheel-check clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/specflow run
+
+test: $(VENV)/.installed
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+bench: $(VENV)/.installed
+	$(PY) bench/run.py
+
+sim: $(VENV)/.installed
+	$(VENV)/bin/specflow sim
+
+# build the wheel, install it (not editable) in a fresh venv, run one command from a foreign folder
+wheel-check: $(VENV)/.installed
+	bash .ci/wheel_check.sh
+
+clean:
+	rm -rf build dist *.egg-info outputs multirun .pytest_cache

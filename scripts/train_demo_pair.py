@@ -1,0 +1,220 @@
+"""Train the embedded demo pair: a Llama-style target and a much smaller draft sharing one tokenizer.
+
+Corpus: the Python standard library's own .py files (every machine has them offline), without test
+packages. About 2% of the files (chosen by a stable hash of the path) are held out for benchmark
+prompts and never trained on.
+
+    python scripts/train_demo_pair.py --out specflow/models/demo
+
+Deterministic for a given seed, thread count and torch build. Writes, under --out:
+    target/  draft/      config.json, model.safetensors (fp16), tokenizer files
+    heldout.jsonl        held-out code prompts (path, text) for benchmarks and demos
+    train_log.json       recipe, timings and losses (the README's model card quotes it)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import sysconfig
+import time
+import zlib
+
+import torch
+import torch.nn.functional as F
+
+EOS = "<|endoftext|>"
+EXCLUDED_PARTS = ("test", "tests", "idle_test", "site-packages", "lib2to3")
+
+
+def stdlib_files() -> list[tuple[str, pathlib.Path]]:
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        parts = rel.split("/")
+        if any(p in EXCLUDED_PARTS or p.startswith("test_") for p in parts):
+            continue
+        out.append((rel, path))
+    return out
+
+
+def is_heldout(rel: str) -> bool:
+    return zlib.crc32(rel.encode()) % 50 == 0
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS,
+                                   pad_token=EOS, unk_token=None, model_max_length=1024)
+
+
+def make_model(layers: int, hidden: int, inter: int, heads: int, vocab: int, eos_id: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=1024,
+        tie_word_embeddings=True, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id,
+        rope_theta=10000.0,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def batches(data: torch.Tensor, steps: int, batch: int, seq: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        starts = torch.randint(0, data.numel() - seq - 1, (batch,), generator=gen)
+        yield torch.stack([data[s:s + seq] for s in starts.tolist()])  # [B, T]
+
+
+def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+@torch.no_grad()
+def heldout_loss(model, data: torch.Tensor, seq: int, n: int = 16) -> float:
+    model.eval()
+    losses = []
+    for i in range(n):
+        s = i * (data.numel() - seq - 1) // n
+        ids = data[s:s + seq][None]
+        losses.append(model(ids, labels=ids).loss.item())
+    model.train()
+    return sum(losses) / len(losses)
+
+
+@torch.no_grad()
+def greedy_agreement(target, draft, data: torch.Tensor, seq: int, n: int = 16) -> float:
+    """Teacher-forced argmax agreement of draft and target on held-out text (a proxy for greedy α)."""
+    target.eval(); draft.eval()
+    agree = total = 0
+    for i in range(n):
+        s = i * (data.numel() - seq - 1) // n
+        ids = data[s:s + seq][None]
+        a = target(ids).logits.argmax(-1)
+        b = draft(ids).logits.argmax(-1)
+        agree += (a == b).sum().item(); total += a.numel()
+    draft.train()
+    return agree / total
+
+
+def train(model, data, heldout, *, steps, batch, seq, lr, seed, teacher=None, log, name):
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    model.train()
+    t0 = time.perf_counter()
+    for step, ids in enumerate(batches(data, steps, batch, seq, seed)):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, steps, lr, warmup=min(200, steps // 10))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(ids, labels=ids)
+            loss = out.loss
+            if teacher is not None:
+                # distil towards the target's own next-token distribution: acceptance is
+                # min(1, p/q) summed, so matching p (not only the data) is what raises α
+                with torch.no_grad():
+                    p_logits = teacher(ids).logits.float()
+                kl = F.kl_div(F.log_softmax(out.logits.float(), -1), F.log_softmax(p_logits, -1),
+                              log_target=True, reduction="batchmean") / ids.shape[1]
+                loss = 0.3 * loss + 0.7 * kl
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step(); opt.zero_grad(set_to_none=True)
+        if step % 50 == 0 or step == steps - 1:
+            elapsed = time.perf_counter() - t0
+            print(f"[{name}] step {step}/{steps} loss {loss.item():.3f} {elapsed:.0f}s", flush=True)
+    elapsed = time.perf_counter() - t0
+    log[name] = {"steps": steps, "batch": batch, "seq": seq, "lr": lr, "train_seconds": round(elapsed),
+                 "tokens_seen": steps * batch * seq,
+                 "heldout_loss": round(heldout_loss(model, heldout, seq), 3)}
+    print(f"[{name}] done: {log[name]}", flush=True)
+
+
+def save(model, tokenizer, path: pathlib.Path):
+    path.mkdir(parents=True, exist_ok=True)
+    model.eval()
+    model.to(torch.float16).save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    model.to(torch.float32)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="specflow/models/demo")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--target-steps", type=int, default=1200)
+    ap.add_argument("--draft-steps", type=int, default=1000)
+    args = ap.parse_args()
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
+    out = pathlib.Path(args.out)
+    log: dict = {"seed": args.seed, "threads": args.threads, "torch": torch.__version__}
+
+    files = stdlib_files()
+    texts = {rel: p.read_text(encoding="utf-8", errors="replace") for rel, p in files}
+    train_texts = [t for rel, t in texts.items() if not is_heldout(rel)]
+    held = [(rel, t) for rel, t in texts.items() if is_heldout(rel)]
+    log["corpus"] = {"files": len(files), "train_files": len(train_texts), "heldout_files": len(held),
+                     "mb": round(sum(len(t.encode()) for t in texts.values()) / 1e6, 1)}
+
+    t0 = time.perf_counter()
+    tokenizer = train_tokenizer(train_texts, args.vocab)
+    eos_id = tokenizer.convert_tokens_to_ids(EOS)
+    log["tokenizer_seconds"] = round(time.perf_counter() - t0, 1)
+
+    def encode_all(docs: list[str]) -> torch.Tensor:
+        ids: list[int] = []
+        for doc in docs:
+            ids.extend(tokenizer(doc)["input_ids"]); ids.append(eos_id)
+        return torch.tensor(ids, dtype=torch.long)
+
+    data = encode_all(train_texts)
+    heldout = encode_all([t for _, t in held])
+    log["corpus"].update(train_tokens=data.numel(), heldout_tokens=heldout.numel())
+    print(f"corpus {log['corpus']}", flush=True)
+
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "heldout.jsonl", "w") as fh:
+        for rel, t in held:
+            fh.write(json.dumps({"path": rel, "text": t}) + "\n")
+
+    target = make_model(4, 512, 1408, 8, len(tokenizer), eos_id)
+    train(target, data, heldout, steps=args.target_steps, batch=8, seq=512, lr=1.5e-3,
+          seed=args.seed + 1, log=log, name="target")
+    save(target, tokenizer, out / "target")
+    target.eval()
+    for p in target.parameters():
+        p.requires_grad_(False)
+
+    draft = make_model(2, 128, 384, 4, len(tokenizer), eos_id)
+    train(draft, data, heldout, steps=args.draft_steps, batch=8, seq=512, lr=3e-3,
+          seed=args.seed + 2, teacher=target, log=log, name="draft")
+    log["greedy_agreement_teacher_forced"] = round(greedy_agreement(target, draft, heldout, 512), 3)
+    save(draft, tokenizer, out / "draft")
+    for name, m in (("target", target), ("draft", draft)):
+        log[name]["params"] = sum(p.numel() for p in m.parameters())
+        log[name]["config"] = {k: getattr(m.config, k) for k in
+                               ("num_hidden_layers", "hidden_size", "intermediate_size",
+                                "num_attention_heads", "vocab_size")}
+    (out / "train_log.json").write_text(json.dumps(log, indent=2) + "\n")
+    print(json.dumps(log, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""specflow's own components, registered through `specflow_register` exactly as a plugin's would be."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specflow.experiments.workloads import (DemoWorkload, DemoWorkloadConfig, FileWorkload,
+                                            FileWorkloadConfig)
+from specflow.models.synthetic import SyntheticBackend, SyntheticDraftConfig, SyntheticModelConfig
+from specflow.plugins import hookimpl
+from specflow.policies.adaptive import AdaptivePolicy, AdaptivePolicyConfig
+from specflow.policies.static import StaticPolicy, StaticPolicyConfig
+from specflow.stages import logits
+from specflow.stages.proposers.draft import DraftModelProposer, DraftProposerConfig
+from specflow.stages.proposers.ngram import NgramProposer, NgramProposerConfig
+from specflow.stages.proposers.none import NoneProposer, NoneProposerConfig
+from specflow.stages.stop import StopConfig, StopTrimmer
+from specflow.stages.verify import StandardVerifier
+
+
+@dataclass
+class NamedOnly:
+    """Schema of options that have nothing to set (constraint=none, draft=none, verifier=standard)."""
+
+    name: str
+
+
+def nothing(cfg, ctx):
+    return None
+
+
+def synthetic_target(cfg: SyntheticModelConfig, ctx):
+    return SyntheticBackend(cfg, noise=0.0, clock=ctx.clock, source="target", slots=ctx.slots)
+
+
+def synthetic_draft(cfg: SyntheticDraftConfig, ctx):
+    if ctx.target is not None and not isinstance(ctx.target, SyntheticBackend):
+        from specflow.errors import ConfigError
+        raise ConfigError("draft=synthetic only pairs with model=synthetic; pick a draft model "
+                          "for this target (draft=<option>)")
+    return SyntheticBackend(cfg, noise=cfg.noise, clock=ctx.clock, source="draft", slots=ctx.slots,
+                            mismatch=cfg.mismatch)
+
+
+@hookimpl
+def specflow_register(registry):
+    add = registry.add
+    add("model", "synthetic", synthetic_target, SyntheticModelConfig)
+    add("draft", "synthetic", synthetic_draft, SyntheticDraftConfig)
+    add("draft", "none", nothing, NamedOnly)
+    add("proposer", "none", NoneProposer, NoneProposerConfig)
+    add("proposer", "draft", DraftModelProposer, DraftProposerConfig)
+    add("proposer", "ngram", NgramProposer, NgramProposerConfig)
+    add("logits", "temperature", logits.Temperature, logits.TemperatureConfig)
+    add("logits", "top_k", logits.TopK, logits.TopKConfig)
+    add("logits", "top_p", logits.TopP, logits.TopPConfig)
+    add("logits", "min_p", logits.MinP, logits.MinPConfig)
+    add("constraint", "none", nothing, NamedOnly)
+    add("verifier", "standard", StandardVerifier, NamedOnly)
+    add("stop", "default", StopTrimmer, StopConfig)
+    add("policy", "static", StaticPolicy, StaticPolicyConfig)
+    add("policy", "adaptive", AdaptivePolicy, AdaptivePolicyConfig)
+    add("workload", "demo", DemoWorkload, DemoWorkloadConfig)
+    add("workload", "file", FileWorkload, FileWorkloadConfig)

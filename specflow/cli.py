@@ -1,0 +1,219 @@
+"""`specflow <command> [overrides]`: run | sim | plugins.
+
+`run` and `sim` are Hydra apps: overrides such as `proposer=ngram policy=adaptive logits=[temperature]`
+(a leading `+` is accepted too), `--cfg job` to print the composed config, `-m` for multirun, and
+outputs under Hydra's run folder. Every user error prints one line and exits with status 2.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+from specflow.errors import SpecflowError
+
+USAGE = """usage: specflow <command> [overrides...]
+
+commands:
+  run       generate from prompts (prompt=..., prompt=- for stdin, or workload=...)
+            e.g. specflow run proposer=ngram policy=adaptive prompt="def fib(n):"
+  sim       the seed articles' formula tables on the synthetic pair (JSON + PNG + tables)
+  plugins   list loaded plugins: name, package, version, hooks, components
+
+Hydra options work after `run` and `sim`: --cfg job, --help, -m (multirun), hydra.run.dir=...
+"""
+
+# Hydra flags whose value is the next argument
+_FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-name", "-cn", "--config-dir",
+                     "-cd", "--info", "-i", "--experimental-rerun"}
+
+
+def fail(message: str, code: int = 2) -> int:
+    from specflow.console import err_console
+
+    err_console.print(f"specflow: error: {message}", markup=False, highlight=False, soft_wrap=True)
+    return code
+
+
+def _overrides_only(args: list[str]) -> tuple[list[str], bool]:
+    """The config overrides among Hydra's arguments, and whether this is a multirun."""
+    out, skip, multirun = [], False, False
+    for a in args:
+        if skip:
+            skip = False
+            continue
+        if a in ("-m", "--multirun"):
+            multirun = True
+        elif a.startswith("-"):
+            skip = a in _FLAGS_WITH_VALUE
+        elif not a.startswith(("hydra.", "hydra/", "+hydra", "~hydra")):
+            out.append(a)
+    return out, multirun
+
+
+def _hydra_app(task: Callable, config_name: str, command: str, args: list[str]) -> int:
+    """Validate the overrides (exit 2 on a bad one), then hand over to hydra.main."""
+    import hydra
+
+    from specflow.config import compose, normalize_overrides
+
+    args = normalize_overrides(args)
+    overrides, multirun = _overrides_only(args)
+    helping = any(a in ("--help", "-h", "--hydra-help") for a in args)
+    if not multirun and not helping:
+        compose(overrides, config_name)   # raises ConfigError -> exit 2
+    sys.argv = [f"specflow {command}", *args, f"hydra.job.name={command}"]
+    main = hydra.main(version_base="1.3", config_path="pkg://specflow.conf",
+                      config_name=config_name)(task)
+    main()
+    return 0
+
+
+# --- run -----------------------------------------------------------------------------------------
+
+def read_prompts(cfg) -> list[str]:
+    from specflow.config import option
+    from specflow.errors import InputError
+    from specflow.plugins import get_registry
+
+    prompt = cfg.get("prompt")
+    if prompt == "-":
+        data = sys.stdin.buffer.read()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InputError(f"stdin is not UTF-8 (bad byte at offset {exc.start}); "
+                             f"re-encode the prompt as UTF-8") from None
+        if not text.strip():
+            raise InputError("prompt=- but stdin is empty; pipe a prompt in")
+        return [text]
+    if prompt is not None:
+        return [str(prompt)]
+    workload = option(cfg, "workload")
+    return get_registry().get("workload", workload.name).factory(workload, None).prompts()
+
+
+def run_task(cfg) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    from specflow.console import console, metrics_table, print_results
+    from specflow.io import atomic_write_json, atomic_write_jsonl
+    from specflow.pipeline import Pipeline
+
+    try:
+        prompts = read_prompts(cfg)
+        pipe = Pipeline(cfg)
+        results = pipe.generate(prompts, progress=bool(cfg.show_progress) and console.is_terminal)
+    except SpecflowError as exc:
+        raise SystemExit(fail(str(exc)))
+    out = HydraConfig.get().runtime.output_dir
+    atomic_write_jsonl(f"{out}/requests.jsonl", [r.to_json() for r in results])
+    atomic_write_json(f"{out}/metrics.json", {"aggregate": pipe.last_stats,
+                                              "requests": [r.stats for r in results]})
+    print_results(results)
+    console.print(metrics_table(pipe.last_stats))
+    console.print(f"[dim]wrote {out}/requests.jsonl and {out}/metrics.json[/]")
+
+
+# --- sim -----------------------------------------------------------------------------------------
+
+def sim_task(cfg) -> None:
+    import pathlib
+
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+    from rich.progress import Progress
+
+    from specflow.console import console, sim_best_k_table, sim_k_table
+    from specflow.experiments import plots, sim
+    from specflow.io import atomic_write_json
+
+    out = pathlib.Path(HydraConfig.get().runtime.output_dir)
+    c = OmegaConf.to_container(cfg, resolve=True)
+    model = c["model"]
+    studies = set(c["studies"])
+    n_arms = (len(c["k_sweep"]["ks"]) * ("k_sweep" in studies)
+              + len(c["noise_sweep"]["noises"]) * ("noise_sweep" in studies)
+              + len(c["best_k"]["alphas"]) * len(c["best_k"]["ks"]) * ("best_k" in studies)
+              + len(c["histogram"]["noises"]) * ("histogram" in studies))
+    rows, tokens, seed = c["rows"], c["tokens"], c["seed"]
+    report: dict = {"config": c}
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task("simulating arms", total=n_arms)
+        step = lambda: bar.advance(task)  # noqa: E731
+        if "k_sweep" in studies:
+            ks = c["k_sweep"]
+            report["k_sweep"] = sim.k_sweep(ks["noise"], ks["ks"], rows, tokens, seed, model, step)
+        if "noise_sweep" in studies:
+            ns = c["noise_sweep"]
+            report["noise_sweep"] = sim.noise_sweep(ns["k"], ns["noises"], rows, tokens, seed,
+                                                    model, step)
+        if "best_k" in studies:
+            bk = c["best_k"]
+            report["best_k"] = sim.best_k_sweep(bk["alphas"], bk["ks"], bk["c"], rows, tokens, seed,
+                                                {**model, "concentration": bk["concentration"]},
+                                                step)
+        if "histogram" in studies:
+            h = c["histogram"]
+            report["histogram"] = sim.histograms(h["k"], h["noises"], rows, tokens, seed, model,
+                                                 step)
+    atomic_write_json(out / "sim.json", report)
+    written = [out / "sim.json"]
+    if "k_sweep" in report:
+        console.print(sim_k_table(report["k_sweep"], f"K sweep (draft noise "
+                                                     f"{c['k_sweep']['noise']}, {rows}x{tokens} tokens)"))
+        written.append(plots.plot_k_sweep(report["k_sweep"], out / "k_sweep.png"))
+    if "noise_sweep" in report:
+        console.print(sim_k_table(report["noise_sweep"], f"noise sweep (k = {c['noise_sweep']['k']})"))
+    if "best_k" in report:
+        console.print(sim_best_k_table(report["best_k"]))
+        written.append(plots.plot_best_k(report["best_k"], out / "best_k.png"))
+    if "histogram" in report:
+        written.append(plots.plot_histograms(report["histogram"], out / "tokens_per_round.png"))
+    console.print("[dim]wrote " + ", ".join(str(p) for p in written) + "[/]")
+
+
+# --- plugins -------------------------------------------------------------------------------------
+
+def cmd_plugins(args: list[str]) -> int:
+    from rich.table import Table
+
+    from specflow.console import console
+    from specflow.hookspecs import HOOK_API_VERSION
+    from specflow.plugins import plugin_distributions
+
+    t = Table(title=f"specflow plugins (hook API {HOOK_API_VERSION})")
+    for col in ("name", "package", "version", "hooks", "components"):
+        t.add_column(col)
+    for row in plugin_distributions():
+        t.add_row(row["name"], row["package"], row["version"], "\n".join(row["hooks"]),
+                  "\n".join(row["components"]))
+    console.print(t)
+    return 0
+
+
+COMMANDS: dict[str, Callable[[list[str]], int]] = {
+    "run": lambda args: _hydra_app(run_task, "config", "run", args),
+    "sim": lambda args: _hydra_app(sim_task, "sim", "sim", args),
+    "plugins": cmd_plugins,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE, end="")
+        return 0
+    command, args = argv[0], argv[1:]
+    if command not in COMMANDS:
+        return fail(f"unknown command {command!r}; commands: {', '.join(COMMANDS)} "
+                    f"(see specflow --help)")
+    try:
+        return COMMANDS[command](args) or 0
+    except SpecflowError as exc:
+        return fail(str(exc))
+    except KeyboardInterrupt:
+        return fail("interrupted", 130)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Grammar constraints (outlines) with rollback."""

@@ -1,0 +1,1 @@
+"""Experiments: workloads, the simulator tables, A/B runs, reports and plots."""

@@ -1,0 +1,180 @@
+"""Every hook specflow calls: the only contract between the pipeline and its stages.
+
+Stage hooks are called by a pipeline through its own PluginManager (two pipelines never share
+state); discovery hooks are called once on the global manager; lifecycle hooks let observers (a
+tracing plugin, a metrics exporter) follow a pipeline. Shapes use DESIGN.md's letters: B running
+rows, K max draft length this round, V vocabulary, P positions being shaped.
+
+Hook API version: see `HOOK_API_VERSION`. Adding a hook or an optional keyword is a minor change;
+renaming or removing one, or changing what a hook returns, is a major one.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    import torch
+
+    from specflow.pipeline import Pipeline, Request
+    from specflow.plugins import Registry
+    from specflow.state import DecodeBatch, Proposal, RoundResult, ShapingBatch, VerifyOutput
+    from specflow.stages.stop import TrimResult
+
+HOOK_API_VERSION = "1.0"
+
+hookspec = pluggy.HookspecMarker("specflow")
+
+
+# ---------------------------------------------------------------------------------------------
+# discovery hooks: called on the global plugin manager
+# ---------------------------------------------------------------------------------------------
+
+@hookspec
+def specflow_config_searchpath() -> str | list[str] | None:
+    """Called once when Hydra builds its config search path (any specflow command or compose).
+
+    Return one search path entry or a list of them, e.g. ``"pkg://specflow_suffix.conf"``, whose
+    group folders (``proposer/``, ``logits/``, ...) add options next to the built-in ones.
+    All results are used.
+    """
+
+
+@hookspec
+def specflow_register(registry: "Registry") -> None:
+    """Called once when the global plugin manager is built, to name components.
+
+    Call ``registry.add(kind, name, factory, schema=...)`` for each component the plugin provides:
+    kind is a config group (``proposer``, ``logits``, ``constraint``, ``policy``, ``verifier``,
+    ``stop``, ``model``, ``draft``, ``observer``), name is the value of ``name:`` in the option's yaml,
+    factory(cfg, ctx) builds a stage object whose ``@hookimpl`` methods the pipeline registers, and
+    schema is the dataclass that validates the option. Returns nothing; all implementations run.
+    """
+
+
+# ---------------------------------------------------------------------------------------------
+# stage hooks: called by a pipeline through its own plugin manager, once per round unless noted
+# ---------------------------------------------------------------------------------------------
+
+@hookspec(firstresult=True)
+def specflow_draft_length(batch: "DecodeBatch") -> "torch.Tensor | None":
+    """Called first in every round: the policy chooses the draft length of each row.
+
+    Return a LongTensor [B] of k >= 0 (0 = plain decoding for that row this round). The first
+    non-None result wins. The pipeline then caps k by the tokens and context each row has left.
+    """
+
+
+@hookspec(firstresult=True)
+def specflow_propose(batch: "DecodeBatch", k: "torch.Tensor") -> "Proposal | None":
+    """Called once per round after the policy, with k [B] (some rows may have k = 0).
+
+    Return a Proposal: draft_token_ids [B, max(k)] padded with -1, and draft_probs [B, max(k), V]
+    holding exactly the distributions the drafts were sampled from (None for a deterministic
+    proposer). A row may return fewer drafts than asked. A model proposer shapes its logits with
+    ``batch.shape(...)`` so processors and constraints apply as they do to the target.
+    The first non-None result wins.
+    """
+
+
+@hookspec(firstresult=True)
+def specflow_score(batch: "DecodeBatch", proposal: "Proposal") -> "torch.Tensor | None":
+    """Called once per round after the proposer: the target's forward pass over each row's last
+    committed token followed by its drafts.
+
+    Return raw target logits [B, K+1, V] (position j predicts the token after draft j). The built-in
+    implementation runs the configured target model and extends its KV cache by k_b + 1 entries;
+    specflow_sync_cache rolls back what was not committed. The first non-None result wins.
+    """
+
+
+@hookspec
+def specflow_process_logits(shaping: "ShapingBatch") -> None:
+    """Called by shape() for every draft step and for the target's K+1 positions.
+
+    Edit ``shaping.logits`` [B, P, V] (replace or modify in place); position p of row b must be
+    evaluated on ``shaping.prefix(b, p)``. Implementations run in config order (the pipeline
+    registers them so); all run. Returns nothing.
+    """
+
+
+@hookspec
+def specflow_mask_logits(shaping: "ShapingBatch") -> None:
+    """Called by shape() after every logit processor: grammar constraints set forbidden tokens to -inf.
+
+    Same contract as specflow_process_logits; a constraint advances its state only tentatively over
+    drafts (committed state changes in specflow_sync_cache). Returns nothing; all run.
+    """
+
+
+@hookspec(firstresult=True)
+def specflow_verify(batch: "DecodeBatch", proposal: "Proposal",
+                    target_probs: "torch.Tensor") -> "VerifyOutput | None":
+    """Called once per round after the target pass, with target_probs [B, K+1, V] (shaped).
+
+    Return a VerifyOutput: out_token_ids [B, K+1] (accepted prefix, recovered or bonus, -1 padding)
+    and num_accepted [B]. The first non-None result wins.
+    """
+
+
+@hookspec(firstresult=True)
+def specflow_trim(batch: "DecodeBatch", verified: "VerifyOutput") -> "TrimResult | None":
+    """Called once per round after verification: EOS, stop strings and the length cap.
+
+    Return a TrimResult: for each row the tokens to commit (nothing after a stop) and its
+    finish_reason ("stop", "eos", "length" or None to go on). The first non-None result wins.
+    """
+
+
+@hookspec
+def specflow_sync_cache(batch: "DecodeBatch", result: "RoundResult") -> None:
+    """Called after trimming, once the round's committed tokens are appended to ``batch.token_ids``.
+
+    Every stage with per-sequence state (target and draft KV, n-gram index, grammar and penalty
+    state) brings it to the committed length of each row. Returns nothing; all run.
+    """
+
+
+@hookspec
+def specflow_observe(result: "RoundResult") -> None:
+    """Called at the end of every round with what it did (k, accepted, committed per row).
+
+    Policies learn acceptance and cost here; metrics count. Returns nothing; all run.
+    """
+
+
+# ---------------------------------------------------------------------------------------------
+# lifecycle hooks: called by a pipeline through its own plugin manager
+# ---------------------------------------------------------------------------------------------
+
+@hookspec
+def specflow_pipeline_built(pipeline: "Pipeline") -> None:
+    """Called once, after a pipeline has registered all its stages. Returns nothing."""
+
+
+@hookspec
+def specflow_request_start(slot: int, request: "Request") -> None:
+    """Called when a request takes a batch slot (before its first round; slots are reused).
+
+    ``request`` has request_id, prompt, prompt_ids, max_new_tokens, stop and seed. Stages with
+    per-sequence state reset the slot here (empty a draft cache, index the prompt).
+    Returns nothing; all run.
+    """
+
+
+@hookspec
+def specflow_request_end(slot: int, request: "Request", finish_reason: str) -> None:
+    """Called when a request finishes and frees its slot. Returns nothing; all run."""
+
+
+@hookspec
+def specflow_round_end(result: "RoundResult", pipeline: "Pipeline") -> Any:
+    """Called after every round, after specflow_observe. A ``wrapper=True`` implementation of any
+    stage hook sees that stage's calls; this one marks round boundaries. Returns nothing.
+    """
+
+
+STAGE_HOOKS = ("specflow_draft_length", "specflow_propose", "specflow_score", "specflow_process_logits",
+               "specflow_mask_logits", "specflow_verify", "specflow_trim", "specflow_sync_cache",
+               "specflow_observe")

@@ -1,0 +1,40 @@
+"""Files that are either complete or absent: write to a temporary name, then rename."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import tempfile
+from typing import Any, Iterable
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> pathlib.Path:
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        pathlib.Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> pathlib.Path:
+    return atomic_write_text(path, json.dumps(obj, indent=2, default=_default) + "\n")
+
+
+def atomic_write_jsonl(path: str | os.PathLike, rows: Iterable[Any]) -> pathlib.Path:
+    return atomic_write_text(path, "".join(json.dumps(r, default=_default) + "\n" for r in rows))
+
+
+def _default(obj: Any) -> Any:
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    if isinstance(obj, (set, frozenset)):
+        return sorted(obj)
+    raise TypeError(f"cannot write {type(obj).__name__} as JSON")

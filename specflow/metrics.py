@@ -1,0 +1,138 @@
+"""Counters and derived figures (DESIGN.md section 7), per request and for a whole run.
+
+Formulas, published with the numbers (PITFALLS 15, 24):
+    acceptance_rate        = accepted / proposed draft tokens                       (vLLM's)
+    alpha                  = accepted / examined draft tokens; a draft is examined when every
+                             draft before it was accepted (never-examined drafts are not "rejected")
+    mean_acceptance_length = committed tokens / target passes                       (tau)
+    c                      = (propose time per draft token) / (target time per pass), measured
+    predicted_speedup      = (1 - alpha^(k+1)) / ((1 - alpha)(k c + 1)), k = mean drafts per round
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from specflow.plugins import hookimpl
+
+STAGES = ("policy", "propose", "target", "verify", "trim", "sync", "other")
+
+
+def predicted_speedup(alpha: float, k: float, c: float) -> float:
+    if k <= 0:
+        return 1.0
+    tokens = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens / (k * c + 1)
+
+
+@dataclass
+class Counters:
+    num_rounds: int = 0
+    num_target_passes: int = 0
+    num_drafts: int = 0                    # rounds with k > 0
+    num_draft_tokens: int = 0              # proposed
+    num_examined_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_committed_tokens: int = 0          # after stop trimming: what the user receives
+    accepted_per_position: list[int] = field(default_factory=list)
+    examined_per_position: list[int] = field(default_factory=list)
+    tokens_per_step_histogram: Counter = field(default_factory=Counter)   # committed per round
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
+    sim_time: dict[str, float] = field(default_factory=dict)   # synthetic backend's clock
+
+    def add_row(self, k: int, accepted: int, committed: int) -> None:
+        examined = min(accepted + 1, k)
+        self.num_rounds += 1
+        self.num_target_passes += 1
+        self.num_drafts += k > 0
+        self.num_draft_tokens += k
+        self.num_examined_draft_tokens += examined
+        self.num_accepted_tokens += accepted
+        self.num_committed_tokens += committed
+        self.tokens_per_step_histogram[committed] += 1
+        if k > len(self.examined_per_position):
+            grow = k - len(self.examined_per_position)
+            self.examined_per_position += [0] * grow
+            self.accepted_per_position += [0] * grow
+        for i in range(examined):
+            self.examined_per_position[i] += 1
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+
+    def add_seconds(self, seconds: dict[str, float]) -> None:
+        for stage, s in seconds.items():
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + s
+
+    def derived(self) -> dict:
+        proposed, examined = self.num_draft_tokens, self.num_examined_draft_tokens
+        alpha = self.num_accepted_tokens / examined if examined else 0.0
+        mean_k = proposed / self.num_drafts if self.num_drafts else 0.0
+        wall = sum(self.seconds.values())
+        c = self.measured_c()
+        return {
+            "acceptance_rate": self.num_accepted_tokens / proposed if proposed else 0.0,
+            "alpha": alpha,
+            "mean_acceptance_length": (self.num_committed_tokens / self.num_target_passes
+                                       if self.num_target_passes else 0.0),
+            "mean_k": mean_k,
+            "acceptance_per_position": [a / e if e else 0.0 for a, e in
+                                        zip(self.accepted_per_position, self.examined_per_position)],
+            "c": c,
+            "predicted_speedup": predicted_speedup(alpha, mean_k, c) if c is not None else None,
+            "wall_seconds": wall,
+            "tokens_per_second": self.num_committed_tokens / wall if wall > 0 else 0.0,
+        }
+
+    def measured_c(self) -> float | None:
+        """Draft cost per token relative to a target pass (simulated time when there is a clock)."""
+        if self.sim_time:
+            draft, target = self.sim_time.get("draft", 0.0), self.sim_time.get("target", 0.0)
+        else:
+            draft, target = self.seconds.get("propose", 0.0), self.seconds.get("target", 0.0)
+        if not self.num_draft_tokens or not target:
+            return None
+        return (draft / self.num_draft_tokens) / (target / self.num_target_passes)
+
+    def as_dict(self) -> dict:
+        out = {k: v for k, v in self.__dict__.items() if k != "tokens_per_step_histogram"}
+        out["tokens_per_step_histogram"] = {str(n): c for n, c in
+                                            sorted(self.tokens_per_step_histogram.items())}
+        out["seconds"] = dict(self.seconds)
+        out.update(self.derived())
+        return out
+
+
+class MetricsRecorder:
+    """Counts every round per request and for the run; the pipeline owns one per generate()."""
+
+    def __init__(self, clock=None):
+        self.clock = clock
+        self.total = Counters()
+        self.requests: dict[int, Counters] = {}
+
+    def start(self, request_id: int) -> None:
+        self.requests[request_id] = Counters()
+
+    @hookimpl
+    def specflow_observe(self, result):
+        seconds = result.seconds
+        for rid, k, acc, committed in zip(result.request_ids, result.num_drafts,
+                                          result.num_accepted, result.committed):
+            for counters in (self.requests[rid], self.total):
+                counters.add_row(k, acc, len(committed))
+            self.requests[rid].add_seconds(seconds)
+            if result.sim_time:
+                _add(self.requests[rid].sim_time, result.sim_time)
+        self.total.add_seconds(seconds)
+        if result.sim_time:
+            _add(self.total.sim_time, result.sim_time)
+
+    def retract(self, request_id: int, n: int) -> None:
+        """A stop string took back n tokens committed in an earlier round."""
+        for counters in (self.requests[request_id], self.total):
+            counters.num_committed_tokens -= n
+
+
+def _add(into: dict[str, float], more: dict[str, float]) -> None:
+    for key, value in more.items():
+        into[key] = into.get(key, 0.0) + value

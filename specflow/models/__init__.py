@@ -1,0 +1,1 @@
+"""Model backends: transformers (hf.py) and the table-driven synthetic model."""

@@ -1,0 +1,323 @@
+"""The round loop (DESIGN.md section 2). Nothing here is model- or proposer-specific.
+
+    policy -> k [B] -> propose -> score (target pass) -> shape -> verify -> trim -> sync -> observe
+
+Every stage is called through this pipeline's own plugin manager. Requests are scheduled with
+continuous batching: up to `max_batch_size` run at once, a finished row's slot is refilled from the
+queue at the next round, and every row has its own k, its own length and its own end.
+
+Host syncs: one per round, in the stop trimmer (`out_token_ids.tolist()`), because which rows finish
+and what is committed decide the next round's inputs; stage tensor work stays on the device.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import torch
+from omegaconf import DictConfig
+
+from specflow.config import compose, option, validate
+from specflow.errors import ConfigError, InputError
+from specflow.metrics import MetricsRecorder
+from specflow.models.base import Backend, SimClock
+from specflow.plugins import check_hooks, get_registry, new_plugin_manager
+from specflow.stages.cache import TargetCacheSync
+from specflow.stages.logits import is_greedy
+from specflow.stages.score import TargetScorer
+from specflow.state import DecodeBatch, Proposal, RoundResult, ShapingBatch
+
+
+@dataclass
+class Request:
+    request_id: int
+    prompt: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    stop: list[str] | None       # None: the config's stop strings
+    seed: int
+
+
+@dataclass
+class GenerationResult:
+    index: int
+    prompt: str
+    text: str                    # never includes a stop string (unless stop.include_stop_str)
+    token_ids: list[int]         # generated tokens only; never after EOS or a stop
+    finish_reason: str           # "stop" | "eos" | "length"
+    stats: dict[str, Any] = field(default_factory=dict)   # DESIGN.md section 7 names
+    logprobs: list[float] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"index": self.index, "prompt": self.prompt, "text": self.text,
+                "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+                "stats": self.stats}
+
+
+@dataclass
+class BuildContext:
+    """What component factories receive besides their own config."""
+
+    cfg: DictConfig
+    slots: int
+    clock: SimClock
+    device: torch.device
+    target: Backend | None = None
+    draft: Backend | None = None
+    tokenizer: Any = None
+
+
+@dataclass
+class _Row:
+    request: Request
+    slot: int
+    token_ids: list[int]
+    generator: torch.Generator | None
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device={name} but this machine has no CUDA GPU; use device=cpu "
+                          f"or device=auto")
+    return torch.device(name)
+
+
+class Pipeline:
+    """A composed speculative decoding pipeline. Build with `Pipeline.from_config(overrides=[...])`."""
+
+    def __init__(self, cfg: DictConfig, plugins: Iterable[object] = ()):
+        self.cfg = validate(cfg)
+        self.registry = get_registry()
+        self.pm = new_plugin_manager()
+        self.hook = self.pm.hook
+        self.greedy = is_greedy(cfg.get("logits"))
+        self.clock = SimClock()
+        ctx = BuildContext(cfg=cfg, slots=int(cfg.max_batch_size), clock=self.clock,
+                           device=resolve_device(str(cfg.device)))
+        ctx.target = self.target = self._build("model", ctx)
+        ctx.tokenizer = self.tokenizer = self.target.tokenizer
+        ctx.draft = self.draft = self._build("draft", ctx) if cfg.get("draft") else None
+        self.ctx = ctx
+
+        self._register(TargetScorer(self.target), "score.target")
+        self._register(TargetCacheSync(self.target), "cache.target")
+        for kind in ("proposer", "verifier", "stop", "policy", "constraint"):
+            if cfg.get(kind) is not None:
+                self._register(self._build(kind, ctx), f"{kind}.{cfg[kind].name}")
+        # pluggy calls the last registered first: register in reverse so config order holds
+        for key, node in reversed(list((cfg.get("logits") or {}).items())):
+            processor = self._build_node("logits", node, ctx)
+            if self.greedy and getattr(processor, "samples", False):
+                continue   # cannot change the argmax
+            self._register(processor, f"logits.{key}")
+        for plugin in plugins:
+            self.pm.register(plugin)
+        check_hooks(self.pm)
+        self.hook.specflow_pipeline_built(pipeline=self)
+
+    # --- construction ----------------------------------------------------------------------
+
+    @classmethod
+    def from_config(cls, overrides: Sequence[str] = (), config_name: str = "config",
+                    plugins: Iterable[object] = ()) -> "Pipeline":
+        """Compose conf/<config_name>.yaml with Hydra overrides and build the pipeline."""
+        return cls(compose(overrides, config_name), plugins)
+
+    def _build(self, kind: str, ctx: BuildContext):
+        return self._build_node(kind, self.cfg[kind], ctx)
+
+    def _build_node(self, kind: str, node, ctx: BuildContext):
+        component = self.registry.get(kind, node.name)
+        obj = option({kind: node}, kind) if component.schema is not None else node
+        return component.factory(obj, ctx)
+
+    def _register(self, stage, name: str) -> None:
+        if stage is not None:
+            self.pm.register(stage, name=name)
+
+    def register(self, plugin: object, name: str | None = None) -> None:
+        """Add an observer or stage to this pipeline (a tracing plugin, a test probe)."""
+        self.pm.register(plugin, name=name)
+        check_hooks(self.pm)
+
+    # --- the shaping call draft and target share ---------------------------------------------
+
+    def shape(self, logits: torch.Tensor, token_ids: list[list[int]], draft_token_ids: torch.Tensor,
+              first_draft_index: int, request_ids: list[int], source: str) -> torch.Tensor:
+        """Logit processors in config order, then grammar masks: [B, P, V] -> [B, P, V] float32."""
+        shaping = ShapingBatch(logits.float(), token_ids, draft_token_ids, first_draft_index,
+                               request_ids, source)
+        self.hook.specflow_process_logits(shaping=shaping)
+        self.hook.specflow_mask_logits(shaping=shaping)
+        return shaping.logits
+
+    # --- generation --------------------------------------------------------------------------
+
+    def _requests(self, prompts, max_new_tokens, stop, seed) -> list[Request]:
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise InputError("no prompts given; pass at least one prompt")
+        max_new = int(self.cfg.max_new_tokens if max_new_tokens is None else max_new_tokens)
+        if max_new < 1:
+            raise InputError(f"max_new_tokens={max_new} must be >= 1")
+        if stop is not None:
+            stop = [stop] if isinstance(stop, str) else list(stop)
+            if any(s == "" for s in stop):
+                raise InputError("a stop string is empty, which would stop at once; remove it")
+        base_seed = int(self.cfg.seed if seed is None else seed)
+        limit = self.target.max_length
+        requests = []
+        for i, prompt in enumerate(prompts):
+            if not isinstance(prompt, str) or not prompt:
+                raise InputError(f"prompt {i} is empty; every prompt needs at least one character")
+            ids = list(self.tokenizer.encode(prompt))
+            if not ids:
+                raise InputError(f"prompt {i} encodes to no tokens; give a non-empty prompt")
+            if limit is not None and len(ids) >= limit:
+                raise InputError(f"prompt {i} has {len(ids)} tokens but the model's context is "
+                                 f"{limit}; shorten the prompt")
+            room = max_new if limit is None else min(max_new, limit - len(ids))
+            requests.append(Request(i, prompt, ids, room, stop, base_seed + i))
+        return requests
+
+    def generate(self, prompts: Sequence[str] | str, max_new_tokens: int | None = None,
+                 stop: Sequence[str] | None = None, seed: int | None = None,
+                 max_batch_size: int | None = None, progress: bool = False) -> list[GenerationResult]:
+        """Generate a continuation of every prompt; results come back in prompt order."""
+        requests = self._requests(prompts, max_new_tokens, stop, seed)
+        capacity = int(max_batch_size or self.cfg.max_batch_size)
+        if capacity > self.ctx.slots:
+            raise InputError(f"max_batch_size={capacity} exceeds the pipeline's "
+                             f"{self.ctx.slots} slots; set max_batch_size={capacity} in the config")
+        recorder = MetricsRecorder(self.clock)
+        self.pm.register(recorder, name="metrics")
+        try:
+            results = self._run(requests, capacity, recorder, progress)
+        finally:
+            self.pm.unregister(recorder)
+        self.last_stats = recorder.total.as_dict()
+        return [results[r.request_id] for r in requests]
+
+    def _run(self, requests: list[Request], capacity: int, recorder: MetricsRecorder,
+             progress: bool) -> dict[int, GenerationResult]:
+        queue = deque(requests)
+        free = list(range(capacity))
+        active: dict[int, _Row] = {}
+        results: dict[int, GenerationResult] = {}
+        bar = _progress(len(requests)) if progress else None
+        round_index = 0
+        while queue or active:
+            while queue and free:
+                req = queue.popleft()
+                slot = free.pop(0)
+                gen = None if self.greedy else torch.Generator().manual_seed(req.seed)
+                active[slot] = _Row(req, slot, list(req.prompt_ids), gen)
+                recorder.start(req.request_id)
+                self.hook.specflow_request_start(slot=slot, request=req)
+            rows = [active[s] for s in sorted(active)]
+            batch = DecodeBatch(
+                slots=torch.tensor([r.slot for r in rows], dtype=torch.long),
+                request_ids=[r.request.request_id for r in rows],
+                token_ids=[r.token_ids for r in rows],
+                prompt_lens=[len(r.request.prompt_ids) for r in rows],
+                max_new_tokens=[r.request.max_new_tokens for r in rows],
+                generators=[r.generator for r in rows], greedy=self.greedy,
+                max_batch_size=capacity, shaper=self.shape)
+            result, trim = self._round(batch, round_index)
+            round_index += 1
+            for b, row in enumerate(rows):
+                reason = result.finish_reasons[b]
+                if reason is None:
+                    continue
+                retract = trim.retract[b] if trim.retract else 0
+                if retract:
+                    del row.token_ids[len(row.token_ids) - retract:]
+                    recorder.retract(row.request.request_id, retract)
+                results[row.request.request_id] = self._finish(row, reason, trim.texts[b], recorder)
+                del active[row.slot]
+                free.append(row.slot)
+                self.hook.specflow_request_end(slot=row.slot, request=row.request,
+                                               finish_reason=reason)
+                if bar is not None:
+                    bar[0].advance(bar[1])
+        if bar is not None:
+            bar[0].stop()
+        return results
+
+    def _finish(self, row: _Row, reason: str, text: str | None,
+                recorder: MetricsRecorder) -> GenerationResult:
+        generated = row.token_ids[len(row.request.prompt_ids):]
+        if text is None:
+            text = self.tokenizer.decode(generated)
+        stats = recorder.requests[row.request.request_id].as_dict()
+        return GenerationResult(row.request.request_id, row.request.prompt, text, generated,
+                                reason, stats)
+
+    def _cap_k(self, k: torch.Tensor, batch: DecodeBatch) -> tuple[torch.Tensor, list[str | None]]:
+        """No more drafts than the tokens a row may still commit, minus the recovered/bonus one."""
+        ks = k.tolist()
+        reasons: list[str | None] = []
+        for b in range(batch.size):
+            left = batch.max_new_tokens[b] - batch.num_generated(b) - 1
+            if ks[b] > left:
+                ks[b] = max(left, 0)
+            reasons.append(None if ks[b] > 0 else ("policy" if k[b] == 0 else "length cap"))
+        return torch.tensor(ks, dtype=torch.long), reasons
+
+    def _round(self, batch: DecodeBatch, round_index: int):
+        hook, seconds = self.hook, {}
+        sim_before = dict(self.clock.by_source)
+        t0 = time.perf_counter()
+        k = hook.specflow_draft_length(batch=batch)
+        if k is None:
+            k = torch.zeros(batch.size, dtype=torch.long)
+        k, skip_reasons = self._cap_k(k, batch)                                    # [B]
+        t1 = time.perf_counter()
+        proposal = hook.specflow_propose(batch=batch, k=k) or Proposal.empty(batch.size)
+        t2 = time.perf_counter()
+        logits = hook.specflow_score(batch=batch, proposal=proposal)                # [B, K+1, V]
+        t3 = time.perf_counter()
+        shaped = self.shape(logits, batch.token_ids, proposal.draft_token_ids, 0,
+                            batch.request_ids, "target")                             # [B, K+1, V]
+        verified = hook.specflow_verify(batch=batch, proposal=proposal,
+                                        target_probs=shaped.softmax(-1))
+        t4 = time.perf_counter()
+        trim = hook.specflow_trim(batch=batch, verified=verified)
+        for ids, new in zip(batch.token_ids, trim.committed):
+            ids.extend(new)
+        t5 = time.perf_counter()
+        result = RoundResult(
+            round_index=round_index, request_ids=batch.request_ids,
+            num_drafts=proposal.num_draft_tokens.tolist(),
+            num_accepted=verified.num_accepted.tolist(), committed=trim.committed,
+            finish_reasons=trim.finish_reasons, batch_size=batch.size, skip_reasons=skip_reasons,
+            sim_time={s: v - sim_before.get(s, 0.0) for s, v in self.clock.by_source.items()
+                      if v != sim_before.get(s, 0.0)})
+        hook.specflow_sync_cache(batch=batch, result=result)
+        t6 = time.perf_counter()
+        seconds.update(policy=t1 - t0, propose=t2 - t1, target=t3 - t2, verify=t4 - t3,
+                       trim=t5 - t4, sync=t6 - t5)
+        result.seconds = seconds
+        hook.specflow_observe(result=result)
+        hook.specflow_round_end(result=result, pipeline=self)
+        return result, trim
+
+    def __repr__(self) -> str:
+        names = [name for name, _ in self.pm.list_name_plugin()]
+        return f"Pipeline(greedy={self.greedy}, stages={names})"
+
+
+def _progress(total: int):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    bar = Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+                   TimeElapsedColumn(), transient=True)
+    task = bar.add_task("generating", total=total)
+    bar.start()
+    return bar, task

@@ -1,0 +1,182 @@
+"""Plugin managers: built-in components and third-party packages register the same way.
+
+- The global manager loads DEFAULT_PLUGINS, then every entry point in the ``specflow`` group
+  (unless SPECFLOW_DISABLE_PLUGIN_AUTOLOAD=1), checks that every hook name is known, and asks each
+  plugin to name its components through ``specflow_register``.
+- Each Pipeline gets a fresh manager holding exactly the stage objects its config selects.
+"""
+from __future__ import annotations
+
+import difflib
+import functools
+import importlib
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import pluggy
+
+from specflow import hookspecs
+from specflow.errors import PluginError
+
+PROJECT = "specflow"
+ENTRY_POINT_GROUP = "specflow"
+AUTOLOAD_ENV = "SPECFLOW_DISABLE_PLUGIN_AUTOLOAD"
+DEFAULT_PLUGINS = ("specflow.builtins",)
+
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+KINDS = ("model", "draft", "proposer", "logits", "constraint", "verifier", "stop", "policy",
+         "workload", "observer")
+
+
+@dataclass(frozen=True)
+class Component:
+    """A named building block: ``factory(cfg, ctx)`` builds it, ``schema`` validates its config."""
+
+    kind: str
+    name: str
+    factory: Callable[..., Any]
+    schema: type | None
+    plugin: str
+
+
+class Registry:
+    """Named components by kind; filled by ``specflow_register`` implementations."""
+
+    def __init__(self) -> None:
+        self._items: dict[str, dict[str, Component]] = {kind: {} for kind in KINDS}
+        self._current_plugin = "?"
+
+    def add(self, kind: str, name: str, factory: Callable[..., Any], schema: type | None = None) -> None:
+        if kind not in self._items:
+            raise PluginError(f"plugin {self._current_plugin!r} registers kind {kind!r}; "
+                              f"known kinds: {', '.join(KINDS)}")
+        existing = self._items[kind].get(name)
+        if existing is not None:
+            raise PluginError(f"{kind} option {name!r} is registered twice: by plugin "
+                              f"{existing.plugin!r} and by plugin {self._current_plugin!r}; "
+                              f"rename one of them")
+        self._items[kind][name] = Component(kind, name, factory, schema, self._current_plugin)
+
+    def get(self, kind: str, name: str) -> Component:
+        try:
+            return self._items[kind][name]
+        except KeyError:
+            known = ", ".join(sorted(self._items.get(kind, {}))) or "none"
+            raise PluginError(f"no {kind} named {name!r} is registered (registered: {known}); "
+                              f"install the plugin that provides it or fix the name") from None
+
+    def names(self, kind: str) -> list[str]:
+        return sorted(self._items[kind])
+
+    def all(self) -> list[Component]:
+        return [c for kind in KINDS for c in self._items[kind].values()]
+
+
+def new_plugin_manager() -> pluggy.PluginManager:
+    pm = pluggy.PluginManager(PROJECT)
+    pm.add_hookspecs(hookspecs)
+    return pm
+
+
+def plugin_label(pm: pluggy.PluginManager, plugin: object) -> str:
+    """'name (dist version)' for a plugin, for error messages and `specflow plugins`."""
+    name = pm.get_name(plugin) or getattr(plugin, "__name__", type(plugin).__name__)
+    for p, dist in pm.list_plugin_distinfo():
+        if p is plugin:
+            return f"{name} ({dist.metadata['name']} {dist.version})"
+    return name
+
+
+def check_hooks(pm: pluggy.PluginManager) -> None:
+    """Fail with the plugin's name when it implements a hook that does not exist (a typo)."""
+    known = [name for name in dir(hookspecs) if name.startswith("specflow_")]
+    for name in dir(pm.hook):
+        if not name.startswith("specflow_") or name in known:
+            continue
+        for impl in getattr(pm.hook, name).get_hookimpls():
+            if impl.optionalhook:
+                continue
+            hint = difflib.get_close_matches(name, known, n=1)
+            fix = f"did you mean {hint[0]!r}?" if hint else f"known hooks: {', '.join(known)}"
+            raise PluginError(f"plugin {plugin_label(pm, impl.plugin)} implements unknown hook "
+                              f"{name!r}; {fix}")
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as exc:  # pragma: no cover - check above catches first
+        raise PluginError(f"plugin {exc.plugin!r}: {exc}") from None
+
+
+def _register_checked(pm: pluggy.PluginManager, plugin: object, name: str | None = None) -> None:
+    try:
+        pm.register(plugin, name=name)
+    except pluggy.PluginValidationError as exc:
+        raise PluginError(f"plugin {name or plugin!r} cannot be registered: {exc}") from None
+
+
+def load_entry_points(pm: pluggy.PluginManager) -> None:
+    try:
+        pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
+    except pluggy.PluginValidationError as exc:
+        raise PluginError(f"plugin {exc.plugin!r} cannot be registered: {exc}") from None
+    except Exception as exc:  # an entry point whose module fails to import
+        raise PluginError(f"a specflow plugin failed to load: {type(exc).__name__}: {exc}; "
+                          f"fix or uninstall it, or set {AUTOLOAD_ENV}=1") from exc
+
+
+@functools.lru_cache(maxsize=1)
+def get_plugin_manager() -> pluggy.PluginManager:
+    """The global manager: built-ins, then entry points; hook names checked."""
+    pm = new_plugin_manager()
+    for module_name in DEFAULT_PLUGINS:
+        _register_checked(pm, importlib.import_module(module_name), module_name)
+    if os.environ.get(AUTOLOAD_ENV, "") not in ("1", "true", "yes"):
+        load_entry_points(pm)
+    check_hooks(pm)
+    return pm
+
+
+@functools.lru_cache(maxsize=1)
+def get_registry() -> Registry:
+    """All named components, from every loaded plugin's ``specflow_register``."""
+    pm = get_plugin_manager()
+    registry = Registry()
+    for impl in pm.hook.specflow_register.get_hookimpls():  # registration order: built-ins first
+        registry._current_plugin = pm.get_name(impl.plugin) or str(impl.plugin)
+        impl.function(registry=registry)
+    registry._current_plugin = "?"
+    return registry
+
+
+def config_searchpath() -> list[str]:
+    """Search-path entries contributed by plugins (used by the Hydra search-path plugin)."""
+    entries: list[str] = []
+    for result in get_plugin_manager().hook.specflow_config_searchpath():
+        entries.extend([result] if isinstance(result, str) else list(result or []))
+    return entries
+
+
+def reset() -> None:
+    """Forget the cached global manager and registry (tests that install plugins use this)."""
+    get_plugin_manager.cache_clear()
+    get_registry.cache_clear()
+
+
+def plugin_distributions() -> list[dict[str, Any]]:
+    """What is loaded: name, distribution, version and hooks of every plugin (`specflow plugins`)."""
+    pm = get_plugin_manager()
+    dists = {id(p): d for p, d in pm.list_plugin_distinfo()}
+    rows = []
+    for name, plugin in pm.list_name_plugin():
+        dist = dists.get(id(plugin))
+        hooks = sorted(h.name for h in pm.get_hookcallers(plugin) or [])
+        if dist is not None:
+            package, version = dist.metadata["name"], dist.version
+        else:
+            from specflow import __version__
+            package, version = "specflow (built-in)", __version__
+        components = [f"{c.kind}={c.name}" for c in get_registry().all() if c.plugin == name]
+        rows.append({"name": name, "package": package, "version": version, "hooks": hooks,
+                     "components": components})
+    return rows

@@ -1,0 +1,22 @@
+"""Cache sync for the target: after each round its cache holds every committed token but the last.
+
+The last committed token (the recovered or bonus one) is the next round's first input. Other
+stateful stages (the draft model, n-gram index, grammar and penalty state) implement
+specflow_sync_cache themselves.
+"""
+from __future__ import annotations
+
+from specflow.plugins import hookimpl
+
+
+class TargetCacheSync:
+    def __init__(self, target):
+        self.target = target
+
+    @hookimpl
+    def specflow_request_start(self, slot, request):
+        self.target.reset(slot)
+
+    @hookimpl
+    def specflow_sync_cache(self, batch, result):
+        self.target.truncate(batch.slots, [len(ids) - 1 for ids in batch.token_ids])

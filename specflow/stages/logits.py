@@ -1,0 +1,142 @@
+"""Logit processors: each edits ShapingBatch.logits [B, P, V] for every shaped position.
+
+The same processors, in config order, shape the draft's logits at each draft step and the target's
+at each of the K+1 verified positions (Pipeline.shape), so sampling settings can never apply to one
+and not the other. Selecting `temperature` (> 0), `top_k`, `top_p` or `min_p` switches sampling on;
+with none of them (or temperature 0) decoding is greedy and the sampling processors are skipped,
+since they cannot change the argmax.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specflow.errors import ConfigError
+from specflow.plugins import hookimpl
+
+NEG_INF = float("-inf")
+
+
+# --- the tensor work: plain functions over [..., V] ---------------------------------------------
+
+def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return logits / temperature                                               # [..., V]
+
+
+def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
+    if k >= logits.shape[-1]:
+        return logits
+    kth = logits.topk(k, dim=-1).values[..., -1:]                             # [..., 1]
+    return logits.masked_fill(logits < kth, NEG_INF)
+
+
+def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
+    if p >= 1.0:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)               # [..., V]
+    cum = sorted_logits.softmax(-1).cumsum(-1)                                 # [..., V]
+    # keep the smallest prefix whose mass reaches p (the first token always stays)
+    drop_sorted = (cum - sorted_logits.softmax(-1)) >= p                       # [..., V]
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, NEG_INF)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    probs = logits.softmax(-1)                                                 # [..., V]
+    threshold = min_p * probs.amax(-1, keepdim=True)                           # [..., 1]
+    return logits.masked_fill(probs < threshold, NEG_INF)
+
+
+# --- configs and stages ----------------------------------------------------------------------
+
+@dataclass
+class TemperatureConfig:
+    name: str = "temperature"
+    value: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.value >= 0:
+            raise ConfigError(f"logits.temperature.value={self.value} must be >= 0 "
+                              f"(0 = greedy); set a non-negative temperature")
+
+
+@dataclass
+class TopKConfig:
+    name: str = "top_k"
+    k: int = 50
+
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            raise ConfigError(f"logits.top_k.k={self.k} must be >= 1; drop top_k from logits "
+                              f"to disable it")
+
+
+@dataclass
+class TopPConfig:
+    name: str = "top_p"
+    p: float = 0.9
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.p <= 1.0:
+            raise ConfigError(f"logits.top_p.p={self.p} must be in (0, 1]; use 1.0 to keep "
+                              f"every token")
+
+
+@dataclass
+class MinPConfig:
+    name: str = "min_p"
+    p: float = 0.05
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.p <= 1.0:
+            raise ConfigError(f"logits.min_p.p={self.p} must be in [0, 1]")
+
+
+class LogitProcessor:
+    """Base for processors: `samples` ones (temperature, top-k/p, min-p) are skipped under greedy."""
+
+    samples = True
+
+    def __init__(self, cfg, ctx=None):
+        self.cfg = cfg
+
+    def process(self, logits: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    @hookimpl
+    def specflow_process_logits(self, shaping):
+        shaping.logits = self.process(shaping.logits)
+
+
+class Temperature(LogitProcessor):
+    def process(self, logits):
+        return apply_temperature(logits, self.cfg.value)
+
+
+class TopK(LogitProcessor):
+    def process(self, logits):
+        return apply_top_k(logits, self.cfg.k)
+
+
+class TopP(LogitProcessor):
+    def process(self, logits):
+        return apply_top_p(logits, self.cfg.p)
+
+
+class MinP(LogitProcessor):
+    def process(self, logits):
+        return apply_min_p(logits, self.cfg.p)
+
+
+def is_greedy(logits_cfg) -> bool:
+    """Greedy unless a sampling processor is selected (temperature 0 keeps it greedy)."""
+    if not logits_cfg:
+        return True
+    temperature = logits_cfg.get("temperature")
+    if temperature is not None and float(temperature.value) == 0.0:
+        return True
+    return not any(node.get("name") in SAMPLING_PROCESSORS for node in logits_cfg.values())
+
+
+SAMPLING_PROCESSORS = ("temperature", "top_k", "top_p", "min_p")

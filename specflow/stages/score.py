@@ -1,0 +1,32 @@
+"""The target pass: one forward over each row's uncached committed tokens followed by its drafts."""
+from __future__ import annotations
+
+import torch
+
+from specflow.plugins import hookimpl
+from specflow.stages.proposers.draft import pending_inputs
+from specflow.state import PAD
+
+
+class TargetScorer:
+    def __init__(self, target):
+        self.target = target
+
+    @hookimpl
+    def specflow_score(self, batch, proposal):
+        drafts = proposal.draft_token_ids                                  # [B, K]
+        B, K = drafts.shape
+        cached = [self.target.cache_length(s) for s in batch.slots.tolist()]
+        pending, n_pending = pending_inputs(batch.token_ids, cached)       # [B, P], [B]
+        k = proposal.num_draft_tokens                                      # [B]
+        P = pending.shape[1]
+        inputs = torch.full((B, P + K), PAD, dtype=torch.long)             # [B, P+K]
+        inputs[:, :P] = pending
+        # drafts go right after each row's own pending tokens
+        cols = n_pending[:, None] + torch.arange(K)[None, :]               # [B, K]
+        inputs.scatter_(1, cols, drafts)
+        logits = self.target.forward(batch.slots, inputs, n_pending + k)   # [B, P+K, V]
+        # position j of the verifier = the last pending token (j = 0) or draft j
+        pick = (n_pending - 1)[:, None] + torch.arange(K + 1)[None, :]     # [B, K+1]
+        pick = pick.clamp(max=P + K - 1)
+        return logits.gather(1, pick[..., None].expand(B, K + 1, logits.shape[-1]))  # [B, K+1, V]

@@ -1,0 +1,137 @@
+"""The verifier: which draft tokens the target keeps (DESIGN.md sections 1 and 6).
+
+Glossary (Leviathan et al. 2023, Chen et al. 2023), per row, with p the target's shaped
+distributions at the K+1 positions and q the proposer's at the K drafted ones:
+- accepted:  draft x_i is kept with probability min(1, p_i(x_i) / q_i(x_i)), left to right;
+             the first rejection ends the round (greedy: kept iff x_i == argmax p_i).
+- recovered: at the first rejection j, a token from norm(max(0, p_j - q_j)) (greedy: argmax p_j).
+- bonus:     when all k drafts are accepted, a token from p_{k+1} (greedy: argmax p_{k+1}).
+Every committed token is then distributed exactly as under plain sampling from p.
+
+Randomness: `generator` may be one torch.Generator for the batch, or a list with one per row. With
+a list, row b consumes exactly k_b uniforms and V exponentials from its own generator, so a seeded
+request gets the same tokens whatever batch it shares (the per-row draws are the only loop).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from specflow.plugins import hookimpl
+from specflow.state import PAD, VerifyOutput
+
+Generators = torch.Generator | Sequence[torch.Generator | None] | None
+
+
+def _row_uniforms(shape: tuple[int, int], k: torch.Tensor, generator: Generators,
+                  device: torch.device) -> torch.Tensor:
+    """Uniform(0, 1) draws [B, K]; with per-row generators row b draws exactly k_b of them."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.rand(shape, generator=generator, device=device)
+    u = torch.zeros(shape, device=device)
+    for b, (gen, n) in enumerate(zip(generator, k.tolist())):
+        if n:
+            u[b, :n] = torch.rand(n, generator=gen, device=device)
+    return u
+
+
+def _row_exponentials(shape: tuple[int, int], generator: Generators, device: torch.device,
+                      active: torch.Tensor | None = None) -> torch.Tensor:
+    """Exponential(1) draws [B, V] for the exponential race argmax(w / E) ~ Categorical(w).
+
+    With per-row generators, rows where `active` is False draw nothing (their result is unused).
+    """
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.empty(shape, device=device).exponential_(generator=generator)
+    e = torch.ones(shape, device=device)
+    flags = [True] * shape[0] if active is None else active.tolist()
+    for b, (gen, on) in enumerate(zip(generator, flags)):
+        if on:
+            e[b].exponential_(generator=gen)
+    return e
+
+
+def sample_categorical(probs: torch.Tensor, generator: Generators = None,
+                       active: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row from unnormalised non-negative weights [B, V] -> [B] (exponential race)."""
+    e = _row_exponentials(tuple(probs.shape), generator, probs.device, active)   # [B, V]
+    return (probs / e).argmax(-1)                                                # [B]
+
+
+def verify(draft_token_ids: torch.Tensor, target_probs: torch.Tensor,
+           draft_probs: torch.Tensor | None = None, greedy: bool = False,
+           generator: Generators = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept a prefix of each row's drafts and append the recovered or bonus token.
+
+    draft_token_ids: [B, K] long, PAD (-1) after a row's own k drafts
+    target_probs:    [B, K+1, V] float, the target's shaped distributions (probabilities)
+    draft_probs:     [B, K, V] float or None (None: deterministic proposer, q one-hot on the draft)
+    returns (out_token_ids [B, K+1] long, PAD-padded; num_accepted [B] long)
+    """
+    B, K = draft_token_ids.shape
+    if target_probs.shape[:2] != (B, K + 1):
+        raise ValueError(f"target_probs has shape {tuple(target_probs.shape)}; expected "
+                         f"[{B}, {K + 1}, V] for draft_token_ids of shape [{B}, {K}]")
+    device = target_probs.device
+    rows = torch.arange(B, device=device)                                      # [B]
+    valid = draft_token_ids != PAD                                             # [B, K]
+    k = valid.sum(-1)                                                          # [B]
+    safe_ids = draft_token_ids.clamp(min=0)                                    # [B, K] PAD never indexes
+
+    if greedy:
+        target_argmax = target_probs.argmax(-1)                                # [B, K+1]
+        accept = (safe_ids == target_argmax[:, :K]) & valid                    # [B, K]
+    else:
+        p_draft = target_probs[:, :K].gather(-1, safe_ids[..., None]).squeeze(-1)   # [B, K]
+        if draft_probs is None:
+            q_draft = torch.ones_like(p_draft)                                 # one-hot q
+        else:
+            q_draft = draft_probs.gather(-1, safe_ids[..., None]).squeeze(-1)  # [B, K]
+        u = _row_uniforms((B, K), k, generator, device)                        # [B, K]
+        accept = (u * q_draft < p_draft) & valid       # u < min(1, p/q) without dividing by q
+
+    # accepted is a prefix: count leading ones
+    num_accepted = accept.long().cumprod(-1).sum(-1)                           # [B]
+    rejected = num_accepted < k                                                # [B]
+    final_pos = num_accepted                                                   # [B] in [0, K]
+
+    p_final = target_probs[rows, final_pos]                                    # [B, V]
+    if greedy:
+        final = p_final.argmax(-1)                                             # [B]
+    else:
+        q_pos = final_pos.clamp(max=max(K - 1, 0))                            # [B]
+        if K == 0:
+            q_final = torch.zeros_like(p_final)
+        elif draft_probs is None:
+            q_final = torch.zeros_like(p_final)
+            q_final[rows, safe_ids[rows, q_pos]] = 1.0                         # one-hot on x_j
+        else:
+            q_final = draft_probs[rows, q_pos]                                 # [B, V]
+        residual = torch.where(rejected[:, None], (p_final - q_final).clamp(min=0), p_final)
+        # a zero residual means rejection had probability 0 (p == q up to rounding): any valid
+        # token keeps the distribution; p itself is the natural one
+        empty = residual.sum(-1, keepdim=True) <= 0                            # [B, 1]
+        residual = torch.where(empty, p_final, residual)                       # [B, V]
+        final = sample_categorical(residual, generator)                        # [B]
+
+    positions = torch.arange(K + 1, device=device)[None, :]                    # [1, K+1]
+    padded_drafts = torch.cat([draft_token_ids, draft_token_ids.new_full((B, 1), PAD)], 1)
+    out = torch.where(positions < num_accepted[:, None], padded_drafts,
+                      torch.full_like(padded_drafts, PAD))                     # [B, K+1]
+    out[rows, final_pos] = final
+    return out, num_accepted
+
+
+class StandardVerifier:
+    """Lossless verification: greedy exact match, or rejection sampling when sampling."""
+
+    def __init__(self, cfg=None, ctx=None):
+        self.cfg = cfg
+
+    @hookimpl
+    def specflow_verify(self, batch, proposal, target_probs):
+        out, num_accepted = verify(proposal.draft_token_ids, target_probs, proposal.draft_probs,
+                                   greedy=batch.greedy,
+                                   generator=None if batch.greedy else batch.generators)
+        return VerifyOutput(out, num_accepted)

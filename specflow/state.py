@@ -1,0 +1,165 @@
+"""Dataclasses that travel between stages during one round.
+
+Shapes: B = running sequences this round, K = max draft length this round (ragged rows are padded
+with -1), V = vocabulary size, P = positions being shaped (1 for a draft step, K+1 for the target).
+Every dataclass has `make_dummy(...)`, which tests use to build valid instances without a model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+if TYPE_CHECKING:
+    from specflow.stages.stop import StopState
+
+PAD = -1  # placeholder for a token slot a ragged row does not use
+
+
+@dataclass
+class DecodeBatch:
+    """The running batch, as stages see it at the start of a round (rows in slot order)."""
+
+    slots: torch.Tensor                # [B] long: each row's slot in the backends' caches
+    request_ids: list[int]             # [B] index of each row's request in generate()'s input
+    token_ids: list[list[int]]         # [B][L_b] committed tokens (prompt + generated), live lists
+    prompt_lens: list[int]             # [B]
+    max_new_tokens: list[int]          # [B] each row's cap on generated tokens (context included)
+    generators: list[torch.Generator | None]  # [B] per-request RNG (None under greedy)
+    greedy: bool
+    max_batch_size: int
+    shaper: Callable[..., torch.Tensor] | None = field(repr=False, default=None)  # Pipeline.shape
+
+    def shape(self, logits: torch.Tensor, draft_token_ids: torch.Tensor, first_draft_index: int,
+              source: str) -> torch.Tensor:
+        """Shape logits [B, P, V] of these rows: the one call draft and target share."""
+        return self.shaper(logits, self.token_ids, draft_token_ids, first_draft_index,
+                           self.request_ids, source)
+
+    @property
+    def size(self) -> int:
+        return len(self.token_ids)
+
+    def num_generated(self, row: int) -> int:
+        return len(self.token_ids[row]) - self.prompt_lens[row]
+
+    def last_tokens(self) -> torch.Tensor:
+        return torch.tensor([ids[-1] for ids in self.token_ids], dtype=torch.long)  # [B]
+
+    @classmethod
+    def make_dummy(cls, batch_size: int = 2, prompt_len: int = 3, vocab_size: int = 8,
+                   greedy: bool = True, seed: int = 0) -> "DecodeBatch":
+        gen = torch.Generator().manual_seed(seed)
+        ids = [torch.randint(0, vocab_size, (prompt_len,), generator=gen).tolist()
+               for _ in range(batch_size)]
+        gens = [None if greedy else torch.Generator().manual_seed(seed + b) for b in range(batch_size)]
+        return cls(slots=torch.arange(batch_size), request_ids=list(range(batch_size)), token_ids=ids,
+                   prompt_lens=[prompt_len] * batch_size, max_new_tokens=[16] * batch_size,
+                   generators=gens, greedy=greedy,
+                   max_batch_size=batch_size, shaper=lambda logits, *_: logits)
+
+
+@dataclass
+class Proposal:
+    """What a proposer returns: ragged draft tokens and the distributions they were drawn from."""
+
+    draft_token_ids: torch.Tensor             # [B, K] long, PAD after each row's own k
+    draft_probs: torch.Tensor | None = None   # [B, K, V] float, exactly the q each draft was sampled
+                                              # from; None = deterministic proposer (one-hot q)
+
+    @property
+    def num_draft_tokens(self) -> torch.Tensor:
+        return (self.draft_token_ids != PAD).sum(-1)  # [B]
+
+    @classmethod
+    def make_dummy(cls, k: list[int], vocab_size: int = 8, with_probs: bool = False,
+                   seed: int = 0) -> "Proposal":
+        gen = torch.Generator().manual_seed(seed)
+        K = max(k, default=0)
+        ids = torch.randint(0, vocab_size, (len(k), K), generator=gen)            # [B, K]
+        mask = torch.arange(K)[None, :] < torch.tensor(k)[:, None]               # [B, K]
+        ids = torch.where(mask, ids, torch.full_like(ids, PAD))
+        probs = None
+        if with_probs:
+            probs = torch.rand(len(k), K, vocab_size, generator=gen).softmax(-1)  # [B, K, V]
+        return cls(ids, probs)
+
+    @classmethod
+    def empty(cls, batch_size: int) -> "Proposal":
+        return cls(torch.full((batch_size, 0), PAD, dtype=torch.long))
+
+
+@dataclass
+class ShapingBatch:
+    """Logits on their way through `shape()`: processors, then grammar masks, edit `logits`.
+
+    Position p of row b is evaluated on the prefix
+        token_ids[b] + draft_token_ids[b, : first_draft_index + p]
+    which is exactly the prefix plain decoding would have at that point. A draft step shapes one
+    position (P = 1, first_draft_index = i - 1); the verifier shapes K+1 (first_draft_index = 0).
+    """
+
+    logits: torch.Tensor             # [B, P, V] float32; hooks replace or edit it in place
+    token_ids: list[list[int]]       # [B][L_b] committed tokens of each row
+    draft_token_ids: torch.Tensor    # [B, D] long, PAD-padded drafts visible to these positions
+    first_draft_index: int           # drafts before position 0
+    request_ids: list[int]           # [B]
+    source: str                      # "draft" or "target": for observers only; a processor that
+                                     # branched on it would break losslessness
+
+    @property
+    def num_positions(self) -> int:
+        return self.logits.shape[1]
+
+    def prefix(self, row: int, position: int) -> list[int]:
+        """The tokens position `position` of row `row` is conditioned on (for exact references)."""
+        n = self.first_draft_index + position
+        drafts = [t for t in self.draft_token_ids[row, :n].tolist() if t != PAD]
+        return self.token_ids[row] + drafts
+
+    @classmethod
+    def make_dummy(cls, batch_size: int = 2, positions: int = 1, vocab_size: int = 8,
+                   source: str = "target", seed: int = 0) -> "ShapingBatch":
+        gen = torch.Generator().manual_seed(seed)
+        logits = torch.randn(batch_size, positions, vocab_size, generator=gen)   # [B, P, V]
+        drafts = torch.randint(0, vocab_size, (batch_size, positions - 1), generator=gen)
+        ids = [torch.randint(0, vocab_size, (3,), generator=gen).tolist() for _ in range(batch_size)]
+        return cls(logits, ids, drafts, 0, list(range(batch_size)), source)
+
+
+@dataclass
+class VerifyOutput:
+    """The verifier's answer for one round."""
+
+    out_token_ids: torch.Tensor  # [B, K+1] long: accepted prefix, recovered or bonus, then PAD
+    num_accepted: torch.Tensor   # [B] long: accepted draft tokens (the recovered/bonus not counted)
+
+    @classmethod
+    def make_dummy(cls, num_accepted: list[int], k: int, vocab_size: int = 8) -> "VerifyOutput":
+        acc = torch.tensor(num_accepted)                                           # [B]
+        pos = torch.arange(k + 1)[None, :]                                         # [1, K+1]
+        ids = torch.randint(0, vocab_size, (len(num_accepted), k + 1))
+        return cls(torch.where(pos <= acc[:, None], ids, torch.full_like(ids, PAD)), acc)
+
+
+@dataclass
+class RoundResult:
+    """What one round did, row by row; handed to policy.observe, metrics and round-end hooks."""
+
+    round_index: int
+    request_ids: list[int]        # [B]
+    num_drafts: list[int]         # [B] k each row drafted this round
+    num_accepted: list[int]       # [B] draft tokens accepted by the verifier
+    committed: list[list[int]]    # [B][n_b] tokens committed this round, after stop trimming
+    finish_reasons: list[str | None]  # [B] None while the row keeps going
+    batch_size: int               # running sequences this round (what load-aware policies read)
+    seconds: dict[str, float] = field(default_factory=dict)  # stage -> wall seconds this round
+    skip_reasons: list[str | None] = field(default_factory=list)  # [B] why a row ran with k = 0
+    sim_time: dict[str, float] = field(default_factory=dict)  # simulated clock units this round
+
+    @classmethod
+    def make_dummy(cls, num_drafts: list[int], num_accepted: list[int]) -> "RoundResult":
+        B = len(num_drafts)
+        return cls(0, list(range(B)), list(num_drafts), list(num_accepted),
+                   [[1] * (a + 1) for a in num_accepted], [None] * B, B)

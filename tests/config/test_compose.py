@@ -1,0 +1,118 @@
+"""Every config option composes, validates and builds; bad values fail at compose time, in one line."""
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from specflow import ConfigError, Pipeline
+from specflow.config import compose, normalize_overrides, option
+from specflow.plugins import get_registry
+
+CONF = pathlib.Path(__file__).resolve().parents[2] / "conf"
+# options that need a companion choice to build
+COMPANIONS = {("draft", "none"): ["proposer=ngram"], ("proposer", "draft"): ["draft=synthetic"]}
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("group", ["model", "draft", "proposer", "logits", "constraint",
+                                   "verifier", "stop", "policy"])
+def test_every_option_composes_and_builds(group):
+    opts = options(group)
+    assert opts, f"conf/{group}/ has no options"
+    for opt in opts:
+        value = f"[{opt}]" if group == "logits" else opt
+        overrides = [f"{group}={value}", *COMPANIONS.get((group, opt), [])]
+        pipe = Pipeline.from_config(overrides)
+        assert pipe.generate(["ab"], max_new_tokens=3)[0].token_ids
+
+
+def test_every_workload_option_loads_prompts(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "def f():"}\n{"prompt": "x = 1"}\n')
+    extra = {"file": [f"workload.path={path}"]}
+    for opt in options("workload"):
+        cfg = compose([f"workload={opt}", *extra.get(opt, [])])
+        node = option(cfg, "workload")
+        prompts = get_registry().get("workload", node.name).factory(node, None).prompts()
+        assert prompts and all(isinstance(p, str) and p for p in prompts)
+
+
+def test_every_experiment_composes_and_builds():
+    for opt in options("experiment"):
+        pipe = Pipeline.from_config([f"experiment={opt}"])
+        assert pipe.generate(["ab"], max_new_tokens=3)[0].token_ids
+
+
+def test_all_logit_processors_together_keep_list_order():
+    cfg = compose(["logits=[min_p,top_p,top_k,temperature]"])
+    assert list(cfg.logits.keys()) == ["min_p", "top_p", "top_k", "temperature"]
+
+
+def test_unknown_option_lists_the_valid_ones():
+    with pytest.raises(ConfigError) as err:
+        compose(["proposer=ngarm"])
+    msg = str(err.value)
+    assert "proposer/ngarm" in msg and "draft, ngram, none" in msg and "\n" not in msg
+
+
+def test_unknown_key_names_the_keys_that_exist():
+    with pytest.raises(ConfigError, match=r"'proposer.kk'.*k, min_n, max_n"):
+        compose(["proposer=ngram", "proposer.kk=3"])
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("proposer.k=-1", "proposer.k=-1 must be >= 0"),
+    ("proposer.k=abc", "proposer.k: Value 'abc'"),
+    ("proposer.k=2.5", "proposer.k"),
+    ("logits.temperature.value=-0.5", "temperature.value=-0.5 must be >= 0"),
+    ("logits.top_p.p=0", "top_p.p=0.0 must be in (0, 1]"),
+    ("logits.top_p.p=1.5", "top_p.p=1.5 must be in (0, 1]"),
+    ("logits.top_k.k=0", "top_k.k=0 must be >= 1"),
+    ("max_new_tokens=0", "max_new_tokens=0 must be >= 1"),
+    ("device=gpu", "device='gpu' is not a device"),
+    ("policy=adaptive", None),
+    ("policy.on_below_batch=60", "thresholds must be ordered"),
+    ("draft.noise=1.5", "draft.noise=1.5 must be in [0, 1]"),
+    ("stop.strings=['']", "empty string"),
+])
+def test_bad_values_fail_at_compose_time_in_one_line(override, needle):
+    base = ["logits=[temperature,top_p,top_k]"]
+    if override.startswith("policy.on_below"):
+        base.append("policy=adaptive")
+    if needle is None:
+        compose([*base, override])
+        return
+    with pytest.raises(ConfigError) as err:
+        compose([*base, override])
+    assert needle in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_plus_prefix_is_accepted_for_groups_in_the_defaults_list():
+    cfg = compose(["+proposer=ngram", "+policy=adaptive"])
+    assert cfg.proposer.name == "ngram" and cfg.policy.name == "adaptive"
+    assert cfg.policy.k_max == cfg.proposer.k      # interpolations resolve
+
+
+def test_prompt_with_grammar_characters_is_quoted_for_hydra():
+    assert normalize_overrides(["prompt=def f(x): return x['a']"]) == [
+        "prompt='def f(x): return x[\\'a\\']'"]
+    cfg = compose(normalize_overrides(["prompt=def f(x): return {x: 1}, [2]"]))
+    assert cfg.prompt == "def f(x): return {x: 1}, [2]"
+
+
+def test_cuda_without_a_gpu_is_one_clear_error():
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ConfigError, match="no CUDA GPU; use device=cpu"):
+        Pipeline.from_config(["device=cuda"])
+
+
+def test_draft_proposer_without_a_draft_model_is_one_clear_error():
+    with pytest.raises(ConfigError, match="proposer=draft needs a draft model"):
+        Pipeline.from_config(["proposer=draft", "draft=none"])

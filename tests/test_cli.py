@@ -1,0 +1,128 @@
+"""The command line, end to end in subprocesses: outputs, and one-line errors with exit code 2."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+SPECFLOW = str(pathlib.Path(sys.executable).parent / "specflow")
+
+
+def specflow(*args, cwd, stdin=None):
+    env = {**os.environ, "SPECFLOW_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    return subprocess.run([SPECFLOW, *args], cwd=cwd, input=stdin, capture_output=True, env=env,
+                          timeout=300)
+
+
+def test_help_lists_the_commands(tmp_path):
+    out = specflow("--help", cwd=tmp_path)
+    assert out.returncode == 0
+    for command in (b"run", b"sim", b"plugins"):
+        assert command in out.stdout
+
+
+def test_run_synthetic_end_to_end_writes_results_and_metrics(tmp_path):
+    out = specflow("run", "model=synthetic", "prompt=def fib(n):", "max_new_tokens=12",
+                   "+proposer=ngram", "+policy=adaptive", f"hydra.run.dir={tmp_path}/run",
+                   cwd=tmp_path)
+    assert out.returncode == 0, out.stderr.decode()
+    rows = [json.loads(line) for line in (tmp_path / "run/requests.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 and len(rows[0]["token_ids"]) == 12 and rows[0]["finish_reason"] == "length"
+    metrics = json.loads((tmp_path / "run/metrics.json").read_text())
+    for name in ("num_rounds", "num_target_passes", "num_drafts", "num_draft_tokens",
+                 "num_examined_draft_tokens", "num_accepted_tokens", "acceptance_rate", "alpha",
+                 "accepted_per_position", "mean_acceptance_length", "tokens_per_step_histogram",
+                 "seconds", "c", "tokens_per_second", "predicted_speedup"):
+        assert name in metrics["aggregate"], name
+    assert "α = accepted / examined" in out.stdout.decode()
+    assert (tmp_path / "run/.hydra/config.yaml").exists()
+
+
+def test_run_reads_a_prompt_from_stdin(tmp_path):
+    out = specflow("run", "prompt=-", "max_new_tokens=5", f"hydra.run.dir={tmp_path}/r",
+                   cwd=tmp_path, stdin=b"x = (1, 2)\n")
+    assert out.returncode == 0, out.stderr.decode()
+    assert json.loads((tmp_path / "r/requests.jsonl").read_text())["prompt"] == "x = (1, 2)\n"
+
+
+def test_run_from_a_workload_file_runs_every_prompt(tmp_path):
+    (tmp_path / "p.jsonl").write_text('{"q": "abc"}\n{"q": "def"}\n{"q": "ghi"}\n')
+    out = specflow("run", "workload=file", f"workload.path={tmp_path}/p.jsonl", "workload.field=q",
+                   "max_new_tokens=4", "max_batch_size=2", f"hydra.run.dir={tmp_path}/r",
+                   cwd=tmp_path)
+    assert out.returncode == 0, out.stderr.decode()
+    assert len((tmp_path / "r/requests.jsonl").read_text().splitlines()) == 3
+
+
+def _bad_file(tmp_path, kind):
+    path = tmp_path / f"{kind}.txt"
+    if kind == "empty":
+        path.write_text("\n\n")
+    elif kind == "latin1":
+        path.write_bytes("caf\xe9\n".encode("latin-1"))
+    return path
+
+
+BAD_INPUTS = [
+    (["proposer=ngarm"], "valid options for proposer: draft, ngram, none"),
+    (["proposer.k=-1"], "proposer.k=-1 must be >= 0"),
+    (["proposer.k=two"], "could not be converted to Integer"),
+    (["logits=[temperature]", "logits.temperature.value=-1"], "must be >= 0"),
+    (["logits=[top_p]", "logits.top_p.p=1.5"], "must be in (0, 1]"),
+    (["prompt="], "prompt 0 is empty"),
+    (["workload=file", "workload.path={tmp}/missing.jsonl"], "cannot read prompt file"),
+    (["workload=file", "workload.path={tmp}/empty.txt"], "has no prompts"),
+    (["workload=file", "workload.path={tmp}/latin1.txt"], "is not UTF-8"),
+    (["model.max_length=4", "prompt=abcdefgh"], "the model's context is 4"),
+    (["stop.strings=['']"], "empty string"),
+    (["policy=adaptive", "policy.on_below_batch=99"], "thresholds must be ordered"),
+    (["prompt=ÿ"], "alphabet lacks"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD_INPUTS, ids=[a[0] for a, _ in BAD_INPUTS])
+def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, message):
+    for kind in ("empty", "latin1"):
+        _bad_file(tmp_path, kind)
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    out = specflow("run", *args, f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
+    err = out.stderr.decode().strip()
+    assert out.returncode == 2, (out.returncode, err)
+    assert err.startswith("specflow: error:") and message in err, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert not (tmp_path / "run/metrics.json").exists()
+
+
+def test_cuda_without_a_gpu_exits_2(tmp_path):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    out = specflow("run", "device=cuda", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
+    assert out.returncode == 2 and b"no CUDA GPU" in out.stderr
+
+
+def test_unknown_command_exits_2(tmp_path):
+    out = specflow("frobnicate", cwd=tmp_path)
+    assert out.returncode == 2 and b"unknown command 'frobnicate'" in out.stderr
+
+
+def test_plugins_lists_the_builtins_with_their_hooks(tmp_path):
+    out = specflow("plugins", cwd=tmp_path)
+    assert out.returncode == 0
+    text = out.stdout.decode()
+    assert "specflow.builtins" in text and "specflow_register" in text and "proposer=ngram" in text
+
+
+def test_sim_writes_tables_json_and_plots(tmp_path):
+    out = specflow("sim", "rows=8", "tokens=60", "studies=[k_sweep,histogram]",
+                   "k_sweep.ks=[1,4]", f"hydra.run.dir={tmp_path}/sim", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr.decode()
+    report = json.loads((tmp_path / "sim/sim.json").read_text())
+    assert [r["k"] for r in report["k_sweep"]] == [1, 4]
+    assert (tmp_path / "sim/k_sweep.png").stat().st_size > 10_000
+    assert (tmp_path / "sim/tokens_per_round.png").stat().st_size > 10_000
+    assert "formula(α)" in out.stdout.decode()

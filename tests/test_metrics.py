@@ -1,0 +1,33 @@
+"""Metric definitions (DESIGN.md section 7): examined, not proposed, is what alpha divides by."""
+from __future__ import annotations
+
+import pytest
+
+from specflow.metrics import Counters, predicted_speedup
+
+
+@pytest.mark.parametrize("k,accepted,examined", [(4, 0, 1), (4, 2, 3), (4, 4, 4), (0, 0, 0),
+                                                 (1, 1, 1), (1, 0, 1)])
+def test_examined_drafts(k, accepted, examined):
+    c = Counters()
+    c.add_row(k, accepted, accepted + 1)
+    assert c.num_examined_draft_tokens == examined
+    assert c.num_draft_tokens == k
+    assert sum(c.examined_per_position) == examined and sum(c.accepted_per_position) == accepted
+
+
+def test_alpha_and_acceptance_rate_differ_exactly_by_never_examined_drafts():
+    c = Counters()
+    for k, a in [(8, 0), (8, 8), (8, 3)]:
+        c.add_row(k, a, a + 1)
+    d = c.derived()
+    assert d["acceptance_rate"] == pytest.approx(11 / 24)
+    assert d["alpha"] == pytest.approx(11 / (1 + 8 + 4))
+    assert d["mean_acceptance_length"] == pytest.approx((1 + 9 + 4) / 3)
+    assert c.tokens_per_step_histogram == {1: 1, 9: 1, 4: 1}
+
+
+def test_predicted_speedup_formula():
+    assert predicted_speedup(0.8, 4, 0.1) == pytest.approx((1 - 0.8 ** 5) / 0.2 / 1.4)
+    assert predicted_speedup(1.0, 4, 0.0) == 5.0
+    assert predicted_speedup(0.5, 0, 0.1) == 1.0

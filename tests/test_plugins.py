@@ -1,0 +1,161 @@
+"""Hooks and plugin managers: docstrings, entry points, typos, collisions, config order."""
+from __future__ import annotations
+
+import inspect
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from specflow import PluginError, hookimpl, hookspecs, plugins
+from specflow.stages.logits import apply_min_p, apply_temperature
+
+
+def test_every_hook_has_a_docstring_that_says_when_and_what():
+    specs = [f for name, f in inspect.getmembers(hookspecs, inspect.isfunction)
+             if name.startswith("specflow_")]
+    assert len(specs) >= 14
+    for f in specs:
+        doc = inspect.getdoc(f) or ""
+        assert "Called" in doc, f"{f.__name__}: say when it is called"
+        assert "Return" in doc or "return" in doc, f"{f.__name__}: say what it returns"
+
+
+def test_misspelled_hook_fails_with_the_plugins_name(make_pipeline):
+    class Typo:
+        @hookimpl
+        def specflow_propse(self, batch, k):
+            return None
+
+    pipe = make_pipeline()
+    with pytest.raises(PluginError, match=r"typo-plugin.*specflow_propse.*specflow_propose"):
+        pipe.register(Typo(), name="typo-plugin")
+
+
+def test_two_pipelines_do_not_share_stages(make_pipeline):
+    a, b = make_pipeline("proposer=ngram"), make_pipeline("proposer=draft")
+    assert a.pm is not b.pm
+    assert a.pm.get_plugin("proposer.ngram") is not None and b.pm.get_plugin("proposer.ngram") is None
+
+
+def test_logit_processors_run_in_config_order(make_pipeline):
+    logits = torch.tensor([[[2.0, 1.5, 1.0, -1.0]]])                   # [B=1, P=1, V=4]
+    for order in (["temperature", "min_p"], ["min_p", "temperature"]):
+        pipe = make_pipeline(f"logits=[{','.join(order)}]", "logits.temperature.value=0.25",
+                             "logits.min_p.p=0.3")
+        called = [impl.plugin_name for impl in
+                  reversed(pipe.hook.specflow_process_logits.get_hookimpls())]
+        assert called == [f"logits.{n}" for n in order]
+        expected = logits
+        for name in order:
+            expected = (apply_temperature(expected, 0.25) if name == "temperature"
+                        else apply_min_p(expected, 0.3))
+        got = pipe.shape(logits, [[0]], torch.zeros(1, 0, dtype=torch.long), 0, [0], "target")
+        assert torch.equal(got, expected)
+    # the two orders really differ, so the check above can fail
+    a = apply_min_p(apply_temperature(logits, 0.25), 0.3)
+    b = apply_temperature(apply_min_p(logits, 0.3), 0.25)
+    assert not torch.equal(a, b)
+
+
+# --- third-party packages through entry points -----------------------------------------------
+
+PLUGIN_SOURCE = '''
+from dataclasses import dataclass
+import torch
+from specflow import hookimpl
+from specflow.state import Proposal
+
+@dataclass
+class EchoConfig:
+    name: str = "echo"
+    k: int = 2
+
+class Echo:
+    """Proposes the last token again, k times."""
+    def __init__(self, cfg, ctx):
+        self.k = cfg.k
+    @hookimpl
+    def specflow_propose(self, batch, k):
+        last = batch.last_tokens()
+        return Proposal(last[:, None].repeat(1, self.k))
+
+@hookimpl
+def specflow_register(registry):
+    registry.add("proposer", "echo", Echo, EchoConfig)
+
+@hookimpl
+def specflow_config_searchpath():
+    return "pkg://{module}.conf"
+'''
+
+
+def install_fake_plugin(root, module: str, source: str, extra_conf: bool = True) -> None:
+    """A real distribution on sys.path: dist-info with an entry point, a module, its conf/."""
+    dist = root / f"{module}-0.3.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module.replace('_', '-')}\n"
+                                   f"Version: 0.3.1\n")
+    (dist / "entry_points.txt").write_text(f"[specflow]\n{module} = {module}\n")
+    pkg = root / module
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(textwrap.dedent(source.replace("{module}", module)))
+    if extra_conf:
+        (pkg / "conf" / "proposer").mkdir(parents=True)
+        (pkg / "conf" / "__init__.py").write_text("")
+        (pkg / "conf" / "proposer" / "echo.yaml").write_text("name: echo\nk: 2\n")
+
+
+@pytest.fixture
+def plugin_env(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv(plugins.AUTOLOAD_ENV, raising=False)
+    plugins.reset()
+    yield tmp_path
+    plugins.reset()
+    for name in [m for m in sys.modules if m.startswith("fake_specflow")]:
+        del sys.modules[name]
+
+
+def test_entry_point_plugin_adds_a_proposer_and_its_config(plugin_env):
+    from specflow import Pipeline
+
+    install_fake_plugin(plugin_env, "fake_specflow_echo", PLUGIN_SOURCE)
+    names = [row["name"] for row in plugins.plugin_distributions()]
+    assert "fake_specflow_echo" in names
+    row = next(r for r in plugins.plugin_distributions() if r["name"] == "fake_specflow_echo")
+    assert row["version"] == "0.3.1" and "proposer=echo" in row["components"]
+    pipe = Pipeline.from_config(["model=synthetic", "proposer=echo", "proposer.k=2"])
+    out = pipe.generate(["aaaa"], max_new_tokens=12)[0]
+    assert len(out.token_ids) == 12 and pipe.last_stats["num_draft_tokens"] > 0
+
+
+def test_autoload_can_be_switched_off(plugin_env, monkeypatch):
+    install_fake_plugin(plugin_env, "fake_specflow_off", PLUGIN_SOURCE)
+    monkeypatch.setenv(plugins.AUTOLOAD_ENV, "1")
+    plugins.reset()
+    assert "fake_specflow_off" not in [r["name"] for r in plugins.plugin_distributions()]
+
+
+def test_entry_point_plugin_with_a_misspelled_hook_fails_at_load(plugin_env):
+    install_fake_plugin(plugin_env, "fake_specflow_typo", '''
+        from specflow import hookimpl
+        @hookimpl
+        def specflow_regster(registry):
+            pass
+        ''', extra_conf=False)
+    with pytest.raises(PluginError, match=r"fake_specflow_typo.*fake-specflow-typo 0\.3\.1.*"
+                                          r"specflow_regster.*specflow_register"):
+        plugins.get_plugin_manager()
+
+
+def test_plugin_option_colliding_with_a_builtin_is_refused(plugin_env):
+    install_fake_plugin(plugin_env, "fake_specflow_clash", '''
+        from specflow import hookimpl
+        @hookimpl
+        def specflow_register(registry):
+            registry.add("proposer", "ngram", object)
+        ''', extra_conf=False)
+    with pytest.raises(PluginError, match=r"'ngram'.*specflow\.builtins.*fake_specflow_clash"):
+        plugins.get_registry()

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from specflow.experiments.workloads import (DemoWorkload, DemoWorkloadConfig, FileWorkload,
                                             FileWorkloadConfig)
+from specflow.models.hf import HFModelConfig
 from specflow.models.synthetic import SyntheticBackend, SyntheticDraftConfig, SyntheticModelConfig
 from specflow.plugins import hookimpl
 from specflow.policies.adaptive import AdaptivePolicy, AdaptivePolicyConfig
@@ -41,10 +42,28 @@ def synthetic_draft(cfg: SyntheticDraftConfig, ctx):
                             mismatch=cfg.mismatch)
 
 
+def hf_target(cfg, ctx):
+    from specflow.models.hf import HFBackend
+    return HFBackend(cfg, ctx.device, ctx.slots, role="model")
+
+
+def hf_draft(cfg, ctx):
+    from specflow.models.hf import HFBackend, check_same_tokenizer
+    from specflow.errors import ConfigError
+    if not isinstance(ctx.target, HFBackend):
+        raise ConfigError("draft=hf/demo pairs with a transformers target (model=hf or "
+                          "model=demo); for model=synthetic use draft=synthetic")
+    draft = HFBackend(cfg, ctx.device, ctx.slots, role="draft")
+    check_same_tokenizer(ctx.target, draft)
+    return draft
+
+
 @hookimpl
 def specflow_register(registry):
     add = registry.add
     add("model", "synthetic", synthetic_target, SyntheticModelConfig)
+    add("model", "hf", hf_target, HFModelConfig)
+    add("draft", "hf", hf_draft, HFModelConfig)
     add("draft", "synthetic", synthetic_draft, SyntheticDraftConfig)
     add("draft", "none", nothing, NamedOnly)
     add("proposer", "none", NoneProposer, NoneProposerConfig)

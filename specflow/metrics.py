@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from specflow.plugins import hookimpl
 
-STAGES = ("policy", "propose", "target", "verify", "trim", "sync", "other")
+STAGES = ("prefill", "policy", "propose", "target", "verify", "trim", "sync")
 
 
 def predicted_speedup(alpha: float, k: float, c: float) -> float:
@@ -126,6 +126,10 @@ class MetricsRecorder:
         self.total.add_seconds(seconds)
         if result.sim_time:
             _add(self.total.sim_time, result.sim_time)
+
+    def add_prefill(self, request_id: int, seconds: float) -> None:
+        for counters in (self.requests[request_id], self.total):
+            counters.add_seconds({"prefill": seconds})
 
     def retract(self, request_id: int, n: int) -> None:
         """A stop string took back n tokens committed in an earlier round."""

@@ -103,6 +103,7 @@ class Pipeline:
         ctx.draft = self.draft = self._build("draft", ctx) if cfg.get("draft") else None
         self.ctx = ctx
 
+        self._check_k_fits(cfg)
         self._register(TargetScorer(self.target), "score.target")
         self._register(TargetCacheSync(self.target), "cache.target")
         for kind in ("proposer", "verifier", "stop", "policy", "constraint"):
@@ -120,6 +121,13 @@ class Pipeline:
         self.hook.specflow_pipeline_built(pipeline=self)
 
     # --- construction ----------------------------------------------------------------------
+
+    def _check_k_fits(self, cfg: DictConfig) -> None:
+        limit = self.target.max_length
+        k = int(cfg.proposer.get("k", 0)) if cfg.get("proposer") is not None else 0
+        if limit is not None and k + 1 >= limit:
+            raise ConfigError(f"proposer.k={k} leaves no room in the model's {limit}-token "
+                              f"context; use a k well below {limit}")
 
     @classmethod
     def from_config(cls, overrides: Sequence[str] = (), config_name: str = "config",
@@ -219,7 +227,9 @@ class Pipeline:
                 gen = None if self.greedy else torch.Generator().manual_seed(req.seed)
                 active[slot] = _Row(req, slot, list(req.prompt_ids), gen)
                 recorder.start(req.request_id)
+                t0 = time.perf_counter()
                 self.hook.specflow_request_start(slot=slot, request=req)
+                recorder.add_prefill(req.request_id, time.perf_counter() - t0)
             rows = [active[s] for s in sorted(active)]
             batch = DecodeBatch(
                 slots=torch.tensor([r.slot for r in rows], dtype=torch.long),

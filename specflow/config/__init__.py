@@ -25,6 +25,16 @@ DEVICES = re.compile(r"^(cpu|auto|cuda(:\d+)?|mps)$")
 DTYPES = ("float32", "float16", "bfloat16", "auto")
 
 
+def _demo_path(which: str) -> str:
+    from specflow.models.hf import DEMO_DIR
+    return str(DEMO_DIR / which)
+
+
+# `path: ${specflow_demo:target}` in conf/model/demo.yaml: the installed package's own copy
+if not OmegaConf.has_resolver("specflow_demo"):
+    OmegaConf.register_new_resolver("specflow_demo", _demo_path)
+
+
 def normalize_overrides(overrides: Sequence[str]) -> list[str]:
     """Make the command line forgiving where plain Hydra is not:
     - `+proposer=ngram` for a group the defaults list already has (Hydra refuses to append it);

@@ -61,6 +61,11 @@ class Backend(abc.ABC):
         Returns logits [B, T, V] float32; position t predicts the token after input t.
         """
 
+    def prefill(self, slot: int, ids: list[int]) -> None:
+        """Cache a new request's prompt (all but its last token, which the first round feeds)."""
+        if ids:
+            self.forward(torch.tensor([slot]), torch.tensor([ids]), torch.tensor([len(ids)]))
+
     @abc.abstractmethod
     def truncate(self, slots: torch.Tensor, lengths: list[int]) -> None:
         """Roll each slot's cache back to its first `lengths[b]` tokens."""

@@ -191,6 +191,13 @@ class SyntheticBackend(Backend):
             self.clock.charge(self.source, cost)
         return logits
 
+    def prefill(self, slot: int, ids: list[int]) -> None:
+        clock, self.clock = self.clock, None     # the clock counts decode rounds only
+        try:
+            super().prefill(slot, ids)
+        finally:
+            self.clock = clock
+
     def truncate(self, slots: torch.Tensor, lengths: list[int]) -> None:
         for s, n in zip(slots.tolist(), lengths):
             self.lengths[s] = min(self.lengths[s], n)

@@ -16,6 +16,7 @@ class TargetCacheSync:
     @hookimpl
     def specflow_request_start(self, slot, request):
         self.target.reset(slot)
+        self.target.prefill(slot, request.prompt_ids[:-1])
 
     @hookimpl
     def specflow_sync_cache(self, batch, result):

@@ -51,6 +51,7 @@ class DraftModelProposer:
     @hookimpl
     def specflow_request_start(self, slot, request):
         self.model.reset(slot)
+        self.model.prefill(slot, request.prompt_ids[:-1])
 
     @hookimpl
     def specflow_propose(self, batch, k):

@@ -44,18 +44,63 @@ def ngram_draft(token_ids: list[int], min_n: int = 1, max_n: int = 4, k: int = 5
     return []
 
 
+class NgramIndex:
+    """Most recent end position of every n-gram (min_n..max_n) of one sequence, kept up to date.
+
+    An n-gram is indexed once a token follows it, so looking up the current suffix finds its most
+    recent *earlier* occurrence; each committed token costs max_n - min_n + 1 dict writes, and a
+    proposal costs at most that many lookups (no scan of the context).
+    """
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+        self.tokens: list[int] = []
+        self.last_end: dict[tuple[int, ...], int] = {}
+
+    def extend(self, new: list[int]) -> None:
+        toks = self.tokens
+        for t in new:
+            end = len(toks) - 1          # the n-grams ending at the current last token get a follower
+            if end >= 0:
+                for n in range(self.min_n, min(self.max_n, end + 1) + 1):
+                    self.last_end[tuple(toks[end - n + 1:end + 1])] = end
+            toks.append(t)
+
+    def propose(self, k: int) -> list[int]:
+        toks = self.tokens
+        L = len(toks)
+        if k <= 0:
+            return []
+        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
+            end = self.last_end.get(tuple(toks[L - n:]))
+            if end is not None:
+                return toks[end + 1:end + 1 + k]
+        return []
+
+
 class NgramProposer:
     def __init__(self, cfg: NgramProposerConfig, ctx=None):
         self.cfg = cfg
+        self.index: dict[int, NgramIndex] = {}          # by slot
+
+    @hookimpl
+    def specflow_request_start(self, slot, request):
+        self.index[slot] = NgramIndex(self.cfg.min_n, self.cfg.max_n)
+        self.index[slot].extend(request.prompt_ids)
 
     @hookimpl
     def specflow_propose(self, batch, k):
         ks = k.tolist()
-        drafts = [ngram_draft(ids, self.cfg.min_n, self.cfg.max_n, kb) if kb else []
-                  for ids, kb in zip(batch.token_ids, ks)]
+        drafts = [self.index[s].propose(kb) for s, kb in zip(batch.slots.tolist(), ks)]
         K = max((len(d) for d in drafts), default=0)
         out = torch.full((batch.size, K), PAD, dtype=torch.long)          # [B, K]
         for b, d in enumerate(drafts):
             if d:
                 out[b, :len(d)] = torch.tensor(d)
         return Proposal(out, None)
+
+    @hookimpl
+    def specflow_sync_cache(self, batch, result):
+        for s, ids in zip(batch.slots.tolist(), batch.token_ids):
+            idx = self.index[s]
+            idx.extend(ids[len(idx.tokens):])

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from specflow import ngram_draft
-from specflow.stages.proposers.ngram import NgramProposer, NgramProposerConfig
+from specflow.stages.proposers.ngram import NgramIndex, NgramProposer, NgramProposerConfig
 from specflow.state import DecodeBatch, PAD
 
 
@@ -46,9 +47,26 @@ def test_ngram_draft_agrees_with_brute_force():
         assert ngram_draft(ids, min_n, max_n, k) == brute_force(ids, min_n, max_n, k)
 
 
+def test_index_agrees_with_the_rule_as_tokens_arrive():
+    rng = random.Random(1)
+    for _ in range(100):
+        min_n = rng.randrange(1, 3)
+        max_n = rng.randrange(min_n, 5)
+        index = NgramIndex(min_n, max_n)
+        ids: list[int] = []
+        while len(ids) < 60:
+            chunk = [rng.randrange(5) for _ in range(rng.randrange(1, 5))]
+            ids += chunk
+            index.extend(chunk)
+            k = rng.randrange(0, 6)
+            assert index.propose(k) == ngram_draft(ids, min_n, max_n, k)
+
+
 def test_proposer_pads_ragged_rows():
     batch = DecodeBatch.make_dummy(batch_size=3)
-    batch.token_ids = [[1, 2, 3, 1, 2], [4, 5, 6], [1, 1, 1, 1]]
-    prop = NgramProposer(NgramProposerConfig(k=3)).specflow_propose(batch, torch.tensor([3, 3, 1]))
+    prop = NgramProposer(NgramProposerConfig(k=3))
+    for slot, ids in enumerate([[1, 2, 3, 1, 2], [4, 5, 6], [1, 1, 1, 1]]):
+        prop.specflow_request_start(slot=slot, request=SimpleNamespace(prompt_ids=ids))
+    prop = prop.specflow_propose(batch, torch.tensor([3, 3, 1]))
     assert prop.draft_token_ids.tolist() == [[3, 1, 2], [PAD, PAD, PAD], [1, PAD, PAD]]
     assert prop.draft_probs is None

@@ -1,0 +1,103 @@
+"""A KV cache with one row per batch slot, written at each row's own position and rolled back by length.
+
+transformers' caches append the same number of positions to every row, so ragged speculation
+(rows accept different numbers of drafts) would leave holes that grow every round. This cache
+keeps preallocated buffers [S, H_kv, C, D] per layer: a forward writes each row's new keys and
+values at that row's own positions, attention sees keys [0, kv_len) through an explicit 4-D mask,
+and rollback is only a change of the row's length. Memory is bounded by slots x capacity.
+"""
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache
+
+
+class _Layer:
+    """What transformers' mask helpers look for on a cache layer."""
+
+    is_sliding = False
+    is_compileable = False
+
+
+class SlotKVCache(Cache):
+    def __init__(self, num_layers: int, slots: int, max_capacity: int):
+        # not calling Cache.__init__: this cache owns its storage; the attributes below are the
+        # ones transformers' modelling and masking code read
+        self.layers = [_Layer() for _ in range(num_layers)]
+        self.layer_class_to_replicate = None
+        self.offloading = False
+        self.num_layers = num_layers
+        self.slots = slots
+        self.max_capacity = max_capacity
+        self.keys: list[torch.Tensor | None] = [None] * num_layers    # [S, H_kv, C, D] each
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.lengths = [0] * slots          # tokens cached per slot (host-side, no syncs)
+        # set by begin() for the forward about to run
+        self._slots: torch.Tensor | None = None     # [B]
+        self._contiguous = 0                         # B when slots == arange(B), else 0
+        self._positions: torch.Tensor | None = None  # [B, T] where each new token is written
+        self._kv_len = 0
+
+    # --- per-forward bookkeeping ---------------------------------------------------------------
+
+    def begin(self, slots: list[int], T: int, device) -> tuple[torch.Tensor, int]:
+        """Prepare a forward of T new positions for `slots`; returns (positions [B, T], kv_len)."""
+        self._slots = torch.tensor(slots, dtype=torch.long, device=device)
+        self._contiguous = len(slots) if slots == list(range(len(slots))) else 0
+        starts = torch.tensor([self.lengths[s] for s in slots], dtype=torch.long, device=device)
+        self._positions = starts[:, None] + torch.arange(T, device=device)[None, :]   # [B, T]
+        self._kv_len = max(self.lengths[s] for s in slots) + T
+        if self._kv_len > self.max_capacity:
+            raise ValueError(f"{self._kv_len} positions exceed the cache capacity "
+                             f"{self.max_capacity}")
+        return self._positions, self._kv_len
+
+    def commit(self, slots: list[int], added: list[int]) -> None:
+        for s, n in zip(slots, added):
+            self.lengths[s] += n
+
+    def truncate(self, slots: list[int], lengths: list[int]) -> None:
+        for s, n in zip(slots, lengths):
+            self.lengths[s] = min(self.lengths[s], n)
+
+    def reset(self, slot: int) -> None:
+        self.lengths[slot] = 0
+
+    # --- what attention layers call ------------------------------------------------------------
+
+    def _ensure(self, layer: int, like: torch.Tensor) -> None:
+        B, H, T, D = like.shape
+        buf = self.keys[layer]
+        if buf is not None and buf.shape[2] >= self._kv_len:
+            return
+        capacity = min(self.max_capacity, max(64, 2 * self._kv_len))
+        new_k = like.new_zeros(self.slots, H, capacity, D)
+        new_v = like.new_zeros(self.slots, H, capacity, D)
+        if buf is not None:
+            old = buf.shape[2]
+            new_k[:, :, :old] = buf
+            new_v[:, :, :old] = self.values[layer]
+        self.keys[layer], self.values[layer] = new_k, new_v
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write new keys/values [B, H_kv, T, D] at each row's positions; return [B, H_kv, kv_len, D]."""
+        self._ensure(layer_idx, key_states)
+        k_buf, v_buf = self.keys[layer_idx], self.values[layer_idx]                     # [S, H, C, D]
+        rows = self._slots[:, None]                                                      # [B, 1]
+        k_buf[rows, :, self._positions] = key_states.transpose(1, 2).to(k_buf.dtype)     # [B, T, H, D]
+        v_buf[rows, :, self._positions] = value_states.transpose(1, 2).to(v_buf.dtype)
+        if self._contiguous:
+            return k_buf[:self._contiguous, :, :self._kv_len], v_buf[:self._contiguous, :, :self._kv_len]
+        return (k_buf[:, :, :self._kv_len].index_select(0, self._slots),
+                v_buf[:, :, :self._kv_len].index_select(0, self._slots))
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._kv_len
+
+    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
+        return self._kv_len, 0
+
+    @property
+    def is_compileable(self) -> bool:
+        return False

@@ -152,6 +152,43 @@ def save(model, tokenizer, path: pathlib.Path):
     model.to(torch.float32)
 
 
+def write_prompts(held: list[tuple[str, str]], tokenizer, path: pathlib.Path, n: int = 40,
+                  seed: int = 0) -> None:
+    """Held-out code prompts of 100-200 tokens, each ending after a `def ...:` line (the model
+    writes the body): the demo's `workload=code` and the benchmark's prompts."""
+    import random
+
+    rng = random.Random(seed)
+    candidates = []
+    for rel, text in held:
+        lines = text.splitlines(keepends=True)
+        for i, line in enumerate(lines):
+            if not line.lstrip().startswith("def ") or not line.rstrip().endswith(":"):
+                continue
+            start_line = i
+            while start_line > 0:
+                chunk = "".join(lines[start_line - 1:i + 1])
+                if len(tokenizer(chunk)["input_ids"]) > 200:
+                    break
+                start_line -= 1
+            prompt = "".join(lines[start_line:i + 1])
+            n_tok = len(tokenizer(prompt)["input_ids"])
+            if 100 <= n_tok <= 200:
+                candidates.append({"path": rel, "line": i + 1, "tokens": n_tok, "prompt": prompt})
+    rng.shuffle(candidates)
+    seen, chosen = set(), []
+    for c in candidates:      # spread over files
+        if c["path"] in seen and len(seen) < len({c["path"] for c in candidates}):
+            continue
+        seen.add(c["path"])
+        chosen.append(c)
+        if len(chosen) == n:
+            break
+    with open(path, "w") as fh:
+        for c in chosen:
+            fh.write(json.dumps(c) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="specflow/models/demo")
@@ -160,7 +197,16 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--target-steps", type=int, default=1200)
     ap.add_argument("--draft-steps", type=int, default=1000)
+    ap.add_argument("--prompts-only", action="store_true",
+                    help="only (re)write prompts.jsonl from an existing --out folder")
     args = ap.parse_args()
+    if args.prompts_only:
+        from transformers import AutoTokenizer
+        out = pathlib.Path(args.out)
+        tok = AutoTokenizer.from_pretrained(out / "target")
+        held = [(r["path"], r["text"]) for r in map(json.loads, open(out / "heldout.jsonl"))]
+        write_prompts(held, tok, out / "prompts.jsonl")
+        return
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     out = pathlib.Path(args.out)
@@ -193,6 +239,7 @@ def main() -> None:
     with open(out / "heldout.jsonl", "w") as fh:
         for rel, t in held:
             fh.write(json.dumps({"path": rel, "text": t}) + "\n")
+    write_prompts(held, tokenizer, out / "prompts.jsonl")
 
     target = make_model(4, 512, 1408, 8, len(tokenizer), eos_id)
     train(target, data, heldout, steps=args.target_steps, batch=8, seq=512, lr=1.5e-3,

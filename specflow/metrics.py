@@ -38,10 +38,15 @@ class Counters:
     examined_per_position: list[int] = field(default_factory=list)
     tokens_per_step_histogram: Counter = field(default_factory=Counter)   # committed per round
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
+    # rounds a row ran without drafts, by reason ("policy", "length cap", "no proposal"):
+    # speculation is never switched off silently
+    rounds_without_drafts: Counter = field(default_factory=Counter)
     sim_time: dict[str, float] = field(default_factory=dict)   # synthetic backend's clock
 
-    def add_row(self, k: int, accepted: int, committed: int) -> None:
+    def add_row(self, k: int, accepted: int, committed: int, skip_reason: str | None = None) -> None:
         examined = min(accepted + 1, k)
+        if k == 0:
+            self.rounds_without_drafts[skip_reason or "no proposal"] += 1
         self.num_rounds += 1
         self.num_target_passes += 1
         self.num_drafts += k > 0
@@ -94,9 +99,11 @@ class Counters:
         return (draft / self.num_draft_tokens) / (target / self.num_target_passes)
 
     def as_dict(self) -> dict:
-        out = {k: v for k, v in self.__dict__.items() if k != "tokens_per_step_histogram"}
+        out = {k: v for k, v in self.__dict__.items()
+               if k not in ("tokens_per_step_histogram", "rounds_without_drafts")}
         out["tokens_per_step_histogram"] = {str(n): c for n, c in
                                             sorted(self.tokens_per_step_histogram.items())}
+        out["rounds_without_drafts"] = dict(self.rounds_without_drafts)
         out["seconds"] = dict(self.seconds)
         out.update(self.derived())
         return out
@@ -116,10 +123,11 @@ class MetricsRecorder:
     @hookimpl
     def specflow_observe(self, result):
         seconds = result.seconds
-        for rid, k, acc, committed in zip(result.request_ids, result.num_drafts,
-                                          result.num_accepted, result.committed):
+        reasons = result.skip_reasons or [None] * len(result.request_ids)
+        for rid, k, acc, committed, why in zip(result.request_ids, result.num_drafts,
+                                               result.num_accepted, result.committed, reasons):
             for counters in (self.requests[rid], self.total):
-                counters.add_row(k, acc, len(committed))
+                counters.add_row(k, acc, len(committed), why)
             self.requests[rid].add_seconds(seconds)
             if result.sim_time:
                 _add(self.requests[rid].sim_time, result.sim_time)

@@ -58,15 +58,25 @@ class GenerationResult:
 
 @dataclass
 class BuildContext:
-    """What component factories receive besides their own config."""
+    """What component factories receive besides their own config.
+
+    The draft model is built on first use, so `proposer=ngram` never loads one.
+    """
 
     cfg: DictConfig
     slots: int
     clock: SimClock
     device: torch.device
     target: Backend | None = None
-    draft: Backend | None = None
     tokenizer: Any = None
+    build_draft: Any = field(default=None, repr=False)
+    _draft: Any = field(default=None, repr=False)
+
+    @property
+    def draft(self) -> Backend | None:
+        if self._draft is None and self.build_draft is not None:
+            self._draft, self.build_draft = self.build_draft(), None
+        return self._draft
 
 
 @dataclass
@@ -100,10 +110,13 @@ class Pipeline:
                            device=resolve_device(str(cfg.device)))
         ctx.target = self.target = self._build("model", ctx)
         ctx.tokenizer = self.tokenizer = self.target.tokenizer
-        ctx.draft = self.draft = self._build("draft", ctx) if cfg.get("draft") else None
+        if cfg.get("draft") is not None:
+            ctx.build_draft = lambda: self._build("draft", ctx)
         self.ctx = ctx
 
         self._check_k_fits(cfg)
+        self.speculates = cfg.proposer.name != "none"
+        self.no_speculation_reason = f"proposer={cfg.proposer.name}"
         self._register(TargetScorer(self.target), "score.target")
         self._register(TargetCacheSync(self.target), "cache.target")
         for kind in ("proposer", "verifier", "stop", "policy", "constraint"):
@@ -121,6 +134,11 @@ class Pipeline:
         self.hook.specflow_pipeline_built(pipeline=self)
 
     # --- construction ----------------------------------------------------------------------
+
+    @property
+    def draft(self) -> Backend | None:
+        """The draft model (built on first use)."""
+        return self.ctx.draft
 
     def _check_k_fits(self, cfg: DictConfig) -> None:
         limit = self.target.max_length
@@ -278,6 +296,8 @@ class Pipeline:
             if ks[b] > left:
                 ks[b] = max(left, 0)
             reasons.append(None if ks[b] > 0 else ("policy" if k[b] == 0 else "length cap"))
+        if not self.speculates:
+            reasons = [self.no_speculation_reason] * batch.size
         return torch.tensor(ks, dtype=torch.long), reasons
 
     def _round(self, batch: DecodeBatch, round_index: int):
@@ -295,8 +315,9 @@ class Pipeline:
         t3 = time.perf_counter()
         shaped = self.shape(logits, batch.token_ids, proposal.draft_token_ids, 0,
                             batch.request_ids, "target")                             # [B, K+1, V]
-        verified = hook.specflow_verify(batch=batch, proposal=proposal,
-                                        target_probs=shaped.softmax(-1))
+        # greedy verification reads only the argmax, which softmax does not change
+        probs = shaped if batch.greedy else shaped.softmax(-1)
+        verified = hook.specflow_verify(batch=batch, proposal=proposal, target_probs=probs)
         t4 = time.perf_counter()
         trim = hook.specflow_trim(batch=batch, verified=verified)
         for ids, new in zip(batch.token_ids, trim.committed):

@@ -12,6 +12,9 @@ import pytest
 SPECFLOW = str(pathlib.Path(sys.executable).parent / "specflow")
 
 
+SYNTHETIC = ["model=synthetic", "draft=synthetic"]
+
+
 def specflow(*args, cwd, stdin=None):
     env = {**os.environ, "SPECFLOW_DISABLE_PLUGIN_AUTOLOAD": "1"}
     return subprocess.run([SPECFLOW, *args], cwd=cwd, input=stdin, capture_output=True, env=env,
@@ -26,7 +29,7 @@ def test_help_lists_the_commands(tmp_path):
 
 
 def test_run_synthetic_end_to_end_writes_results_and_metrics(tmp_path):
-    out = specflow("run", "model=synthetic", "prompt=def fib(n):", "max_new_tokens=12",
+    out = specflow("run", *SYNTHETIC, "prompt=def fib(n):", "max_new_tokens=12",
                    "+proposer=ngram", "+policy=adaptive", f"hydra.run.dir={tmp_path}/run",
                    cwd=tmp_path)
     assert out.returncode == 0, out.stderr.decode()
@@ -43,7 +46,7 @@ def test_run_synthetic_end_to_end_writes_results_and_metrics(tmp_path):
 
 
 def test_run_reads_a_prompt_from_stdin(tmp_path):
-    out = specflow("run", "prompt=-", "max_new_tokens=5", f"hydra.run.dir={tmp_path}/r",
+    out = specflow("run", *SYNTHETIC, "prompt=-", "max_new_tokens=5", f"hydra.run.dir={tmp_path}/r",
                    cwd=tmp_path, stdin=b"x = (1, 2)\n")
     assert out.returncode == 0, out.stderr.decode()
     assert json.loads((tmp_path / "r/requests.jsonl").read_text())["prompt"] == "x = (1, 2)\n"
@@ -51,7 +54,8 @@ def test_run_reads_a_prompt_from_stdin(tmp_path):
 
 def test_run_from_a_workload_file_runs_every_prompt(tmp_path):
     (tmp_path / "p.jsonl").write_text('{"q": "abc"}\n{"q": "def"}\n{"q": "ghi"}\n')
-    out = specflow("run", "workload=file", f"workload.path={tmp_path}/p.jsonl", "workload.field=q",
+    out = specflow("run", *SYNTHETIC, "workload=file", f"workload.path={tmp_path}/p.jsonl",
+                   "workload.field=q",
                    "max_new_tokens=4", "max_batch_size=2", f"hydra.run.dir={tmp_path}/r",
                    cwd=tmp_path)
     assert out.returncode == 0, out.stderr.decode()
@@ -77,7 +81,8 @@ BAD_INPUTS = [
     (["workload=file", "workload.path={tmp}/missing.jsonl"], "cannot read prompt file"),
     (["workload=file", "workload.path={tmp}/empty.txt"], "has no prompts"),
     (["workload=file", "workload.path={tmp}/latin1.txt"], "is not UTF-8"),
-    (["model.max_length=4", "prompt=abcdefgh"], "the model's context is 4"),
+    (["model.max_length=8", "prompt=abcdefghij"], "the model's context is 8"),
+    (["model.max_length=8", "proposer.k=7"], "proposer.k=7 leaves no room"),
     (["stop.strings=['']"], "empty string"),
     (["policy=adaptive", "policy.on_below_batch=99"], "thresholds must be ordered"),
     (["prompt=ÿ"], "alphabet lacks"),
@@ -89,7 +94,7 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, message):
     for kind in ("empty", "latin1"):
         _bad_file(tmp_path, kind)
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
-    out = specflow("run", *args, f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
+    out = specflow("run", *SYNTHETIC, *args, f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
     err = out.stderr.decode().strip()
     assert out.returncode == 2, (out.returncode, err)
     assert err.startswith("specflow: error:") and message in err, err

@@ -92,7 +92,10 @@ def load_model(cfg: HFModelConfig, device: torch.device, role: str = "model"):
     load = dict(kwargs, attn_implementation=cfg.attn_implementation, dtype=dtype)
     if cfg.device_map:
         load["device_map"] = cfg.device_map
-    model = AutoModelForCausalLM.from_pretrained(path, config=config, **load)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, **load)
+    except (OSError, ValueError, ImportError) as exc:
+        raise ConfigError(f"cannot load {role} {path!r}: {str(exc).splitlines()[0]}") from None
     if not cfg.device_map:
         model.to(device)
     model.eval()

@@ -11,7 +11,13 @@ from specflow.plugins import get_registry
 
 CONF = pathlib.Path(__file__).resolve().parents[2] / "conf"
 # options that need a companion choice to build
-COMPANIONS = {("draft", "none"): ["proposer=ngram"], ("proposer", "draft"): ["draft=synthetic"]}
+COMPANIONS = {
+    ("model", "synthetic"): ["draft=synthetic"],
+    ("model", "hf"): ["model.path=${specflow_demo:target}"],
+    ("draft", "none"): ["proposer=ngram"],
+    ("draft", "synthetic"): ["model=synthetic"],
+    ("draft", "hf"): ["draft.path=${specflow_demo:draft}"],
+}
 
 
 def options(group: str) -> list[str]:
@@ -77,12 +83,15 @@ def test_unknown_key_names_the_keys_that_exist():
     ("policy=adaptive", None),
     ("policy.on_below_batch=60", "thresholds must be ordered"),
     ("draft.noise=1.5", "draft.noise=1.5 must be in [0, 1]"),
+    ("model.dtype=float64", "model.dtype='float64'"),
     ("stop.strings=['']", "empty string"),
 ])
 def test_bad_values_fail_at_compose_time_in_one_line(override, needle):
     base = ["logits=[temperature,top_p,top_k]"]
     if override.startswith("policy.on_below"):
         base.append("policy=adaptive")
+    if override.startswith("draft.noise"):
+        base += ["model=synthetic", "draft=synthetic"]
     if needle is None:
         compose([*base, override])
         return

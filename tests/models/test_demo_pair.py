@@ -1,0 +1,69 @@
+"""The embedded demo pair: shipped in the package, loaded like any model, exact, and useful."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from specflow import Pipeline
+from specflow.experiments.workloads import read_prompt_file
+from specflow.models.hf import DEMO_DIR
+
+PROMPTS = read_prompt_file(str(DEMO_DIR / "prompts.jsonl"))[:6]
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return Pipeline.from_config(["proposer=none"])
+
+
+def test_config_paths_are_directories_from_pretrained_loads():
+    from transformers import AutoConfig
+
+    pipe = Pipeline.from_config([])
+    for node in (pipe.cfg.model, pipe.cfg.draft):
+        assert os.path.isdir(node.path)
+        assert AutoConfig.from_pretrained(node.path).model_type == "llama"
+    assert pipe.cfg.proposer.name == "draft" and pipe.greedy
+
+
+def test_shipped_files_stay_small():
+    size = sum(p.stat().st_size for p in DEMO_DIR.rglob("*") if p.is_file())
+    assert size < 40e6
+    log = json.loads((DEMO_DIR / "train_log.json").read_text())
+    assert log["target"]["params"] > 8 * log["draft"]["params"]
+
+
+@pytest.mark.parametrize("proposer", ["draft", "ngram"])
+def test_greedy_speculation_equals_plain_on_code_prompts(plain, proposer):
+    expected = [plain.generate([p], max_new_tokens=40)[0].token_ids for p in PROMPTS]
+    pipe = Pipeline.from_config([f"proposer={proposer}"])
+    for batch in (1, 3):
+        got = pipe.generate(PROMPTS, max_new_tokens=40, max_batch_size=batch, stop=["\n\n"])
+        for r, e in zip(got, expected):
+            assert r.token_ids == e[:len(r.token_ids)]          # stop cuts, never changes
+        got = pipe.generate(PROMPTS, max_new_tokens=40, max_batch_size=batch)
+        assert [r.token_ids for r in got] == expected
+    assert pipe.last_stats["alpha"] > (0.5 if proposer == "draft" else 0.1)
+
+
+def test_draft_equal_to_target_is_always_accepted():
+    pipe = Pipeline.from_config(["draft=hf", "draft.path=${specflow_demo:target}"])
+    pipe.generate(PROMPTS[:3], max_new_tokens=30)
+    assert pipe.last_stats["alpha"] == 1.0
+
+
+def test_specflow_run_with_no_overrides_writes_python(tmp_path):
+    out = subprocess.run([str(pathlib.Path(sys.executable).parent / "specflow"), "run",
+                          f"hydra.run.dir={tmp_path}"], capture_output=True, cwd=tmp_path,
+                         env={**os.environ, "SPECFLOW_DISABLE_PLUGIN_AUTOLOAD": "1"}, timeout=300)
+    assert out.returncode == 0, out.stderr.decode()
+    rows = [json.loads(x) for x in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    text = "".join(r["text"] for r in rows)
+    assert len(rows) == 4 and sum(text.count(w) for w in ("self", "return", "if ", "(")) > 10
+    metrics = json.loads((tmp_path / "metrics.json").read_text())["aggregate"]
+    assert metrics["alpha"] > 0.5 and metrics["mean_acceptance_length"] > 2

@@ -154,7 +154,7 @@ def main() -> None:
             k_mean = prop / drafts if drafts else 0.0
             c = (propose / prop) / (tgt / passes) if prop else 0.0
             row.update(alpha=alpha, tau=committed / passes, c=c, mean_k=k_mean,
-                       predicted_speedup=predicted_speedup(alpha, k_mean, c),
+                       predicted_speedup=predicted_speedup(alpha, k_mean, c, drafts / passes),
                        measured_speedup=med / statistics.median(speeds["specflow none"]))
         rows.append(row)
 

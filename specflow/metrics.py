@@ -7,6 +7,8 @@ Formulas, published with the numbers (PITFALLS 15, 24):
     mean_acceptance_length = committed tokens / target passes                       (tau)
     c                      = (propose time per draft token) / (target time per pass), measured
     predicted_speedup      = (1 - alpha^(k+1)) / ((1 - alpha)(k c + 1)), k = mean drafts per round
+                             that drafted; rounds without drafts (a proposer with nothing to
+                             propose, a policy saying k = 0) count as 1 token at cost 1
 """
 from __future__ import annotations
 
@@ -18,11 +20,12 @@ from specflow.plugins import hookimpl
 STAGES = ("prefill", "policy", "propose", "target", "verify", "trim", "sync")
 
 
-def predicted_speedup(alpha: float, k: float, c: float) -> float:
-    if k <= 0:
+def predicted_speedup(alpha: float, k: float, c: float, drafting: float = 1.0) -> float:
+    """The formula, for a share `drafting` of rounds with k drafts and the rest plain."""
+    if k <= 0 or drafting <= 0:
         return 1.0
     tokens = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-    return tokens / (k * c + 1)
+    return (drafting * tokens + (1 - drafting)) / (drafting * k * c + 1)
 
 
 @dataclass
@@ -83,7 +86,9 @@ class Counters:
             "acceptance_per_position": [a / e if e else 0.0 for a, e in
                                         zip(self.accepted_per_position, self.examined_per_position)],
             "c": c,
-            "predicted_speedup": predicted_speedup(alpha, mean_k, c) if c is not None else None,
+            "predicted_speedup": (predicted_speedup(alpha, mean_k, c,
+                                                    self.num_drafts / self.num_target_passes)
+                                  if c is not None else None),
             "wall_seconds": wall,
             "tokens_per_second": self.num_committed_tokens / wall if wall > 0 else 0.0,
         }

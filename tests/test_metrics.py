@@ -31,3 +31,6 @@ def test_predicted_speedup_formula():
     assert predicted_speedup(0.8, 4, 0.1) == pytest.approx((1 - 0.8 ** 5) / 0.2 / 1.4)
     assert predicted_speedup(1.0, 4, 0.0) == 5.0
     assert predicted_speedup(0.5, 0, 0.1) == 1.0
+    # half the rounds draft 4 tokens at alpha 0.8, half have nothing to propose
+    assert predicted_speedup(0.8, 4, 0.1, drafting=0.5) == pytest.approx(
+        (0.5 * (1 - 0.8 ** 5) / 0.2 + 0.5) / (0.5 * 0.4 + 1))

@@ -36,8 +36,11 @@ class HFModelConfig:
     device_map: str | None = None     # "auto": spread a large target over the GPUs (accelerate)
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False
+    forward: str = "auto"             # hf | lean | auto (lean where the architecture allows)
 
     def __post_init__(self) -> None:
+        if self.forward not in ("hf", "lean", "auto"):
+            raise ConfigError(f"forward={self.forward!r}; use hf, lean or auto")
         if self.dtype not in (*DTYPES, "auto"):
             raise ConfigError(f"model.dtype={self.dtype!r}; use float32, float16, bfloat16 or auto")
         if self.attn_implementation not in ("sdpa", "eager"):
@@ -129,9 +132,26 @@ class HFBackend(Backend):
         num_layers = config.num_hidden_layers
         # a little headroom past the context for the k+1 positions a last round may write
         self.cache = SlotKVCache(num_layers, slots, (self.max_length or 1 << 16) + 64)
-        self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters \
-            else "past_key_values"
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._keeps_logits = "logits_to_keep" in params
         self._bool_mask = cfg.attn_implementation == "sdpa"
+        self.lean = self._lean_forward(cfg.forward, role)
+
+    def _lean_forward(self, choice: str, role: str):
+        from specflow.models.lean_llama import LeanLlama, unsupported_reason
+
+        if choice == "hf":
+            return None
+        reason = unsupported_reason(self.model.config)
+        if reason is None:
+            self._bool_mask = True
+            return LeanLlama(self.model)
+        if choice == "lean":
+            raise ConfigError(f"{role}.forward=lean does not support {self.path!r}: {reason}; "
+                              f"use {role}.forward=hf")
+        self.forward_note = f"transformers forward ({reason})"
+        return None
 
     def reset(self, slot: int) -> None:
         self.cache.reset(slot)
@@ -141,7 +161,7 @@ class HFBackend(Backend):
 
     @torch.inference_mode()
     def forward(self, slots: torch.Tensor, input_ids: torch.Tensor,
-                input_lens: torch.Tensor) -> torch.Tensor:
+                input_lens: torch.Tensor, logits: bool = True) -> torch.Tensor | None:
         B, T = input_ids.shape
         slot_list = slots.tolist()
         positions, kv_len = self.cache.begin(slot_list, T, self.device)          # [B, T]
@@ -150,15 +170,25 @@ class HFBackend(Backend):
         mask = allowed[:, None] if self._bool_mask else torch.zeros(
             B, 1, T, kv_len, dtype=self.model.dtype, device=self.device).masked_fill(
             ~allowed[:, None], torch.finfo(self.model.dtype).min)
+        if B == 1 and T == 1:
+            mask = None          # one query attends to the whole cached row
         ids = input_ids.clamp(min=0).to(self.device)
+        if self.lean is not None:
+            out = self.lean(ids, positions, mask, self.cache, logits_to_keep=0 if logits else 1)
+            self.cache.commit(slot_list, input_lens.tolist())
+            return out.float() if logits else None
+        extra = {self._cache_kw: self.cache}
+        if not logits and self._keeps_logits:
+            extra["logits_to_keep"] = 1      # prefill: skip the LM head over the whole prompt
         out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
-                         use_cache=True, **{self._cache_kw: self.cache})
+                         use_cache=True, **extra)
         self.cache.commit(slot_list, input_lens.tolist())
-        return out.logits.float()                                                    # [B, T, V]
+        return out.logits.float() if logits else None                                # [B, T, V]
 
     def prefill(self, slot: int, ids: list[int]) -> None:
         if ids:
-            self.forward(torch.tensor([slot]), torch.tensor([ids]), torch.tensor([len(ids)]))
+            self.forward(torch.tensor([slot]), torch.tensor([ids]), torch.tensor([len(ids)]),
+                         logits=False)
 
     def truncate(self, slots: torch.Tensor, lengths: list[int]) -> None:
         self.cache.truncate(slots.tolist(), lengths)

@@ -17,8 +17,12 @@ class TargetScorer:
         drafts = proposal.draft_token_ids                                  # [B, K]
         B, K = drafts.shape
         cached = [self.target.cache_length(s) for s in batch.slots.tolist()]
-        pending, n_pending = pending_inputs(batch.token_ids, cached)       # [B, P], [B]
         k = proposal.num_draft_tokens                                      # [B]
+        if all(len(ids) - n == 1 for ids, n in zip(batch.token_ids, cached)):
+            # steady state: every row's cache lacks only its last committed token
+            inputs = torch.cat([batch.last_tokens()[:, None], drafts], 1)  # [B, 1+K]
+            return self.target.forward(batch.slots, inputs, k + 1)        # [B, K+1, V]
+        pending, n_pending = pending_inputs(batch.token_ids, cached)       # [B, P], [B]
         P = pending.shape[1]
         inputs = torch.full((B, P + K), PAD, dtype=torch.long)             # [B, P+K]
         inputs[:, :P] = pending

@@ -74,6 +74,10 @@ def verify(draft_token_ids: torch.Tensor, target_probs: torch.Tensor,
         raise ValueError(f"target_probs has shape {tuple(target_probs.shape)}; expected "
                          f"[{B}, {K + 1}, V] for draft_token_ids of shape [{B}, {K}]")
     device = target_probs.device
+    if K == 0:   # plain decoding: the bonus token only
+        p0 = target_probs[:, 0]                                                # [B, V]
+        final = p0.argmax(-1) if greedy else sample_categorical(p0, generator)
+        return final[:, None], torch.zeros(B, dtype=torch.long, device=device)
     rows = torch.arange(B, device=device)                                      # [B]
     valid = draft_token_ids != PAD                                             # [B, K]
     k = valid.sum(-1)                                                          # [B]

@@ -23,7 +23,7 @@ def test_plain_decoding_equals_hf_generate(hf_models, arch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     pipe = Pipeline.from_config(["model=hf", f"model.path={hf_models[arch]}", "draft=none",
-                                 "proposer=none"])
+                                 "proposer=none", "model.forward=hf"])
     model = AutoModelForCausalLM.from_pretrained(hf_models[arch], dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(hf_models[arch])
     for prompt in PROMPTS[:3]:
@@ -32,6 +32,33 @@ def test_plain_decoding_equals_hf_generate(hf_models, arch):
                                   do_sample=False, eos_token_id=None, pad_token_id=0)
         got = pipe.generate([prompt], max_new_tokens=24, max_batch_size=1)[0]
         assert got.token_ids == expected[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_lean_forward_matches_transformers(hf_models, arch):
+    from specflow.models.hf import HFBackend, HFModelConfig
+
+    backends = [HFBackend(HFModelConfig(path=str(hf_models[arch]), forward=f), torch.device("cpu"), 2)
+                for f in ("hf", "lean")]
+    assert backends[0].lean is None and backends[1].lean is not None
+    ids = torch.tensor([[5, 17, 42, 99, 7, 3], [8, 9, 10, 11, -1, -1]])
+    lens = torch.tensor([6, 4])
+    outs = []
+    for b in backends:
+        b.reset(0); b.reset(1)
+        first = b.forward(torch.tensor([0, 1]), ids, lens)
+        b.truncate(torch.tensor([0, 1]), [3, 4])                       # roll back row 0
+        second = b.forward(torch.tensor([0, 1]), torch.tensor([[1, 2], [3, -1]]), torch.tensor([2, 1]))
+        outs.append((first, second))
+    for (a, b), valid in zip(zip(*outs), ([6, 4], [2, 1])):
+        for row, n in enumerate(valid):       # padded positions are garbage in both
+            assert torch.allclose(a[row, :n], b[row, :n], atol=1e-4, rtol=1e-4)
+
+
+def test_lean_forward_is_refused_where_it_cannot_compute_the_same(hf_models):
+    with pytest.raises(ConfigError, match="model.forward=lean does not support.*gpt2"):
+        Pipeline.from_config(["model=hf", f"model.path={hf_models['gpt2']}", "model.forward=lean",
+                              "draft=none", "proposer=ngram"])
 
 
 def _stop_token(results):

@@ -102,6 +102,14 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, message):
     assert not (tmp_path / "run/metrics.json").exists()
 
 
+def test_missing_model_path_exits_2(tmp_path):
+    out = specflow("run", "model=hf", f"model.path={tmp_path}/no-model", "proposer=ngram",
+                   cwd=tmp_path)
+    err = out.stderr.decode().strip()
+    assert out.returncode == 2 and "is not a directory; set model.path" in err
+    assert len(err.splitlines()) == 1
+
+
 def test_cuda_without_a_gpu_exits_2(tmp_path):
     import torch
     if torch.cuda.is_available():

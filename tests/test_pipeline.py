@@ -218,3 +218,17 @@ def test_sampling_distribution_is_the_targets_with_and_without_speculation(make_
         assert chi.pvalue > 1e-3
     table = np.stack([spec, plain])[:, (spec + plain) >= 10]
     assert stats.chi2_contingency(table)[1] > 1e-3
+
+
+@pytest.mark.parametrize("prompts,kwargs,message", [
+    ([], {}, "no prompts given"),
+    (["ok", ""], {}, "prompt 1 is empty"),
+    (["ok"], {"max_new_tokens": 0}, "max_new_tokens=0"),
+    (["ok"], {"stop": ["\n", ""]}, "stop string is empty"),
+    (["ok"], {"max_batch_size": 99}, "exceeds the pipeline's 8 slots"),
+])
+def test_bad_generate_arguments_are_one_clear_error(make_pipeline, prompts, kwargs, message):
+    from specflow import InputError
+
+    with pytest.raises(InputError, match=message):
+        make_pipeline().generate(prompts, **kwargs)

@@ -147,7 +147,8 @@ def train(model, data, heldout, *, steps, batch, seq, lr, seed, teacher=None, lo
 def save(model, tokenizer, path: pathlib.Path):
     path.mkdir(parents=True, exist_ok=True)
     model.eval()
-    model.to(torch.float16).save_pretrained(path, safe_serialization=True)
+    # shards under 16 MB keep every tracked file small; from_pretrained joins them
+    model.to(torch.float16).save_pretrained(path, safe_serialization=True, max_shard_size="16MB")
     tokenizer.save_pretrained(path)
     model.to(torch.float32)
 

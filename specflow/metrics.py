@@ -121,9 +121,11 @@ class MetricsRecorder:
         self.clock = clock
         self.total = Counters()
         self.requests: dict[int, Counters] = {}
+        self.round_commits: dict[int, list[int]] = {}   # tokens each round committed, per request
 
     def start(self, request_id: int) -> None:
         self.requests[request_id] = Counters()
+        self.round_commits[request_id] = []
 
     @hookimpl
     def specflow_observe(self, result):
@@ -133,6 +135,7 @@ class MetricsRecorder:
                                                result.num_accepted, result.committed, reasons):
             for counters in (self.requests[rid], self.total):
                 counters.add_row(k, acc, len(committed), why)
+            self.round_commits[rid].append(len(committed))
             self.requests[rid].add_seconds(seconds)
             if result.sim_time:
                 _add(self.requests[rid].sim_time, result.sim_time)
@@ -145,9 +148,22 @@ class MetricsRecorder:
             counters.add_seconds({"prefill": seconds})
 
     def retract(self, request_id: int, n: int) -> None:
-        """A stop string took back n tokens committed in an earlier round."""
-        for counters in (self.requests[request_id], self.total):
-            counters.num_committed_tokens -= n
+        """A stop string took back n tokens committed in earlier rounds: un-count them, newest first."""
+        counters = (self.requests[request_id], self.total)
+        commits = self.round_commits[request_id]
+        for i in range(len(commits) - 1, -1, -1):
+            if n == 0:
+                break
+            take = min(n, commits[i])
+            if take:
+                for c in counters:
+                    c.tokens_per_step_histogram[commits[i]] -= 1
+                    c.tokens_per_step_histogram[commits[i] - take] += 1
+                    c.num_committed_tokens -= take
+                commits[i] -= take
+                n -= take
+        for c in counters:
+            c.tokens_per_step_histogram += Counter()     # drop buckets that fell to zero
 
 
 def _add(into: dict[str, float], more: dict[str, float]) -> None:

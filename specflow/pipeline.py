@@ -242,7 +242,8 @@ class Pipeline:
             while queue and free:
                 req = queue.popleft()
                 slot = free.pop(0)
-                gen = None if self.greedy else torch.Generator().manual_seed(req.seed)
+                gen = None if self.greedy else torch.Generator(
+                    device=self.target.device).manual_seed(req.seed)
                 active[slot] = _Row(req, slot, list(req.prompt_ids), gen)
                 recorder.start(req.request_id)
                 t0 = time.perf_counter()
@@ -267,7 +268,7 @@ class Pipeline:
                 if retract:
                     del row.token_ids[len(row.token_ids) - retract:]
                     recorder.retract(row.request.request_id, retract)
-                results[row.request.request_id] = self._finish(row, reason, trim.texts[b], recorder)
+                results[row.request.request_id] = self._finish(row, reason, recorder)
                 del active[row.slot]
                 free.append(row.slot)
                 self.hook.specflow_request_end(slot=row.slot, request=row.request,
@@ -278,11 +279,9 @@ class Pipeline:
             bar[0].stop()
         return results
 
-    def _finish(self, row: _Row, reason: str, text: str | None,
-                recorder: MetricsRecorder) -> GenerationResult:
+    def _finish(self, row: _Row, reason: str, recorder: MetricsRecorder) -> GenerationResult:
         generated = row.token_ids[len(row.request.prompt_ids):]
-        if text is None:
-            text = self.tokenizer.decode(generated)
+        text = self.tokenizer.decode(generated)        # text always agrees with token_ids
         stats = recorder.requests[row.request.request_id].as_dict()
         return GenerationResult(row.request.request_id, row.request.prompt, text, generated,
                                 reason, stats)

@@ -41,6 +41,16 @@ class DecodeBatch:
     def size(self) -> int:
         return len(self.token_ids)
 
+    def select(self, rows: list[int]) -> "DecodeBatch":
+        """The same round restricted to some rows (in the given order)."""
+        return DecodeBatch(
+            slots=self.slots[rows], request_ids=[self.request_ids[b] for b in rows],
+            token_ids=[self.token_ids[b] for b in rows],
+            prompt_lens=[self.prompt_lens[b] for b in rows],
+            max_new_tokens=[self.max_new_tokens[b] for b in rows],
+            generators=[self.generators[b] for b in rows], greedy=self.greedy,
+            max_batch_size=self.max_batch_size, shaper=self.shaper)
+
     def num_generated(self, row: int) -> int:
         return len(self.token_ids[row]) - self.prompt_lens[row]
 
@@ -86,8 +96,8 @@ class Proposal:
         return cls(ids, probs)
 
     @classmethod
-    def empty(cls, batch_size: int) -> "Proposal":
-        return cls(torch.full((batch_size, 0), PAD, dtype=torch.long))
+    def empty(cls, batch_size: int, k: int = 0, device=None) -> "Proposal":
+        return cls(torch.full((batch_size, k), PAD, dtype=torch.long, device=device))
 
 
 @dataclass

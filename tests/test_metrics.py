@@ -34,3 +34,18 @@ def test_predicted_speedup_formula():
     # half the rounds draft 4 tokens at alpha 0.8, half have nothing to propose
     assert predicted_speedup(0.8, 4, 0.1, drafting=0.5) == pytest.approx(
         (0.5 * (1 - 0.8 ** 5) / 0.2 + 0.5) / (0.5 * 0.4 + 1))
+
+
+def test_taking_back_tokens_keeps_the_histogram_and_the_count_in_agreement():
+    from specflow.metrics import MetricsRecorder
+    from specflow.state import RoundResult
+
+    rec = MetricsRecorder()
+    rec.start(0)
+    for committed in (3, 2, 0):
+        rec.specflow_observe(RoundResult(0, [0], [4], [committed], [[1] * committed], [None], 1))
+    rec.retract(0, 3)                      # a stop string that began two rounds back
+    for c in (rec.requests[0], rec.total):
+        assert c.num_committed_tokens == 2
+        assert sum(n * k for n, k in c.tokens_per_step_histogram.items()) == 2
+        assert c.tokens_per_step_histogram == {2: 1, 0: 2}

@@ -164,7 +164,8 @@ class HFBackend(Backend):
                 input_lens: torch.Tensor, logits: bool = True) -> torch.Tensor | None:
         B, T = input_ids.shape
         slot_list = slots.tolist()
-        positions, kv_len = self.cache.begin(slot_list, T, self.device)          # [B, T]
+        lens = input_lens.tolist()
+        positions, kv_len = self.cache.begin(slot_list, lens, T, self.device)    # [B, T]
         keys = torch.arange(kv_len, device=self.device)                              # [L]
         allowed = keys[None, None, :] <= positions[:, :, None]                       # [B, T, L]
         mask = allowed[:, None] if self._bool_mask else torch.zeros(
@@ -175,14 +176,14 @@ class HFBackend(Backend):
         ids = input_ids.clamp(min=0).to(self.device)
         if self.lean is not None:
             out = self.lean(ids, positions, mask, self.cache, logits_to_keep=0 if logits else 1)
-            self.cache.commit(slot_list, input_lens.tolist())
+            self.cache.commit(slot_list, lens)
             return out.float() if logits else None
         extra = {self._cache_kw: self.cache}
         if not logits and self._keeps_logits:
             extra["logits_to_keep"] = 1      # prefill: skip the LM head over the whole prompt
         out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
                          use_cache=True, **extra)
-        self.cache.commit(slot_list, input_lens.tolist())
+        self.cache.commit(slot_list, lens)
         return out.logits.float() if logits else None                                # [B, T, V]
 
     def prefill(self, slot: int, ids: list[int]) -> None:

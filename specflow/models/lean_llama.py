@@ -52,6 +52,7 @@ class LeanLlama:
                     torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]),
                     torch.cat(biases) if biases[0] is not None else None,
                     att.o_proj.weight,
+                    att.o_proj.bias,                  # Llama with attention_bias=True has one
                     layer.post_attention_layernorm.weight,
                     torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
                     mlp.down_proj.weight,
@@ -83,7 +84,7 @@ class LeanLlama:
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         x = F.embedding(input_ids, self.embed)                                        # [B, T, E]
         cos, sin = self._rope(positions, x.dtype)
-        for i, (ln1, wqkv, bqkv, wo, ln2, wgu, wdown) in enumerate(self.layers):
+        for i, (ln1, wqkv, bqkv, wo, bo, ln2, wgu, wdown) in enumerate(self.layers):
             qkv = F.linear(self._rms(x, ln1), wqkv, bqkv)                             # [B, T, (H+2Hkv)D]
             q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], -1)
             q = self._rotate(q.view(B, T, H, D).transpose(1, 2), cos, sin)            # [B, H, T, D]
@@ -94,7 +95,7 @@ class LeanLlama:
                 k_all = k_all.repeat_interleave(H // Hkv, 1)
                 v_all = v_all.repeat_interleave(H // Hkv, 1)
             a = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)       # [B, H, T, D]
-            x = x + F.linear(a.transpose(1, 2).reshape(B, T, H * D), wo)
+            x = x + F.linear(a.transpose(1, 2).reshape(B, T, H * D), wo, bo)
             gate, up = F.linear(self._rms(x, ln2), wgu).chunk(2, -1)                  # [B, T, I] x2
             x = x + F.linear(F.silu(gate) * up, wdown)
         if logits_to_keep:

@@ -36,17 +36,28 @@ class SlotKVCache(Cache):
         self._slots: torch.Tensor | None = None     # [B]
         self._contiguous = 0                         # B when slots == arange(B), else 0
         self._positions: torch.Tensor | None = None  # [B, T] where each new token is written
+        self._valid: torch.Tensor | None = None      # [B, T] real tokens (not padding)
+        self._all_valid = True
         self._kv_len = 0
 
     # --- per-forward bookkeeping ---------------------------------------------------------------
 
-    def begin(self, slots: list[int], T: int, device) -> tuple[torch.Tensor, int]:
-        """Prepare a forward of T new positions for `slots`; returns (positions [B, T], kv_len)."""
+    def begin(self, slots: list[int], lens: list[int], T: int, device) -> tuple[torch.Tensor, int]:
+        """Prepare a forward of T positions for `slots`, of which row b uses its first lens[b].
+
+        Returns (positions [B, T], kv_len). Padding positions repeat the row's last real position
+        (they stay inside the context, e.g. for absolute position embeddings) and are never written
+        to the cache, so a short row next to a long one cannot run past its capacity.
+        """
         self._slots = torch.tensor(slots, dtype=torch.long, device=device)
         self._contiguous = len(slots) if slots == list(range(len(slots))) else 0
         starts = torch.tensor([self.lengths[s] for s in slots], dtype=torch.long, device=device)
-        self._positions = starts[:, None] + torch.arange(T, device=device)[None, :]   # [B, T]
-        self._kv_len = max(self.lengths[s] for s in slots) + T
+        n = torch.tensor(lens, dtype=torch.long, device=device)                        # [B]
+        t = torch.arange(T, device=device)[None, :]                                     # [1, T]
+        self._positions = starts[:, None] + torch.minimum(t, (n - 1).clamp(min=0)[:, None])  # [B, T]
+        self._valid = t < n[:, None]                                                    # [B, T]
+        self._all_valid = min(lens) == T
+        self._kv_len = max(self.lengths[s] + m for s, m in zip(slots, lens))
         if self._kv_len > self.max_capacity:
             raise ValueError(f"{self._kv_len} positions exceed the cache capacity "
                              f"{self.max_capacity}")
@@ -84,9 +95,17 @@ class SlotKVCache(Cache):
         """Write new keys/values [B, H_kv, T, D] at each row's positions; return [B, H_kv, kv_len, D]."""
         self._ensure(layer_idx, key_states)
         k_buf, v_buf = self.keys[layer_idx], self.values[layer_idx]                     # [S, H, C, D]
-        rows = self._slots[:, None]                                                      # [B, 1]
-        k_buf[rows, :, self._positions] = key_states.transpose(1, 2).to(k_buf.dtype)     # [B, T, H, D]
-        v_buf[rows, :, self._positions] = value_states.transpose(1, 2).to(v_buf.dtype)
+        k_new = key_states.transpose(1, 2).to(k_buf.dtype)                               # [B, T, H, D]
+        v_new = value_states.transpose(1, 2).to(v_buf.dtype)
+        if self._all_valid:
+            rows = self._slots[:, None]                                                  # [B, 1]
+            k_buf[rows, :, self._positions] = k_new
+            v_buf[rows, :, self._positions] = v_new
+        else:   # ragged: write the real positions only
+            rows = self._slots[:, None].expand_as(self._positions)[self._valid]          # [N]
+            pos = self._positions[self._valid]                                           # [N]
+            k_buf[rows, :, pos] = k_new[self._valid]                                     # [N, H, D]
+            v_buf[rows, :, pos] = v_new[self._valid]
         if self._contiguous:
             return k_buf[:self._contiguous, :, :self._kv_len], v_buf[:self._contiguous, :, :self._kv_len]
         return (k_buf[:, :, :self._kv_len].index_select(0, self._slots),

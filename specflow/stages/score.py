@@ -14,10 +14,11 @@ class TargetScorer:
 
     @hookimpl
     def specflow_score(self, batch, proposal):
-        drafts = proposal.draft_token_ids                                  # [B, K]
+        drafts = proposal.draft_token_ids.cpu()                            # [B, K] inputs are
+                                                                           # built on the host
         B, K = drafts.shape
         cached = [self.target.cache_length(s) for s in batch.slots.tolist()]
-        k = proposal.num_draft_tokens                                      # [B]
+        k = (drafts != PAD).sum(-1)                                        # [B]
         if all(len(ids) - n == 1 for ids, n in zip(batch.token_ids, cached)):
             # steady state: every row's cache lacks only its last committed token
             inputs = torch.cat([batch.last_tokens()[:, None], drafts], 1)  # [B, 1+K]

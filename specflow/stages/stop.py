@@ -4,8 +4,9 @@ Per row and round, the verifier's chunk (accepted + recovered/bonus) is cut at t
 the length cap, an EOS or stop token id (excluded), or the end of a stop string, which may start in
 an earlier round and end anywhere inside the chunk. A stop that completes within the tokens the cap
 allows wins over the cap (finish_reason "stop"/"eos", not "length"). Text, token ids and counts are
-cut together: kept tokens are those wholly before the stop string, and the text ends exactly where
-the stop string starts (or after it with include_stop_str).
+cut together, and the text is always the decoding of the kept token ids: the kept tokens are those
+wholly before the stop string (with include_stop_str: up to the token that completes it), so when a
+token straddles the start of the stop string the text ends at the token boundary before it.
 """
 from __future__ import annotations
 
@@ -75,7 +76,6 @@ class RowStop:
 class TrimResult:
     committed: list[list[int]]          # [B][n_b] tokens to commit this round
     finish_reasons: list[str | None]    # [B] "stop" | "eos" | "length" | None
-    texts: list[str | None]             # [B] final text when a stop string cut it, else None
     retract: list[int] = field(default_factory=list)  # [B] earlier-committed tokens to take back:
                                         # a stop string that began in a previous round
 
@@ -84,15 +84,16 @@ class StopTrimmer:
     def __init__(self, cfg: StopConfig, ctx):
         self.cfg = cfg
         self.tokenizer = ctx.tokenizer
-        self.eos_id = ctx.target.eos_token_id if cfg.eos else None
+        target = ctx.target
+        eos = getattr(target, "eos_token_ids", None) or (
+            {target.eos_token_id} if target.eos_token_id is not None else set())
+        self.eos_ids = frozenset(eos) if cfg.eos else frozenset()   # every EOS the model declares
         self.rows: dict[int, RowStop] = {}
 
     @hookimpl
     def specflow_request_start(self, slot, request):
         strings = list(self.cfg.strings if request.stop is None else request.stop)
-        stop_ids = set(self.cfg.token_ids)
-        if self.eos_id is not None:
-            stop_ids.add(self.eos_id)
+        stop_ids = set(self.cfg.token_ids) | self.eos_ids
         self.rows[request.request_id] = RowStop(
             request.max_new_tokens, strings, frozenset(stop_ids),
             IncrementalText(self.tokenizer) if strings else None)
@@ -104,31 +105,30 @@ class StopTrimmer:
     @hookimpl
     def specflow_trim(self, batch, verified):
         chunks = verified.out_token_ids.tolist()   # the round's one host sync: stop checks need ids
-        result = TrimResult([], [], [], [])
+        result = TrimResult([], [], [])
         for rid, chunk in zip(batch.request_ids, chunks):
-            tokens, reason, text, retract = self.trim_row(self.rows[rid],
-                                                          [t for t in chunk if t != PAD])
+            tokens, reason, retract = self.trim_row(self.rows[rid], [t for t in chunk if t != PAD])
             result.committed.append(tokens); result.finish_reasons.append(reason)
-            result.texts.append(text); result.retract.append(retract)
+            result.retract.append(retract)
         return result
 
     def trim_row(self, row: RowStop, chunk: list[int]):
-        """-> (tokens to commit, finish_reason, final text or None, earlier tokens to take back)"""
+        """-> (tokens to commit, finish_reason, earlier-committed tokens to take back)"""
         allowed = row.max_new_tokens - row.generated
         capped = chunk[:allowed]
         # earliest stop token id (completes at its own index)
         cut, reason = len(capped), None
         for i, t in enumerate(capped):
             if t in row.stop_ids:
-                cut, reason = i, ("eos" if t == self.eos_id else "stop")
+                cut, reason = i, ("eos" if t in self.eos_ids else "stop")
                 break
-        keep, text, retract = capped[:cut], None, 0
+        keep, retract = capped[:cut], 0
         if row.text is not None:
-            keep, reason, text, retract = self._stop_strings(row, keep, reason)
+            keep, reason, retract = self._stop_strings(row, keep, reason)
         if reason is None and row.generated + len(keep) >= row.max_new_tokens:
             reason = "length"
         row.generated += len(keep) - retract
-        return keep, reason, text, retract
+        return keep, reason, retract
 
     def _stop_strings(self, row: RowStop, tokens: list[int], reason: str | None):
         """Feed tokens to the row's text; cut at the first stop string that completes in them."""
@@ -140,14 +140,14 @@ class StopTrimmer:
             hit = _find_first(inc.text, row.strings, search_from)
             if hit is None:
                 continue
-            start, end = hit
+            start, _ = hit
             if self.cfg.include_stop_str:
-                return tokens[:i + 1], "stop", inc.text[:end], 0
+                return tokens[:i + 1], "stop", 0
             # keep the tokens whose text ends at or before the stop string's start; the string
             # may have begun in tokens committed in an earlier round: take those back
             n_keep = sum(1 for e in inc.ends[: base + i + 1] if e <= start)
-            return tokens[:max(0, n_keep - base)], "stop", inc.text[:start], max(0, base - n_keep)
-        return tokens, reason, None, 0
+            return tokens[:max(0, n_keep - base)], "stop", max(0, base - n_keep)
+        return tokens, reason, 0
 
 
 def _find_first(text: str, strings: list[str], start: int) -> tuple[int, int] | None:

@@ -74,6 +74,9 @@ def verify(draft_token_ids: torch.Tensor, target_probs: torch.Tensor,
         raise ValueError(f"target_probs has shape {tuple(target_probs.shape)}; expected "
                          f"[{B}, {K + 1}, V] for draft_token_ids of shape [{B}, {K}]")
     device = target_probs.device
+    draft_token_ids = draft_token_ids.to(device)     # proposers may build drafts elsewhere
+    if draft_probs is not None:
+        draft_probs = draft_probs.to(device)
     if K == 0:   # plain decoding: the bonus token only
         p0 = target_probs[:, 0]                                                # [B, V]
         final = p0.argmax(-1) if greedy else sample_categorical(p0, generator)

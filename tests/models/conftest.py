@@ -25,7 +25,7 @@ def train_tokenizer(vocab_size: int = 400):
 
 
 def tiny_config(arch: str, vocab: int, eos: int, layers: int = 2, hidden: int = 64,
-                max_positions: int = 256):
+                max_positions: int = 256, **extra):
     import transformers as tf
 
     common = dict(vocab_size=vocab, num_hidden_layers=layers, num_attention_heads=4,
@@ -38,7 +38,7 @@ def tiny_config(arch: str, vocab: int, eos: int, layers: int = 2, hidden: int = 
                                 max_position_embeddings=max_positions, **common)
     cls = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config, "mistral": tf.MistralConfig}[arch]
     return cls(hidden_size=hidden, intermediate_size=2 * hidden, num_key_value_heads=2,
-               max_position_embeddings=max_positions, **common)
+               max_position_embeddings=max_positions, **common, **extra)
 
 
 def build_model(path: pathlib.Path, arch: str, tokenizer, seed: int, sharpen: float = 8.0,
@@ -69,6 +69,17 @@ def perturbed_copy(src: pathlib.Path, dst: pathlib.Path, scale: float, seed: int
     return dst
 
 
+def resized_vocab_copy(src: pathlib.Path, dst: pathlib.Path, extra: int) -> pathlib.Path:
+    """The same model with `extra` padding rows in its vocabulary (as Qwen drafts vs targets)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    model.resize_token_embeddings(model.config.vocab_size + extra)
+    model.save_pretrained(dst)
+    AutoTokenizer.from_pretrained(src).save_pretrained(dst)
+    return dst
+
+
 @pytest.fixture(scope="session")
 def hf_models(tmp_path_factory):
     """{'tokenizer', 'llama', 'llama_draft', 'qwen2', ...}: directories of tiny models."""
@@ -79,6 +90,8 @@ def hf_models(tmp_path_factory):
         out[arch] = build_model(root / arch, arch, tok, seed=i)
     out["llama_draft"] = perturbed_copy(out["llama"], root / "llama_draft", 0.15, seed=7)
     out["llama_short"] = build_model(root / "llama_short", "llama", tok, seed=0, max_positions=48)
+    out["llama_bias"] = build_model(root / "llama_bias", "llama", tok, seed=5, attention_bias=True)
+    out["llama_wide_vocab"] = resized_vocab_copy(out["llama_draft"], root / "llama_wide", 64)
     other = train_tokenizer(vocab_size=300)
     out["other_tokenizer"] = build_model(root / "other_tok", "llama", other, seed=3)
     mamba = root / "mamba"

@@ -67,3 +67,34 @@ def test_specflow_run_with_no_overrides_writes_python(tmp_path):
     assert len(rows) == 4 and sum(text.count(w) for w in ("self", "return", "if ", "(")) > 10
     metrics = json.loads((tmp_path / "metrics.json").read_text())["aggregate"]
     assert metrics["alpha"] > 0.5 and metrics["mean_acceptance_length"] > 2
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_strings_keep_text_and_token_ids_in_agreement(plain, include):
+    pipe = Pipeline.from_config(["proposer=draft", f"stop.include_stop_str={include}"])
+    checked = 0
+    for stop in ["_", "\n", "(", "self", "return", "):\n"]:
+        for r in pipe.generate(PROMPTS, max_new_tokens=48, stop=[stop]):
+            assert pipe.tokenizer.decode(r.token_ids) == r.text
+            assert r.stats["num_committed_tokens"] == len(r.token_ids)
+            hist = r.stats["tokens_per_step_histogram"]
+            assert sum(int(n) * c for n, c in hist.items()) == len(r.token_ids)
+            if r.finish_reason == "stop":
+                checked += 1
+                assert (stop in r.text) == include
+    assert checked > 10
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overrides", [["proposer=draft"], ["proposer=ngram"],
+                                       ["proposer=draft", "logits=[temperature,top_p]"],
+                                       ["proposer=none", "logits=[temperature]"]])
+def test_the_pipeline_runs_on_cuda(overrides):
+    cpu = Pipeline.from_config([*overrides, "device=cpu"])
+    gpu = Pipeline.from_config([*overrides, "device=cuda"])
+    a = cpu.generate(PROMPTS[:3], max_new_tokens=24)
+    b = gpu.generate(PROMPTS[:3], max_new_tokens=24)
+    assert all(len(r.token_ids) == 24 or r.finish_reason != "length" for r in b)
+    if gpu.greedy:   # float32 on both: the same argmaxes barring near-ties
+        same = sum(x.token_ids == y.token_ids for x, y in zip(a, b))
+        assert same >= 2

@@ -46,36 +46,36 @@ def start(t, max_new_tokens=50, stop=None, rid=0):
 def test_stop_string_inside_a_multi_token_chunk_cuts_everything_after_it():
     t = trimmer(strings=["STOP"])
     row = start(t)
-    keep, reason, text, retract = t.trim_row(row, [0, 1, 5, 6, 7, 8])   # "ab c STO P e fg"
-    assert (keep, reason, text, retract) == ([0, 1], "stop", "abc", 0)
+    keep, reason, retract = t.trim_row(row, [0, 1, 5, 6, 7, 8])   # "ab c STO P e fg"
+    assert (keep, reason, retract) == ([0, 1], "stop", 0)
+    assert t.tokenizer.decode(keep) == "abc"
 
 
 def test_stop_string_split_across_rounds_takes_back_the_earlier_tokens():
     t = trimmer(strings=["STOP"])
     row = start(t)
-    assert t.trim_row(row, [0, 5]) == ([0, 5], None, None, 0)          # "abSTO": not yet
-    keep, reason, text, retract = t.trim_row(row, [6, 7])               # "P" completes it
-    assert (keep, reason, text, retract) == ([], "stop", "ab", 1)        # "STO" is taken back
+    assert t.trim_row(row, [0, 5]) == ([0, 5], None, 0)                # "abSTO": not yet
+    assert t.trim_row(row, [6, 7]) == ([], "stop", 1)                  # "P" completes it: "STO"
+                                                                        # is taken back
 
 
 def test_stop_string_ending_inside_a_token_keeps_only_tokens_before_it():
     t = trimmer(strings=["\n\n"])
     row = start(t)
-    keep, reason, text, _ = t.trim_row(row, [0, 3, 4])                   # "ab" + "\n\nx" + "d"
-    assert (keep, reason, text) == ([0], "stop", "ab")
+    keep, reason, _ = t.trim_row(row, [0, 3, 4])                       # "ab" + "\n\nx" + "d"
+    assert (keep, reason) == ([0], "stop")
 
 
 def test_include_stop_str_keeps_the_string_and_its_tokens():
     t = trimmer(strings=["STOP"], include_stop_str=True)
     row = start(t)
-    keep, reason, text, _ = t.trim_row(row, [0, 5, 6, 7])
-    assert (keep, reason, text) == ([0, 5, 6], "stop", "abSTOP")
+    assert t.trim_row(row, [0, 5, 6, 7]) == ([0, 5, 6], "stop", 0)
 
 
 def test_eos_mid_chunk_is_excluded_and_ends_the_row():
     t = trimmer()
     row = start(t)
-    keep, reason, _, _ = t.trim_row(row, [0, 1, EOS, 4])
+    keep, reason, _ = t.trim_row(row, [0, 1, EOS, 4])
     assert (keep, reason) == ([0, 1], "eos")
 
 
@@ -89,15 +89,22 @@ def test_stop_inside_the_length_cap_wins_over_the_cap():
     # cap leaves 3 tokens; the stop string completes on the 3rd: finish_reason is "stop"
     t = trimmer(strings=["STOP"])
     row = start(t, max_new_tokens=3)
-    keep, reason, text, _ = t.trim_row(row, [0, 5, 6, 7, 8])
-    assert (keep, reason, text) == ([0], "stop", "ab")
+    assert t.trim_row(row, [0, 5, 6, 7, 8]) == ([0], "stop", 0)
 
 
 def test_stop_after_the_length_cap_is_not_seen_and_nothing_leaks():
     t = trimmer(strings=["STOP"])
     row = start(t, max_new_tokens=2)
-    keep, reason, text, _ = t.trim_row(row, [0, 1, 5, 6])
-    assert (keep, reason, text) == ([0, 1], "length", None)
+    assert t.trim_row(row, [0, 1, 5, 6]) == ([0, 1], "length", 0)
+
+
+def test_every_eos_id_the_model_declares_ends_the_row():
+    tok = PieceTokenizer()
+    ctx = SimpleNamespace(tokenizer=tok, target=SimpleNamespace(eos_token_id=EOS,
+                                                                eos_token_ids=frozenset({EOS, 7})))
+    t = StopTrimmer(StopConfig(), ctx)
+    row = start(t)
+    assert t.trim_row(row, [0, 7, 1])[:2] == ([0], "eos")
 
 
 def test_eos_on_the_last_allowed_token_is_eos_not_length():
@@ -109,7 +116,7 @@ def test_eos_on_the_last_allowed_token_is_eos_not_length():
 def test_per_request_stop_overrides_the_config():
     t = trimmer(strings=["STOP"])
     row = start(t, stop=["fg"])
-    assert t.trim_row(row, [0, 5, 6, 8])[:3] == ([0, 5, 6], "stop", "abSTOP")
+    assert t.trim_row(row, [0, 5, 6, 8]) == ([0, 5, 6], "stop", 0)
 
 
 def test_characters_split_over_tokens_are_decoded_once_complete():
@@ -123,8 +130,8 @@ def test_stop_string_made_of_multibyte_characters_split_over_tokens():
     t = trimmer(ByteTokenizer(), strings=["é"])
     row = start(t)
     data = list("abé c".encode())
-    keep, reason, text, _ = t.trim_row(row, data)
-    assert (bytes(keep), reason, text) == (b"ab", "stop", "ab")
+    keep, reason, _ = t.trim_row(row, data)
+    assert (bytes(keep), reason) == (b"ab", "stop")
 
 
 def test_trim_hook_handles_padded_rows():

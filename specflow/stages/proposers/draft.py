@@ -40,6 +40,18 @@ def pending_inputs(token_ids: list[list[int]], cached: list[int]) -> tuple[torch
     return out, lens
 
 
+def align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Draft logits [..., V_draft] on the target's vocabulary [..., V_target]: checkpoints of one
+    family pad their embedding tables differently; rows past the tokenizer are never real tokens."""
+    V = logits.shape[-1]
+    if V > vocab_size:
+        return logits[..., :vocab_size]
+    if V < vocab_size:
+        pad = logits.new_full((*logits.shape[:-1], vocab_size - V), float("-inf"))
+        return torch.cat([logits, pad], -1)
+    return logits
+
+
 class DraftModelProposer:
     def __init__(self, cfg: DraftProposerConfig, ctx):
         if ctx.draft is None:
@@ -47,26 +59,52 @@ class DraftModelProposer:
                               "(e.g. draft=synthetic for model=synthetic)")
         self.cfg = cfg
         self.model = ctx.draft
+        self.vocab_size = ctx.target.vocab_size
 
     @hookimpl
     def specflow_request_start(self, slot, request):
         self.model.reset(slot)
         self.model.prefill(slot, request.prompt_ids[:-1])
 
+    def _room(self, batch, k: torch.Tensor) -> list[int]:
+        """k per row, cut where the draft's own context ends (it may be shorter than the target's)."""
+        ks = k.tolist()
+        limit = self.model.max_length
+        if limit is None:
+            return ks
+        return [max(0, min(kb, limit - len(ids))) for kb, ids in zip(ks, batch.token_ids)]
+
     @hookimpl
     def specflow_propose(self, batch, k):
-        B = batch.size
-        K = int(k.max()) if B else 0
+        ks = self._room(batch, k)
+        rows = [b for b, kb in enumerate(ks) if kb > 0]
+        K = max(ks, default=0)
         if K == 0:
-            return Proposal.empty(B)
+            return Proposal.empty(batch.size)
+        sub = batch.select(rows) if len(rows) < batch.size else batch   # only rows that draft run
+        drafts, probs = self._draft(sub, [ks[b] for b in rows], K)
+        if sub is batch:
+            return Proposal(drafts, probs)
+        full = Proposal.empty(batch.size, K, device=drafts.device)
+        full.draft_token_ids[rows] = drafts
+        if probs is not None:
+            full.draft_probs = probs.new_zeros(batch.size, K, probs.shape[-1])
+            full.draft_probs[rows] = probs
+        return full
+
+    def _draft(self, batch, ks: list[int], K: int):
+        """K autoregressive draft steps for rows that all draft; -> ([B, K], [B, K, V] or None)."""
+        B = batch.size
         cached = [self.model.cache_length(s) for s in batch.slots.tolist()]
         inputs, lens = pending_inputs(batch.token_ids, cached)             # [B, T], [B]
-        drafts = torch.full((B, K), PAD, dtype=torch.long)                 # [B, K]
-        probs = None if batch.greedy else torch.zeros(B, K, self.model.vocab_size)  # [B, K, V]
-        rows = torch.arange(B)
+        device = self.model.device
+        k = torch.tensor(ks, device=device)                                 # [B]
+        drafts = torch.full((B, K), PAD, dtype=torch.long, device=device)  # [B, K]
+        probs = None if batch.greedy else torch.zeros(B, K, self.vocab_size, device=device)
+        rows = torch.arange(B, device=device)
         for i in range(K):
-            logits = self.model.forward(batch.slots, inputs, lens)         # [B, T, V]
-            last = logits[rows, lens - 1][:, None]                          # [B, 1, V]
+            logits = self.model.forward(batch.slots, inputs, lens)         # [B, T, V_draft]
+            last = align_vocab(logits[rows, lens.to(device) - 1], self.vocab_size)[:, None]
             shaped = batch.shape(last, drafts[:, :i], first_draft_index=i, source="draft")[:, 0]
             active = k > i                                                  # [B]
             if batch.greedy:
@@ -77,7 +115,7 @@ class DraftModelProposer:
                 probs[:, i] = q
             drafts[:, i] = torch.where(active, x, torch.full_like(x, PAD))
             inputs, lens = x[:, None], torch.ones(B, dtype=torch.long)     # [B, 1], [B]
-        return Proposal(drafts, probs)
+        return drafts, probs
 
     @hookimpl
     def specflow_sync_cache(self, batch, result):

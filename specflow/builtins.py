@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specflow.constraints.grammar import (ChoiceConfig, GrammarConstraint, JsonSchemaConfig,
+                                          RegexConfig)
 from specflow.experiments.workloads import (DemoWorkload, DemoWorkloadConfig, FileWorkload,
                                             FileWorkloadConfig)
 from specflow.models.hf import HFModelConfig
@@ -10,7 +12,8 @@ from specflow.models.synthetic import SyntheticBackend, SyntheticDraftConfig, Sy
 from specflow.plugins import hookimpl
 from specflow.policies.adaptive import AdaptivePolicy, AdaptivePolicyConfig
 from specflow.policies.static import StaticPolicy, StaticPolicyConfig
-from specflow.stages import logits
+from specflow.stages import logits, penalties
+from specflow.stages.hf_processor import HFLogitsProcessor, HFProcessorConfig
 from specflow.stages.proposers.draft import DraftModelProposer, DraftProposerConfig
 from specflow.stages.proposers.ngram import NgramProposer, NgramProposerConfig
 from specflow.stages.proposers.none import NoneProposer, NoneProposerConfig
@@ -73,7 +76,18 @@ def specflow_register(registry):
     add("logits", "top_k", logits.TopK, logits.TopKConfig)
     add("logits", "top_p", logits.TopP, logits.TopPConfig)
     add("logits", "min_p", logits.MinP, logits.MinPConfig)
+    add("logits", "repetition_penalty", penalties.RepetitionPenalty, penalties.RepetitionPenaltyConfig)
+    add("logits", "frequency_penalty", penalties.FrequencyPenalty, penalties.FrequencyPenaltyConfig)
+    add("logits", "presence_penalty", penalties.PresencePenalty, penalties.PresencePenaltyConfig)
+    add("logits", "min_new_tokens", penalties.MinNewTokens, penalties.MinNewTokensConfig)
+    add("logits", "no_repeat_ngram", penalties.NoRepeatNgram, penalties.NoRepeatNgramConfig)
+    add("logits", "bad_words", penalties.BadWords, penalties.BadWordsConfig)
+    add("logits", "logit_bias", penalties.LogitBias, penalties.LogitBiasConfig)
+    add("logits", "hf", HFLogitsProcessor, HFProcessorConfig)
     add("constraint", "none", nothing, NamedOnly)
+    add("constraint", "json_schema", GrammarConstraint, JsonSchemaConfig)
+    add("constraint", "regex", GrammarConstraint, RegexConfig)
+    add("constraint", "choice", GrammarConstraint, ChoiceConfig)
     add("verifier", "standard", StandardVerifier, NamedOnly)
     add("stop", "default", StopTrimmer, StopConfig)
     add("policy", "static", StaticPolicy, StaticPolicyConfig)

@@ -38,6 +38,7 @@ class Request:
     max_new_tokens: int
     stop: list[str] | None       # None: the config's stop strings
     seed: int
+    logprobs: int | None = None  # None: off; 0: the chosen tokens' logprobs; n: also the top n
 
 
 @dataclass
@@ -48,12 +49,17 @@ class GenerationResult:
     token_ids: list[int]         # generated tokens only; never after EOS or a stop
     finish_reason: str           # "stop" | "eos" | "length"
     stats: dict[str, Any] = field(default_factory=dict)   # DESIGN.md section 7 names
-    logprobs: list[float] | None = None
+    logprobs: list[float] | None = None          # target logprob of each returned token
+    top_logprobs: list[dict[int, float]] | None = None   # the top-n alternatives per position
 
     def to_json(self) -> dict[str, Any]:
-        return {"index": self.index, "prompt": self.prompt, "text": self.text,
-                "token_ids": self.token_ids, "finish_reason": self.finish_reason,
-                "stats": self.stats}
+        out = {"index": self.index, "prompt": self.prompt, "text": self.text,
+               "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+               "stats": self.stats}
+        if self.logprobs is not None:
+            out["logprobs"] = self.logprobs
+            out["top_logprobs"] = self.top_logprobs
+        return out
 
 
 @dataclass
@@ -85,6 +91,8 @@ class _Row:
     slot: int
     token_ids: list[int]
     generator: torch.Generator | None
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -183,7 +191,7 @@ class Pipeline:
 
     # --- generation --------------------------------------------------------------------------
 
-    def _requests(self, prompts, max_new_tokens, stop, seed) -> list[Request]:
+    def _requests(self, prompts, max_new_tokens, stop, seed, logprobs) -> list[Request]:
         if isinstance(prompts, str):
             prompts = [prompts]
         prompts = list(prompts)
@@ -197,6 +205,9 @@ class Pipeline:
             if any(s == "" for s in stop):
                 raise InputError("a stop string is empty, which would stop at once; remove it")
         base_seed = int(self.cfg.seed if seed is None else seed)
+        logprobs = self.cfg.get("logprobs") if logprobs is None else logprobs
+        if logprobs is not None and int(logprobs) < 0:
+            raise InputError(f"logprobs={logprobs} must be >= 0 (0 = the chosen tokens only) or None")
         limit = self.target.max_length
         requests = []
         for i, prompt in enumerate(prompts):
@@ -209,14 +220,20 @@ class Pipeline:
                 raise InputError(f"prompt {i} has {len(ids)} tokens but the model's context is "
                                  f"{limit}; shorten the prompt")
             room = max_new if limit is None else min(max_new, limit - len(ids))
-            requests.append(Request(i, prompt, ids, room, stop, base_seed + i))
+            requests.append(Request(i, prompt, ids, room, stop, base_seed + i,
+                                    None if logprobs is None else int(logprobs)))
         return requests
 
     def generate(self, prompts: Sequence[str] | str, max_new_tokens: int | None = None,
                  stop: Sequence[str] | None = None, seed: int | None = None,
-                 max_batch_size: int | None = None, progress: bool = False) -> list[GenerationResult]:
-        """Generate a continuation of every prompt; results come back in prompt order."""
-        requests = self._requests(prompts, max_new_tokens, stop, seed)
+                 max_batch_size: int | None = None, progress: bool = False,
+                 logprobs: int | None = None) -> list[GenerationResult]:
+        """Generate a continuation of every prompt; results come back in prompt order.
+
+        logprobs: None (off), 0 (each returned token's logprob under the target's shaped
+        distribution, the one it was verified against) or n (also the top n alternatives).
+        """
+        requests = self._requests(prompts, max_new_tokens, stop, seed, logprobs)
         capacity = int(max_batch_size or self.cfg.max_batch_size)
         if capacity > self.ctx.slots:
             raise InputError(f"max_batch_size={capacity} exceeds the pipeline's "
@@ -258,8 +275,10 @@ class Pipeline:
                 max_new_tokens=[r.request.max_new_tokens for r in rows],
                 generators=[r.generator for r in rows], greedy=self.greedy,
                 max_batch_size=capacity, shaper=self.shape)
-            result, trim = self._round(batch, round_index)
+            result, trim, shaped = self._round(batch, round_index)
             round_index += 1
+            if any(r.request.logprobs is not None for r in rows):
+                self._record_logprobs(rows, shaped, trim.committed)
             for b, row in enumerate(rows):
                 reason = result.finish_reasons[b]
                 if reason is None:
@@ -267,6 +286,8 @@ class Pipeline:
                 retract = trim.retract[b] if trim.retract else 0
                 if retract:
                     del row.token_ids[len(row.token_ids) - retract:]
+                    del row.logprobs[len(row.logprobs) - retract:]
+                    del row.top_logprobs[len(row.top_logprobs) - retract:]
                     recorder.retract(row.request.request_id, retract)
                 results[row.request.request_id] = self._finish(row, reason, recorder)
                 del active[row.slot]
@@ -283,8 +304,11 @@ class Pipeline:
         generated = row.token_ids[len(row.request.prompt_ids):]
         text = self.tokenizer.decode(generated)        # text always agrees with token_ids
         stats = recorder.requests[row.request.request_id].as_dict()
+        want = row.request.logprobs
         return GenerationResult(row.request.request_id, row.request.prompt, text, generated,
-                                reason, stats)
+                                reason, stats,
+                                logprobs=None if want is None else row.logprobs,
+                                top_logprobs=None if not want else row.top_logprobs)
 
     def _cap_k(self, k: torch.Tensor, batch: DecodeBatch) -> tuple[torch.Tensor, list[str | None]]:
         """No more drafts than the tokens a row may still commit, minus the recovered/bonus one."""
@@ -336,7 +360,22 @@ class Pipeline:
         result.seconds = seconds
         hook.specflow_observe(result=result)
         hook.specflow_round_end(result=result, pipeline=self)
-        return result, trim
+        return result, trim, shaped
+
+    def _record_logprobs(self, rows: list[_Row], shaped: torch.Tensor,
+                         committed: list[list[int]]) -> None:
+        """Logprobs of the committed tokens: committed token j was verified at position j."""
+        lp = shaped.float().log_softmax(-1)                                          # [B, K+1, V]
+        for b, (row, new) in enumerate(zip(rows, committed)):
+            n_top = row.request.logprobs
+            if n_top is None or not new:
+                continue
+            ids = torch.tensor(new, device=lp.device)
+            row.logprobs += lp[b, :len(new)].gather(-1, ids[:, None])[:, 0].tolist()
+            if n_top:
+                values, tokens = lp[b, :len(new)].topk(n_top, -1)
+                row.top_logprobs += [dict(zip(t, v)) for t, v in zip(tokens.tolist(),
+                                                                      values.tolist())]
 
     def __repr__(self) -> str:
         names = [name for name, _ in self.pm.list_name_plugin()]

@@ -77,6 +77,7 @@ BAD_INPUTS = [
     (["proposer.k=two"], "could not be converted to Integer"),
     (["logits=[temperature]", "logits.temperature.value=-1"], "must be >= 0"),
     (["logits=[top_p]", "logits.top_p.p=1.5"], "must be in (0, 1]"),
+    (["logits=[top_k]", "logits.top_k.k=0"], "top_k.k=0 must be >= 1"),
     (["prompt="], "prompt 0 is empty"),
     (["workload=file", "workload.path={tmp}/missing.jsonl"], "cannot read prompt file"),
     (["workload=file", "workload.path={tmp}/empty.txt"], "has no prompts"),
@@ -100,6 +101,27 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, message):
     assert err.startswith("specflow: error:") and message in err, err
     assert len(err.splitlines()) == 1 and "Traceback" not in err
     assert not (tmp_path / "run/metrics.json").exists()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["constraint=json_schema", "constraint.schema={\"type\": \"objekt\"}"], "not a valid JSON Schema"),
+    (["constraint=regex", "constraint.pattern=[一-鿿]{3}"], "tokens do not spell"),
+])
+def test_bad_constraint_exits_2_on_the_demo_pair(tmp_path, args, message):
+    out = specflow("run", *args, f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
+    err = out.stderr.decode().strip()
+    assert out.returncode == 2 and message in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "run/metrics.json").exists()
+
+
+def test_structured_output_from_the_command_line(tmp_path):
+    schema = '{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}'
+    out = specflow("run", "constraint=json_schema", f"constraint.schema={schema}",
+                   "prompt=# status\n", "logprobs=1", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr.decode()
+    row = json.loads((tmp_path / "run/requests.jsonl").read_text())
+    assert json.loads(row["text"])["ok"] in (True, False) and row["finish_reason"] == "eos"
+    assert len(row["logprobs"]) == len(row["token_ids"])
 
 
 def test_missing_model_path_exits_2(tmp_path):

@@ -21,6 +21,9 @@ CONFIG_MODULE = "specflow.conf"
 SINGLE_GROUPS = ("model", "draft", "proposer", "constraint", "verifier", "stop", "policy", "workload")
 MULTI_GROUPS = ("logits",)
 GROUPS = SINGLE_GROUPS + MULTI_GROUPS + ("experiment",)
+# keys whose values are free text (JSON, regexes, code): quoted for Hydra when given bare
+FREE_TEXT_KEYS = ("prompt", "constraint.schema", "constraint.pattern", "constraint.model",
+                  "workload.path", "model.path", "draft.path")
 DEVICES = re.compile(r"^(cpu|auto|cuda(:\d+)?|mps)$")
 DTYPES = ("float32", "float16", "bfloat16", "auto")
 
@@ -38,17 +41,21 @@ if not OmegaConf.has_resolver("specflow_demo"):
 def normalize_overrides(overrides: Sequence[str]) -> list[str]:
     """Make the command line forgiving where plain Hydra is not:
     - `+proposer=ngram` for a group the defaults list already has (Hydra refuses to append it);
-    - `prompt=def fib(n):` with characters Hydra's grammar reserves: the value is quoted for it.
+    - `prompt=def fib(n):` with characters Hydra's grammar reserves: values of free-text keys
+      (FREE_TEXT_KEYS: prompts, schemas, regexes, paths) are quoted for it.
     """
     out = []
     for item in overrides:
         m = re.match(r"^\+(\w+)=(.*)$", item)
         if m and m.group(1) in GROUPS:
             item = f"{m.group(1)}={m.group(2)}"
-        m = re.match(r"^(\+{0,2}prompt)=(.*)$", item, flags=re.S)
+        m = re.match(r"^(\+{0,2}(?:%s))=(.*)$" % "|".join(map(re.escape, FREE_TEXT_KEYS)), item,
+                     flags=re.S)
         if m and m.group(2) and m.group(2)[0] not in "'\"" and m.group(2) not in ("null", "-"):
-            value = m.group(2).replace("'", "\\'")
-            value += "\\" * (len(value) - len(value.rstrip("\\")))   # a trailing backslash
+            # Hydra's quoted strings: a quote is escaped with a backslash, and backslashes
+            # right before a quote (or at the end) are doubled
+            value = re.sub(r"(\\*)'", lambda q: q.group(1) * 2 + "\\'", m.group(2))
+            value += "\\" * (len(value) - len(value.rstrip("\\")))
             item = f"{m.group(1)}='{value}'"
         out.append(item)
     return out

@@ -56,8 +56,8 @@ class HFTokenizer:
         self.eos_token_id = tok.eos_token_id
         self.eos_token_ids = eos_ids
 
-    def encode(self, text: str) -> list[int]:
-        return self.tok(text, add_special_tokens=True)["input_ids"]
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tok(text, add_special_tokens=add_special_tokens)["input_ids"]
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)

@@ -40,7 +40,7 @@ class CharTokenizer:
         self.eos_token_id = eos_token_id
         self.vocab_size = vocab_size
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         unknown = sorted({c for c in text if c not in self.index})
         if unknown:
             raise InputError(f"prompt has characters the synthetic model's {self.vocab_size}-token "

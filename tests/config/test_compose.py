@@ -17,6 +17,8 @@ COMPANIONS = {
     ("draft", "none"): ["proposer=ngram"],
     ("draft", "synthetic"): ["model=synthetic"],
     ("draft", "hf"): ["draft.path=${specflow_demo:draft}"],
+    ("constraint", "json_schema"): ["constraint.schema='{\"type\": \"boolean\"}'"],
+    ("constraint", "regex"): ["constraint.pattern=abc"],
 }
 
 
@@ -105,6 +107,13 @@ def test_plus_prefix_is_accepted_for_groups_in_the_defaults_list():
     cfg = compose(["+proposer=ngram", "+policy=adaptive"])
     assert cfg.proposer.name == "ngram" and cfg.policy.name == "adaptive"
     assert cfg.policy.k_max == cfg.proposer.k      # interpolations resolve
+
+
+@pytest.mark.parametrize("value", ["it's", "a\\b", "ends with backslash\\",
+                                   "quote' and back\\'slash", 'dq "x"', "{\"a\": [1, 2]}"])
+def test_free_text_values_reach_the_config_unchanged(value):
+    cfg = compose(normalize_overrides(["constraint=regex", f"constraint.pattern={value}"]))
+    assert cfg.constraint.pattern == value
 
 
 def test_prompt_with_grammar_characters_is_quoted_for_hydra():

@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-fast bench sim wheel-check clean
+.PHONY: demo test test-fast bench bench-policies sim calibrate wheel-check clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,8 +27,14 @@ test-fast: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(PY) bench/run.py
 
+bench-policies: $(VENV)/.installed
+	$(PY) bench/policies.py
+
 sim: $(VENV)/.installed
 	$(VENV)/bin/specflow sim
+
+calibrate: $(VENV)/.installed
+	$(VENV)/bin/specflow calibrate
 
 # build the wheel, install it (not editable) in a fresh venv, run one command from a foreign folder
 wheel-check: $(VENV)/.installed

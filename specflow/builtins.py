@@ -11,6 +11,10 @@ from specflow.models.hf import HFModelConfig
 from specflow.models.synthetic import SyntheticBackend, SyntheticDraftConfig, SyntheticModelConfig
 from specflow.plugins import hookimpl
 from specflow.policies.adaptive import AdaptivePolicy, AdaptivePolicyConfig
+from specflow.policies.goodput import (GoodputPolicy, GoodputPolicyConfig, OraclePolicy,
+                                       OraclePolicyConfig)
+from specflow.policies.heuristic import HeuristicPolicy, HeuristicPolicyConfig
+from specflow.policies.schedule import SchedulePolicy, SchedulePolicyConfig
 from specflow.policies.static import StaticPolicy, StaticPolicyConfig
 from specflow.stages import logits, penalties
 from specflow.stages.hf_processor import HFLogitsProcessor, HFProcessorConfig
@@ -92,5 +96,9 @@ def specflow_register(registry):
     add("stop", "default", StopTrimmer, StopConfig)
     add("policy", "static", StaticPolicy, StaticPolicyConfig)
     add("policy", "adaptive", AdaptivePolicy, AdaptivePolicyConfig)
+    add("policy", "heuristic", HeuristicPolicy, HeuristicPolicyConfig)
+    add("policy", "schedule", SchedulePolicy, SchedulePolicyConfig)
+    add("policy", "goodput", GoodputPolicy, GoodputPolicyConfig)
+    add("policy", "oracle", OraclePolicy, OraclePolicyConfig)
     add("workload", "demo", DemoWorkload, DemoWorkloadConfig)
     add("workload", "file", FileWorkload, FileWorkloadConfig)

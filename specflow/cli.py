@@ -16,7 +16,9 @@ USAGE = """usage: specflow <command> [overrides...]
 commands:
   run       generate from prompts (prompt=..., prompt=- for stdin, or workload=...)
             e.g. specflow run proposer=ngram policy=adaptive prompt="def fib(n):"
-  sim       the seed articles' formula tables on the synthetic pair (JSON + PNG + tables)
+  sim       the seed articles' formula tables on the synthetic pair (JSON + PNG + tables);
+            studies=[policy_mix]: the policies on an interleaved code/chat mix
+  calibrate load sweep with speculation on and off; writes policy/calibrated.yaml + a PNG
   plugins   list loaded plugins: name, package, version, hooks, components
 
 Hydra options work after `run` and `sim`: --cfg job, --help, -m (multirun), hydra.run.dir=...
@@ -54,14 +56,14 @@ def _hydra_app(task: Callable, config_name: str, command: str, args: list[str]) 
     """Validate the overrides (exit 2 on a bad one), then hand over to hydra.main."""
     import hydra
 
-    from specflow.config import compose, normalize_overrides
+    from specflow.config import compose, normalize_overrides, with_searchpath
 
     args = normalize_overrides(args)
     overrides, multirun = _overrides_only(args)
     helping = any(a in ("--help", "-h", "--hydra-help") for a in args)
     if not multirun and not helping:
         compose(overrides, config_name)   # raises ConfigError -> exit 2
-    sys.argv = [f"specflow {command}", *args, f"hydra.job.name={command}"]
+    sys.argv = [f"specflow {command}", *with_searchpath(args), f"hydra.job.name={command}"]
     main = hydra.main(version_base="1.3", config_path="pkg://specflow.conf",
                       config_name=config_name)(task)
     main()
@@ -123,7 +125,7 @@ def sim_task(cfg) -> None:
     from omegaconf import OmegaConf
     from rich.progress import Progress
 
-    from specflow.console import console, sim_best_k_table, sim_k_table
+    from specflow.console import console, sim_best_k_table, sim_k_table, sim_policy_table
     from specflow.experiments import plots, sim
     from specflow.io import atomic_write_json
 
@@ -134,7 +136,9 @@ def sim_task(cfg) -> None:
     n_arms = (len(c["k_sweep"]["ks"]) * ("k_sweep" in studies)
               + len(c["noise_sweep"]["noises"]) * ("noise_sweep" in studies)
               + len(c["best_k"]["alphas"]) * len(c["best_k"]["ks"]) * ("best_k" in studies)
-              + len(c["histogram"]["noises"]) * ("histogram" in studies))
+              + len(c["histogram"]["noises"]) * ("histogram" in studies)
+              + (len(c["policy_mix"]["static_ks"]) + len(c["policy_mix"]["arms"]))
+              * len(c["policy_mix"]["regimes"]) * ("policy_mix" in studies))
     rows, tokens, seed = c["rows"], c["tokens"], c["seed"]
     report: dict = {"config": c}
     with Progress(console=console, transient=True) as bar:
@@ -156,6 +160,14 @@ def sim_task(cfg) -> None:
             h = c["histogram"]
             report["histogram"] = sim.histograms(h["k"], h["noises"], rows, tokens, seed, model,
                                                  step)
+        if "policy_mix" in studies:
+            pm = c["policy_mix"]
+            arms = {f"static k={k}": ["policy=static", f"policy.k={k}"] for k in pm["static_ks"]}
+            arms.update({name: list(o) for name, o in pm["arms"].items()})
+            report["policy_mix"] = {
+                regime: sim.policy_mix(arms, pm["mix"], pm["requests"], pm["tokens"], pm["rows"],
+                                       seed, model, costs, step)
+                for regime, costs in pm["regimes"].items()}
     atomic_write_json(out / "sim.json", report)
     written = [out / "sim.json"]
     if "k_sweep" in report:
@@ -169,7 +181,50 @@ def sim_task(cfg) -> None:
         written.append(plots.plot_best_k(report["best_k"], out / "best_k.png"))
     if "histogram" in report:
         written.append(plots.plot_histograms(report["histogram"], out / "tokens_per_round.png"))
+    if "policy_mix" in report:
+        for regime, rows_ in report["policy_mix"].items():
+            console.print(sim_policy_table(rows_, f"policies on the code/chat mix: {regime} "
+                                                  f"({c['policy_mix']['regimes'][regime]})"))
+        written.append(plots.plot_policy_mix(report["policy_mix"], out / "policy_mix.png"))
     console.print("[dim]wrote " + ", ".join(str(p) for p in written) + "[/]")
+
+
+# --- calibrate -----------------------------------------------------------------------------------
+
+def calibrate_task(cfg) -> None:
+    import pathlib
+
+    from hydra.core.hydra_config import HydraConfig
+    from rich.progress import Progress
+
+    from specflow.config import validate
+    from specflow.console import calibrate_table, console
+    from specflow.experiments import calibrate, plots
+    from specflow.io import atomic_write_json
+
+    try:
+        cfg = validate(cfg)
+        prompts = read_prompts(cfg)
+        cal = cfg.calibrate
+        sizes = sorted(int(b) for b in cal.batch_sizes)
+        if not sizes or sizes[0] < 1 or not 0 <= float(cal.margin) < 1:
+            raise SpecflowError("calibrate.batch_sizes must be >= 1 and calibrate.margin in [0, 1)")
+        with Progress(console=console, transient=True) as bar:
+            task = bar.add_task("load sweep (batch sizes x on/off)", total=len(sizes))
+            rows = calibrate.run_calibration(cfg, prompts, sizes, int(cal.new_tokens),
+                                             lambda: bar.advance(task))
+        k = int(cfg.policy.get("k", cfg.policy.get("k_max", cfg.proposer.k)))
+        source = f"{cfg.model.name} {cfg.model.get('path', '')}, proposer={cfg.proposer.name}"
+        result = calibrate.write_calibrated(calibrate.calibrated_path(cal.output), rows, k,
+                                            float(cal.margin), source)
+    except SpecflowError as exc:
+        raise SystemExit(fail(str(exc)))
+    out = pathlib.Path(HydraConfig.get().runtime.output_dir)
+    atomic_write_json(out / "calibration.json", {"rows": rows, **result})
+    png = plots.plot_calibration(rows, result["crossover"], out / "calibration.png")
+    console.print(calibrate_table(rows, result))
+    console.print(f"[dim]wrote {result['path']} (use policy=calibrated), {out}/calibration.json, "
+                  f"{png}[/]")
 
 
 # --- plugins -------------------------------------------------------------------------------------
@@ -194,6 +249,7 @@ def cmd_plugins(args: list[str]) -> int:
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "run": lambda args: _hydra_app(run_task, "config", "run", args),
     "sim": lambda args: _hydra_app(sim_task, "sim", "sim", args),
+    "calibrate": lambda args: _hydra_app(calibrate_task, "calibrate", "calibrate", args),
     "plugins": cmd_plugins,
 }
 

@@ -81,3 +81,32 @@ def sim_best_k_table(rows: list[dict]) -> Table:
                   _f(r["z"], 2), str(r["measured_best_k"]), _f(r["measured_best_speedup"], 2),
                   "yes" if abs(r["z"]) < 3 else "[red]NO[/]")
     return t
+
+
+def sim_policy_table(rows: list[dict], title: str) -> Table:
+    t = Table(title=title)
+    classes = [k[2:] for k in rows[0] if k.startswith("k_")]
+    for col in ("arm", "tokens / time unit", "vs best static", "vs oracle", "α",
+                *[f"mean k ({c})" for c in classes]):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(r["arm"], _f(r["throughput"], 2), _f(r["vs_best_static"]), _f(r["vs_oracle"]),
+                  _f(r["alpha"], 2), *[_f(r[f"k_{c}"], 2) for c in classes])
+    return t
+
+
+def calibrate_table(rows: list[dict], result: dict) -> Table:
+    cross = result["crossover"]
+    unit = rows[0]["none"]["unit"] if rows else "s"
+    t = Table(title=f"load sweep: crossover at {'-' if cross is None else f'{cross:.1f}'} running "
+                    f"sequences; schedule {result['ranges']}")
+    for col in ("batch", f"tokens/{unit} off", f"tokens/{unit} on", "on / off",
+                f"latency p50 off / on ({unit}/token)", "latency p95 off / on", "α"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        off, on = r["none"], r["spec"]
+        t.add_row(str(r["batch"]), _f(off["throughput"], 1), _f(on["throughput"], 1),
+                  _f(on["throughput"] / off["throughput"], 2),
+                  f"{off['latency_p50']:.4f} / {on['latency_p50']:.4f}",
+                  f"{off['latency_p95']:.4f} / {on['latency_p95']:.4f}", _f(on["alpha"], 2))
+    return t

@@ -86,6 +86,10 @@ BAD_INPUTS = [
     (["model.max_length=8", "proposer.k=7"], "proposer.k=7 leaves no room"),
     (["stop.strings=['']"], "empty string"),
     (["policy=adaptive", "policy.on_below_batch=99"], "thresholds must be ordered"),
+    (["policy=adaptive", "policy.k_max=-1"], "policy.k_max=-1 must be >= 0"),
+    (["policy=goodput", "policy.k_max=-2"], "policy.k_max=-2 must be >= 0"),
+    (["policy=schedule", "policy.ranges=[{up_to: 16, k: 2}, {up_to: 4, k: 4}]"], "strictly increasing"),
+    (["policy=greedyish"], "valid options for policy"),
     (["prompt=ÿ"], "alphabet lacks"),
 ]
 

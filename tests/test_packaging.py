@@ -11,7 +11,7 @@ def test_every_package_is_listed_in_pyproject():
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "specflow").rglob("__init__.py")
              if "__pycache__" not in p.parts}
-    found |= {"specflow.conf", "hydra_plugins.specflow_searchpath"}
+    found |= {"specflow.conf"}
     assert found == listed
 
 

@@ -38,6 +38,40 @@ if not OmegaConf.has_resolver("specflow_demo"):
     OmegaConf.register_new_resolver("specflow_demo", _demo_path)
 
 
+CONFIG_PATH_ENV = "SPECFLOW_CONFIG_PATH"
+
+
+def extra_searchpath() -> list[str]:
+    """Config folders beside specflow's own: $SPECFLOW_CONFIG_PATH first (where `specflow
+    calibrate` writes policy/calibrated.yaml), then every plugin's specflow_config_searchpath()."""
+    import os
+
+    from specflow.plugins import config_searchpath
+
+    entries = []
+    user = os.environ.get(CONFIG_PATH_ENV)
+    if user:
+        entries.append(f"file://{os.path.abspath(os.path.expanduser(user))}")
+    return entries + config_searchpath()
+
+
+def with_searchpath(overrides: Sequence[str]) -> list[str]:
+    """Add the extra folders as Hydra's own `hydra.searchpath` override (kept with a user's)."""
+    extra = extra_searchpath()
+    if not extra:
+        return list(overrides)
+    out, merged = [], False
+    for item in overrides:
+        m = re.match(r"^(\+{0,2}hydra\.searchpath)=\[(.*)\]$", item)
+        if m:
+            given = [x for x in m.group(2).split(",") if x.strip()]
+            item, merged = f"{m.group(1)}=[{','.join(extra + given)}]", True
+        out.append(item)
+    if not merged:
+        out.append(f"hydra.searchpath=[{','.join(extra)}]")
+    return out
+
+
 def normalize_overrides(overrides: Sequence[str]) -> list[str]:
     """Make the command line forgiving where plain Hydra is not:
     - `+proposer=ngram` for a group the defaults list already has (Hydra refuses to append it);
@@ -86,7 +120,7 @@ def compose(overrides: Sequence[str] = (), config_name: str = "config",
     overrides = normalize_overrides(overrides)
     try:
         with _hydra(config_module):
-            cfg = hydra_compose(config_name=config_name, overrides=list(overrides))
+            cfg = hydra_compose(config_name=config_name, overrides=with_searchpath(overrides))
     except SpecflowError:
         raise
     except Exception as exc:  # Hydra's and OmegaConf's composition errors

@@ -66,3 +66,45 @@ def plot_best_k(best: list[dict], path: pathlib.Path) -> pathlib.Path:
     ax.set_title(f"Speedup vs k at c = {best[0]['c']} (dots: measured ±3 SE, ★: best k)")
     ax.legend(fontsize=8, ncol=2)
     return _save(fig, path)
+
+
+def plot_policy_mix(report: dict[str, list[dict]], path: pathlib.Path) -> pathlib.Path:
+    """Throughput of every policy arm relative to the best static k, one panel per cost regime."""
+    fig, axes = plt.subplots(1, len(report), figsize=(6 * len(report), 4), sharey=True)
+    axes = [axes] if len(report) == 1 else axes
+    for ax, (regime, rows) in zip(axes, report.items()):
+        names = [r["arm"] for r in rows]
+        values = [r["vs_best_static"] for r in rows]
+        colors = ["tab:gray" if n.startswith("static") else "tab:blue" for n in names]
+        ax.barh(names, values, color=colors)
+        ax.axvline(1.0, color="black", lw=0.8)
+        ax.set_xlim(min(values) * 0.97, max(values) * 1.02)
+        ax.set_xlabel("throughput / best static k (simulated time)")
+        ax.set_title(regime)
+    fig.suptitle("Policies on an interleaved code/chat mix")
+    return _save(fig, path)
+
+
+def plot_calibration(rows: list[dict], crossover: float | None, path: pathlib.Path) -> pathlib.Path:
+    """Throughput and per-token latency against batch size, speculation on and off."""
+    bs = [r["batch"] for r in rows]
+    unit = rows[0]["none"]["unit"] if rows else "s"
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for arm, label, style, color in (("none", "speculation off", "o-", "tab:blue"),
+                                     ("spec", "speculation on", "s-", "tab:orange")):
+        ax1.plot(bs, [r[arm]["throughput"] for r in rows], style, color=color, label=label)
+        ax2.plot(bs, [r[arm]["latency_p50"] for r in rows], style, color=color, label=f"{label}, p50")
+        ax2.plot(bs, [r[arm]["latency_p95"] for r in rows], style.replace("-", ":"), color=color,
+                 label=f"{label}, p95", alpha=0.6)
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(bs, [str(b) for b in bs])
+        ax.set_xlabel("running sequences (batch size)")
+        if crossover is not None:
+            ax.axvline(crossover, color="red", ls="--", lw=1, label=f"crossover {crossover:.1f}")
+        ax.legend(fontsize=8)
+    ax1.set_ylabel(f"decode throughput (tokens/{unit})")
+    ax1.set_title("Throughput")
+    ax2.set_ylabel(f"time per token per request ({unit})")
+    ax2.set_title("Per-token latency")
+    return _save(fig, path)

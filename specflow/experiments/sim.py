@@ -128,3 +128,41 @@ def histograms(k: int, noises: list[float], rows: int, tokens: int, seed: int,
                     "tokens_per_step_histogram": r["tokens_per_step_histogram"]})
         progress()
     return out
+
+
+# --- policies on a traffic mix ------------------------------------------------------------------
+
+def policy_mix(arms: dict[str, list[str]], mix: dict[str, float], requests: int, tokens: int,
+               rows: int, seed: int, model: dict, costs: dict,
+               progress: Callable[[], None] = lambda: None) -> list[dict]:
+    """Every arm decodes the same interleaved requests (one per traffic class in turn) with
+    continuous batching; throughput = committed tokens per unit of simulated time."""
+    classes = list(mix)
+    prompts = [f"{classes[i % len(classes)]} {i}" for i in range(requests)]
+    noise = ", ".join(f"{name}: {n}" for name, n in mix.items())
+    base = ["model=synthetic", "draft=synthetic", "proposer=draft", "logits=[temperature]",
+            f"draft.noise_by_prefix={{{noise}}}", f"max_batch_size={rows}", f"seed={seed}",
+            f"model.token_cost={costs['target_token']}", f"draft.step_cost={costs['draft_step']}",
+            f"draft.token_cost={costs['draft_token']}",
+            *[f"model.{key}={model[key]}" for key in MODEL_KEYS if key in model]]
+    out = []
+    for name, overrides in arms.items():
+        pipe = Pipeline(compose([*base, *overrides]))
+        results = pipe.generate(prompts, max_new_tokens=tokens)
+        s = pipe.last_stats
+        row = {"arm": name, "throughput": s["num_committed_tokens"] / pipe.clock.time,
+               "alpha": s["alpha"], "mean_acceptance_length": s["mean_acceptance_length"]}
+        for cls in classes:
+            mine = [r for r in results if r.prompt.startswith(cls)]
+            drafts = sum(r.stats["num_draft_tokens"] for r in mine)
+            rounds = sum(r.stats["num_rounds"] for r in mine)
+            row[f"k_{cls}"] = drafts / rounds if rounds else 0.0
+        out.append(row)
+        progress()
+    static = [r for r in out if r["arm"].startswith("static")]
+    best = max(static, key=lambda r: r["throughput"]) if static else None
+    oracle = next((r for r in out if r["arm"] == "oracle"), None)
+    for r in out:
+        r["vs_best_static"] = r["throughput"] / best["throughput"] if best else None
+        r["vs_oracle"] = r["throughput"] / oracle["throughput"] if oracle else None
+    return out

@@ -15,7 +15,7 @@ call `step_cost` (the measured c of a real pair goes here).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -84,6 +84,8 @@ class SyntheticDraftConfig(SyntheticModelConfig):
     mismatch: float = 0.0          # fraction of contexts where the draft ranks tokens differently
                                    # (greedy acceptance < 1; breaks the i.i.d. acceptance property)
     step_cost: float = 0.1         # c: one draft step relative to one target step
+    noise_by_prefix: dict[str, float] | None = None  # per-request draft noise by
+                                   # prompt prefix: {"code": 0.05, "chat": 0.9} mixes traffic
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -91,6 +93,9 @@ class SyntheticDraftConfig(SyntheticModelConfig):
             raise ConfigError(f"draft.noise={self.noise} must be in [0, 1] (0 = same as target)")
         if not 0.0 <= self.mismatch <= 1.0:
             raise ConfigError(f"draft.mismatch={self.mismatch} must be in [0, 1]")
+        for prefix, noise in (self.noise_by_prefix or {}).items():
+            if not 0.0 <= noise <= 1.0:
+                raise ConfigError(f"draft.noise_by_prefix[{prefix!r}]={noise} must be in [0, 1]")
 
 
 def base_distribution(vocab_size: int, concentration: float, seed: int) -> torch.Tensor:
@@ -147,9 +152,11 @@ class SyntheticBackend(Backend):
             flip = torch.rand(cfg.contexts, generator=mgen) < mismatch                        # [C]
             other = torch.stack([torch.randperm(V, generator=mgen) for _ in range(cfg.contexts)])
             perms = torch.where(flip[:, None], other, perms)
-        p = self.base[perms]                                                                  # [C, V]
-        q = (1 - noise) * p + noise / V
-        self.log_table = q.log().float()                                                      # [C, V]
+        self.probs = self.base[perms].float()                                                 # [C, V]
+        q = (1 - noise) * self.probs + noise / V
+        self.log_table = q.log()                                                              # [C, V]
+        self.noise_by_prefix = dict(getattr(cfg, "noise_by_prefix", {}) or {})
+        self.slot_noise: dict[int, float] = {}       # slots whose request has its own noise
         self.history = torch.full((slots, 64), -1, dtype=torch.long)                          # [S, cap]
         self.lengths = [0] * slots
 
@@ -179,7 +186,13 @@ class SyntheticBackend(Backend):
         prev_token = torch.where(starts > 0, last, torch.full_like(last, self.vocab_size))  # [B]
         ids = input_ids.clamp(min=0)                                                        # [B, T]
         prev = torch.cat([prev_token[:, None], ids[:, :-1]], 1)                            # [B, T]
-        logits = self.log_table[self.context_of[prev, ids]]                                 # [B, T, V]
+        ctx = self.context_of[prev, ids]                                                    # [B, T]
+        noise = [self.slot_noise.get(s) for s in slot_list]
+        if all(n is None for n in noise):
+            logits = self.log_table[ctx]                                                    # [B, T, V]
+        else:
+            n = torch.tensor([self.noise if x is None else x for x in noise])[:, None, None]
+            logits = ((1 - n) * self.probs[ctx] + n / self.vocab_size).log()               # [B, T, V]
         positions = starts[:, None] + torch.arange(T)[None, :]                             # [B, T]
         mask = torch.arange(T)[None, :] < input_lens[:, None]                              # [B, T]
         rows = slots[:, None].expand(B, T)
@@ -191,7 +204,17 @@ class SyntheticBackend(Backend):
             self.clock.charge(self.source, cost)
         return logits
 
+    def noise_of(self, slot: int) -> float:
+        return self.slot_noise.get(slot, self.noise)
+
     def prefill(self, slot: int, ids: list[int]) -> None:
+        self.slot_noise.pop(slot, None)
+        if self.noise_by_prefix:
+            text = self.tokenizer.decode(ids)
+            for prefix, noise in (self.noise_by_prefix or {}).items():
+                if text.startswith(prefix):
+                    self.slot_noise[slot] = noise
+                    break
         clock, self.clock = self.clock, None     # the clock counts decode rounds only
         try:
             super().prefill(slot, ids)

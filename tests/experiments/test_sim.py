@@ -31,3 +31,16 @@ def test_plots_are_written(tmp_path):
     for path in (plots.plot_k_sweep(ks, tmp_path / "k.png"),
                  plots.plot_histograms(hist, tmp_path / "h.png")):
         assert path.stat().st_size > 10_000
+
+
+def test_policy_mix_per_sequence_policies_beat_static_k():
+    arms = {f"static k={k}": ["policy=static", f"policy.k={k}"] for k in (1, 3)}
+    arms.update({"goodput": ["policy=goodput"], "oracle": ["policy=oracle"]})
+    rows = sim.policy_mix(arms, {"code": 0.05, "chat": 1.0}, requests=96, tokens=60, rows=16,
+                          seed=0, model={}, costs={"target_token": 0.05, "draft_step": 0.03,
+                                                   "draft_token": 0.002})
+    by = {r["arm"]: r for r in rows}
+    # per sequence: the oracle drafts deep for code and little for chat, and wins
+    assert by["oracle"]["k_code"] > 2 * by["oracle"]["k_chat"]
+    assert by["oracle"]["vs_best_static"] > 1.0
+    assert by["goodput"]["vs_oracle"] > 0.9

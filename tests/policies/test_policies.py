@@ -56,3 +56,118 @@ def test_adaptive_rejects_thresholds_out_of_order_and_negative_k():
         AdaptivePolicyConfig(off_above_batch=4, on_below_batch=8)
     with pytest.raises(ConfigError, match="k_max=-1"):
         AdaptivePolicyConfig(k_max=-1)
+
+
+# --- heuristic ----------------------------------------------------------------------------------
+
+from specflow.policies.goodput import (GoodputPolicy, GoodputPolicyConfig, LinearFit, LinearFit2,  # noqa: E402
+                                       choose_k, expected_tokens)
+from specflow.policies.heuristic import HeuristicPolicy, HeuristicPolicyConfig  # noqa: E402
+from specflow.policies.schedule import (BatchRange, SchedulePolicy, SchedulePolicyConfig,  # noqa: E402
+                                        k_for_batch)
+
+
+@pytest.mark.parametrize("rounds,expected", [
+    ([(4, 4)], 6),                     # all accepted: +2
+    ([(4, 2)], 3),                     # a rejection: -1
+    ([(4, 4), (6, 6), (8, 8)], 10),    # capped at k_max = 10
+    ([(4, 0)] * 6, 1),                 # never below 1
+    ([(4, 4), (6, 1), (5, 5)], 7),
+])
+def test_heuristic_follows_hf_schedule(rounds, expected):
+    pol = HeuristicPolicy(HeuristicPolicyConfig(k_start=4, k_max=10))
+    for k, acc in rounds:
+        pol.specflow_observe(RoundResult.make_dummy(num_drafts=[k], num_accepted=[acc]))
+    assert pol.specflow_draft_length(DecodeBatch.make_dummy(1)).tolist() == [expected]
+
+
+# --- schedule -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("running,k", [(1, 5), (4, 5), (5, 2), (16, 2), (17, 0), (500, 0)])
+def test_schedule_maps_running_sequences_to_k(running, k):
+    ranges = [BatchRange(4, 5), BatchRange(16, 2), BatchRange(None, 0)]
+    assert k_for_batch(ranges, running) == k
+    pol = SchedulePolicy(SchedulePolicyConfig(ranges=ranges))
+    assert pol.specflow_draft_length(DecodeBatch.make_dummy(running)).tolist() == [k] * running
+
+
+@pytest.mark.parametrize("ranges,message", [
+    ([BatchRange(16, 2), BatchRange(4, 5)], "strictly increasing"),
+    ([BatchRange(None, 2), BatchRange(4, 5)], "only the last"),
+    ([BatchRange(4, -1)], "k must be >= 0"),
+    ([], "empty"),
+])
+def test_schedule_rejects_bad_ranges(ranges, message):
+    with pytest.raises(ConfigError, match=message):
+        SchedulePolicyConfig(ranges=ranges)
+
+
+# --- goodput --------------------------------------------------------------------------------------
+
+def test_expected_tokens_is_the_formula():
+    E = expected_tokens(torch.full((1, 4), 0.8, dtype=torch.float64))[0]
+    for k in range(5):
+        assert E[k].item() == pytest.approx((1 - 0.8 ** (k + 1)) / 0.2)
+
+
+@pytest.mark.parametrize("acceptance,costs,expected", [
+    # memory bound (a scored position is free): k follows acceptance, even 0.1 is worth one
+    # draft when three rows share its step cost
+    ([0.95, 0.5, 0.1], (1.0, 0.0, 0.05, 0.0), [8, 3, 1]),
+    # compute bound (a scored position costs a whole pass): only the best row drafts, a little
+    ([0.95, 0.5, 0.1], (1.0, 1.0, 0.05, 0.0), [2, 0, 0]),
+    # a free, perfect draft drafts to the limit
+    ([1.0], (1.0, 0.0, 0.0, 0.0), [8]),
+    # a draft step as dear as a target pass (c = 1): nothing pays
+    ([0.99, 0.6], (1.0, 0.0, 1.0, 0.0), [0, 0]),
+    # ... unless the row is alone with a near-certain draft and the step is cheap
+    ([0.99], (1.0, 0.0, 0.2, 0.0), [8]),
+])
+def test_goodput_choice_table(acceptance, costs, expected):
+    acc = torch.tensor(acceptance)[:, None].expand(len(acceptance), 8)
+    assert choose_k(acc, *costs) == expected
+
+
+def test_goodput_k_falls_as_batch_and_per_token_cost_grow():
+    acc = torch.full((1, 8), 0.8)
+    ks = [choose_k(acc.expand(b, 8), 1.0, 0.01, 0.05, 0.001)[0] for b in (1, 8, 64, 256)]
+    assert ks == sorted(ks, reverse=True) and ks[0] > ks[-1]
+
+
+def test_linear_fits_recover_costs_from_noisy_rounds():
+    gen = torch.Generator().manual_seed(0)
+    fit, fit2 = LinearFit(0.05, 1.0), LinearFit2(0.05, 0.1, 0.0)
+    for _ in range(400):
+        tokens = float(torch.randint(8, 120, (1,), generator=gen))
+        fit.add(tokens, 2.0 + 0.03 * tokens + 0.01 * float(torch.randn(1, generator=gen)))
+        steps = float(torch.randint(1, 8, (1,), generator=gen))
+        rowsteps = steps * float(torch.randint(1, 16, (1,), generator=gen))
+        fit2.add(steps, rowsteps, 0.2 * steps + 0.004 * rowsteps)
+    a, b = fit.coef()
+    assert a == pytest.approx(2.0, abs=0.05) and b == pytest.approx(0.03, abs=0.002)
+    a, b = fit2.coef()
+    assert a == pytest.approx(0.2, abs=0.01) and b == pytest.approx(0.004, abs=0.0005)
+
+
+def test_goodput_learns_each_sequences_acceptance_and_reprobes_after_a_bad_run():
+    pol = GoodputPolicy(GoodputPolicyConfig(k_max=8))
+    batch = DecodeBatch.make_dummy(2)
+    for _ in range(30):
+        pol.specflow_observe(RoundResult(0, [0, 1], [6, 6], [6, 0], [[1] * 7, [1]], [None, None], 2,
+                                         sim_time={"target": 1.0, "draft": 0.3}))
+    acc = pol.acceptance(batch)
+    assert acc[0, 0] > 0.9 and acc[1, 0] < 0.3
+    k = pol.specflow_draft_length(batch).tolist()
+    assert k[0] > k[1]
+    # row 1 stops drafting; what it knew fades, so the estimate returns towards the average
+    before = pol.acceptance(batch)[1, 0].item()
+    for _ in range(40):
+        pol.specflow_observe(RoundResult(0, [0, 1], [6, 0], [6, 0], [[1] * 7, [1]], [None, None], 2,
+                                         sim_time={"target": 1.0, "draft": 0.3}))
+    assert pol.acceptance(batch)[1, 0].item() > before
+
+
+def test_oracle_is_refused_outside_the_synthetic_pair():
+    from specflow import Pipeline
+    with pytest.raises(ConfigError, match="policy=oracle knows the truth only"):
+        Pipeline.from_config(["policy=oracle"])

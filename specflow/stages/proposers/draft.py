@@ -93,28 +93,35 @@ class DraftModelProposer:
         return full
 
     def _draft(self, batch, ks: list[int], K: int):
-        """K autoregressive draft steps for rows that all draft; -> ([B, K], [B, K, V] or None)."""
+        """K autoregressive draft steps; a row stops being computed once it has its own k
+        (the draft's cost follows sum(k), not rows x max(k)). -> ([B, K], [B, K, V] or None)."""
         B = batch.size
         cached = [self.model.cache_length(s) for s in batch.slots.tolist()]
         inputs, lens = pending_inputs(batch.token_ids, cached)             # [B, T], [B]
         device = self.model.device
-        k = torch.tensor(ks, device=device)                                 # [B]
         drafts = torch.full((B, K), PAD, dtype=torch.long, device=device)  # [B, K]
         probs = None if batch.greedy else torch.zeros(B, K, self.vocab_size, device=device)
-        rows = torch.arange(B, device=device)
+        live = list(range(B))                    # rows still drafting, as indices into batch
+        sub = batch
         for i in range(K):
-            logits = self.model.forward(batch.slots, inputs, lens)         # [B, T, V_draft]
+            still = [j for j, b in enumerate(live) if ks[b] > i]
+            if len(still) < len(live):           # some rows are done: drop them from the step
+                live = [live[j] for j in still]
+                sub = batch.select(live)
+                inputs, lens = inputs[still], lens[still]
+            idx = torch.tensor(live, device=device)                         # [L]
+            logits = self.model.forward(sub.slots, inputs, lens)           # [L, T, V_draft]
+            rows = torch.arange(len(live), device=device)
             last = align_vocab(logits[rows, lens.to(device) - 1], self.vocab_size)[:, None]
-            shaped = batch.shape(last, drafts[:, :i], first_draft_index=i, source="draft")[:, 0]
-            active = k > i                                                  # [B]
+            shaped = sub.shape(last, drafts[idx, :i], first_draft_index=i, source="draft")[:, 0]
             if batch.greedy:
-                x = shaped.argmax(-1)                                       # [B]
+                x = shaped.argmax(-1)                                       # [L]
             else:
-                q = shaped.softmax(-1)                                      # [B, V]
-                x = sample_categorical(q, batch.generators, active=active)
-                probs[:, i] = q
-            drafts[:, i] = torch.where(active, x, torch.full_like(x, PAD))
-            inputs, lens = x[:, None], torch.ones(B, dtype=torch.long)     # [B, 1], [B]
+                q = shaped.softmax(-1)                                      # [L, V]
+                x = sample_categorical(q, sub.generators)
+                probs[idx, i] = q
+            drafts[idx, i] = x
+            inputs, lens = x[:, None], torch.ones(len(live), dtype=torch.long)   # [L, 1], [L]
         return drafts, probs
 
     @hookimpl

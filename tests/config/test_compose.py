@@ -19,6 +19,7 @@ COMPANIONS = {
     ("draft", "hf"): ["draft.path=${specflow_demo:draft}"],
     ("constraint", "json_schema"): ["constraint.schema='{\"type\": \"boolean\"}'"],
     ("constraint", "regex"): ["constraint.pattern=abc"],
+    ("policy", "oracle"): ["model=synthetic", "draft=synthetic"],
 }
 
 

@@ -45,7 +45,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     code = read_prompt_file(str(DEMO_DIR / "prompts.jsonl"))
-    chat = read_prompt_file(str(ROOT / "bench/data/mt_bench_subset.jsonl"))
+    chat = read_prompt_file(str(ROOT / "specflow/data/mt_bench_subset.jsonl"))
     prompts = [(code if i % 2 == 0 else chat)[i // 2 % 20] for i in range(args.requests)]
     kinds = ["code" if i % 2 == 0 else "chat" for i in range(args.requests)]
     pipes = {name: Pipeline.from_config([*o, f"max_batch_size={args.batch}"])

@@ -6,6 +6,7 @@ outputs under Hydra's run folder. Every user error prints one line and exits wit
 """
 from __future__ import annotations
 
+import os
 import sys
 from typing import Callable
 
@@ -19,9 +20,13 @@ commands:
   sim       the seed articles' formula tables on the synthetic pair (JSON + PNG + tables);
             studies=[policy_mix]: the policies on an interleaved code/chat mix
   calibrate load sweep with speculation on and off; writes policy/calibrated.yaml + a PNG
+  ab        an A/B experiment as a Hydra multirun: specflow ab experiment=demo_proposers
+            (hydra/launcher=joblib for local processes; --quiet for CI logs)
+  report    specflow report ab/<name> [--baseline old/report.json --max-acceptance-drop 0.05]
   plugins   list loaded plugins: name, package, version, hooks, components
 
-Hydra options work after `run` and `sim`: --cfg job, --help, -m (multirun), hydra.run.dir=...
+Hydra options work after run, sim, calibrate and ab: --cfg job, --help, hydra.run.dir=...
+--quiet (run, sim, calibrate, ab, report): no progress bars or Hydra log lines, for CI logs
 """
 
 # Hydra flags whose value is the next argument
@@ -58,7 +63,11 @@ def _hydra_app(task: Callable, config_name: str, command: str, args: list[str]) 
 
     from specflow.config import compose, normalize_overrides, with_searchpath
 
-    args = normalize_overrides(args)
+    quiet = "--quiet" in args
+    args = normalize_overrides([a for a in args if a != "--quiet"])
+    if quiet:             # CI logs: no progress bars, no Hydra log lines
+        os.environ["SPECFLOW_QUIET"] = "1"
+        args += ["hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
     overrides, multirun = _overrides_only(args)
     helping = any(a in ("--help", "-h", "--hydra-help") for a in args)
     if not multirun and not helping:
@@ -71,6 +80,13 @@ def _hydra_app(task: Callable, config_name: str, command: str, args: list[str]) 
 
 
 # --- run -----------------------------------------------------------------------------------------
+
+def chat_mode(cfg) -> str:
+    """The workload's chat-template setting, or off for an explicit prompt."""
+    if cfg.get("prompt") is not None or cfg.get("workload") is None:
+        return "off"
+    return str(cfg.workload.get("chat", "off"))
+
 
 def read_prompts(cfg) -> list[str]:
     from specflow.config import option
@@ -98,21 +114,27 @@ def run_task(cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from specflow.console import console, metrics_table, print_results
-    from specflow.io import atomic_write_json, atomic_write_jsonl
+    from specflow.experiments.workloads import apply_chat_template
+    from specflow.io import JsonlWriter, atomic_write_json
     from specflow.pipeline import Pipeline
 
+    out = HydraConfig.get().runtime.output_dir
     try:
         prompts = read_prompts(cfg)
         pipe = Pipeline(cfg)
-        results = pipe.generate(prompts, progress=bool(cfg.show_progress) and console.is_terminal)
+        prompts = apply_chat_template(prompts, pipe.tokenizer, chat_mode(cfg))
+        quiet = os.environ.get("SPECFLOW_QUIET") == "1"
+        with JsonlWriter(f"{out}/requests.jsonl") as sink:     # one line per finished request
+            results = pipe.generate(prompts, on_result=lambda r: sink.write(r.to_json()),
+                                    progress=bool(cfg.show_progress) and console.is_terminal
+                                    and not quiet)
     except SpecflowError as exc:
         raise SystemExit(fail(str(exc)))
-    out = HydraConfig.get().runtime.output_dir
-    atomic_write_jsonl(f"{out}/requests.jsonl", [r.to_json() for r in results])
-    atomic_write_json(f"{out}/metrics.json", {"aggregate": pipe.last_stats,
+    atomic_write_json(f"{out}/metrics.json", {"aggregate": pipe.last_stats, "greedy": pipe.greedy,
                                               "requests": [r.stats for r in results]})
-    print_results(results)
-    console.print(metrics_table(pipe.last_stats))
+    if not quiet:
+        print_results(results)
+        console.print(metrics_table(pipe.last_stats))
     console.print(f"[dim]wrote {out}/requests.jsonl and {out}/metrics.json[/]")
 
 
@@ -141,7 +163,8 @@ def sim_task(cfg) -> None:
               * len(c["policy_mix"]["regimes"]) * ("policy_mix" in studies))
     rows, tokens, seed = c["rows"], c["tokens"], c["seed"]
     report: dict = {"config": c}
-    with Progress(console=console, transient=True) as bar:
+    with Progress(console=console, transient=True,
+                  disable=os.environ.get("SPECFLOW_QUIET") == "1") as bar:
         task = bar.add_task("simulating arms", total=n_arms)
         step = lambda: bar.advance(task)  # noqa: E731
         if "k_sweep" in studies:
@@ -209,7 +232,8 @@ def calibrate_task(cfg) -> None:
         sizes = sorted(int(b) for b in cal.batch_sizes)
         if not sizes or sizes[0] < 1 or not 0 <= float(cal.margin) < 1:
             raise SpecflowError("calibrate.batch_sizes must be >= 1 and calibrate.margin in [0, 1)")
-        with Progress(console=console, transient=True) as bar:
+        with Progress(console=console, transient=True,
+                      disable=os.environ.get("SPECFLOW_QUIET") == "1") as bar:
             task = bar.add_task("load sweep (batch sizes x on/off)", total=len(sizes))
             rows = calibrate.run_calibration(cfg, prompts, sizes, int(cal.new_tokens),
                                              lambda: bar.advance(task))
@@ -225,6 +249,61 @@ def calibrate_task(cfg) -> None:
     console.print(calibrate_table(rows, result))
     console.print(f"[dim]wrote {result['path']} (use policy=calibrated), {out}/calibration.json, "
                   f"{png}[/]")
+
+
+# --- ab / report -----------------------------------------------------------------------------------
+
+def cmd_ab(args: list[str]) -> int:
+    """specflow ab experiment=NAME [overrides] [hydra/launcher=joblib] [--quiet]"""
+    import hydra
+
+    from specflow.config import compose, normalize_overrides, with_searchpath
+    from specflow.console import console
+    from specflow.experiments import ab as ab_mod
+
+    quiet = "--quiet" in args
+    args = normalize_overrides([a for a in args if a != "--quiet"])
+    overrides, _ = _overrides_only(args)
+    ab = ab_mod.check_experiment(compose(overrides))
+    if quiet:
+        os.environ[ab_mod.QUIET_ENV] = "1"
+    sweep_dir = next((a.split("=", 1)[1] for a in args if a.startswith("hydra.sweep.dir=")),
+                     f"ab/{ab.name}")
+    argv = [a for a in args if a not in ("-m", "--multirun")]
+    if not any(a.startswith("hydra.sweep.dir=") for a in argv):
+        argv.append(f"hydra.sweep.dir={sweep_dir}")
+    quiet_logs = ["hydra/job_logging=disabled", "hydra/hydra_logging=disabled"] if quiet else []
+    sys.argv = ["specflow ab", "-m", *with_searchpath(argv), *ab_mod.sweep_overrides(ab),
+                "hydra.job.name=ab", *quiet_logs]
+    if not quiet:
+        console.print(f"A/B {ab.name}: arms {', '.join(ab.arms)} x {ab.repetitions} "
+                      f"repetition(s), baseline {ab.baseline} -> {sweep_dir}/")
+    main = hydra.main(version_base="1.3", config_path="pkg://specflow.conf",
+                      config_name="config")(ab_mod.run_job)
+    main()
+    if not quiet:
+        console.print(f"done: specflow report {sweep_dir}")
+    return 0
+
+
+def cmd_report(args: list[str]) -> int:
+    import argparse
+
+    from specflow.experiments import report
+
+    ap = argparse.ArgumentParser(prog="specflow report",
+                                 description="Report an A/B sweep folder (report.md, plots, table)")
+    ap.add_argument("folder")
+    ap.add_argument("--baseline", help="an earlier report.json to check acceptance drift against")
+    ap.add_argument("--max-acceptance-drop", type=float, default=0.05,
+                    help="fail (exit 1) when an arm's α fell by more than this (default 0.05)")
+    ap.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples for the CIs")
+    ap.add_argument("--quiet", action="store_true", help="no table, one line per drift finding")
+    try:
+        opts = ap.parse_args(args)
+    except SystemExit as exc:
+        return 0 if exc.code == 0 else 2
+    return report.main(opts)
 
 
 # --- plugins -------------------------------------------------------------------------------------
@@ -250,6 +329,8 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "run": lambda args: _hydra_app(run_task, "config", "run", args),
     "sim": lambda args: _hydra_app(sim_task, "sim", "sim", args),
     "calibrate": lambda args: _hydra_app(calibrate_task, "calibrate", "calibrate", args),
+    "ab": cmd_ab,
+    "report": cmd_report,
     "plugins": cmd_plugins,
 }
 

@@ -28,13 +28,30 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> pathlib.Path:
     return atomic_write_text(path, json.dumps(obj, indent=2, default=_default) + "\n")
 
 
-def atomic_write_jsonl(path: str | os.PathLike, rows: Iterable[Any]) -> pathlib.Path:
-    return atomic_write_text(path, "".join(json.dumps(r, default=_default) + "\n" for r in rows))
-
-
 def _default(obj: Any) -> Any:
     if hasattr(obj, "tolist"):
         return obj.tolist()
     if isinstance(obj, (set, frozenset)):
         return sorted(obj)
     raise TypeError(f"cannot write {type(obj).__name__} as JSON")
+
+
+class JsonlWriter:
+    """Append one JSON object per line, flushed at once, so an interrupted run keeps every line
+    it wrote; the file is created empty (a re-run starts it again)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = pathlib.Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.fh = None
+
+    def __enter__(self) -> "JsonlWriter":
+        self.fh = open(self.path, "w", encoding="utf-8")
+        return self
+
+    def write(self, obj: Any) -> None:
+        self.fh.write(json.dumps(obj, default=_default) + "\n")
+        self.fh.flush()
+
+    def __exit__(self, *exc) -> None:
+        self.fh.close()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from omegaconf import DictConfig
@@ -227,11 +227,14 @@ class Pipeline:
     def generate(self, prompts: Sequence[str] | str, max_new_tokens: int | None = None,
                  stop: Sequence[str] | None = None, seed: int | None = None,
                  max_batch_size: int | None = None, progress: bool = False,
-                 logprobs: int | None = None) -> list[GenerationResult]:
+                 logprobs: int | None = None,
+                 on_result: Callable[[GenerationResult], None] | None = None
+                 ) -> list[GenerationResult]:
         """Generate a continuation of every prompt; results come back in prompt order.
 
         logprobs: None (off), 0 (each returned token's logprob under the target's shaped
         distribution, the one it was verified against) or n (also the top n alternatives).
+        on_result: called with each result as its request finishes (write it out, stream it).
         """
         requests = self._requests(prompts, max_new_tokens, stop, seed, logprobs)
         capacity = int(max_batch_size or self.cfg.max_batch_size)
@@ -241,14 +244,14 @@ class Pipeline:
         recorder = MetricsRecorder(self.clock)
         self.pm.register(recorder, name="metrics")
         try:
-            results = self._run(requests, capacity, recorder, progress)
+            results = self._run(requests, capacity, recorder, progress, on_result)
         finally:
             self.pm.unregister(recorder)
         self.last_stats = recorder.total.as_dict()
         return [results[r.request_id] for r in requests]
 
     def _run(self, requests: list[Request], capacity: int, recorder: MetricsRecorder,
-             progress: bool) -> dict[int, GenerationResult]:
+             progress: bool, on_result=None) -> dict[int, GenerationResult]:
         queue = deque(requests)
         free = list(range(capacity))
         active: dict[int, _Row] = {}
@@ -290,6 +293,8 @@ class Pipeline:
                     del row.top_logprobs[len(row.top_logprobs) - retract:]
                     recorder.retract(row.request.request_id, retract)
                 results[row.request.request_id] = self._finish(row, reason, recorder)
+                if on_result is not None:
+                    on_result(results[row.request.request_id])
                 del active[row.slot]
                 free.append(row.slot)
                 self.hook.specflow_request_end(slot=row.slot, request=row.request,

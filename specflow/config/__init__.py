@@ -33,9 +33,17 @@ def _demo_path(which: str) -> str:
     return str(DEMO_DIR / which)
 
 
-# `path: ${specflow_demo:target}` in conf/model/demo.yaml: the installed package's own copy
+def _data_path(name: str) -> str:
+    import pathlib
+    return str(pathlib.Path(__file__).resolve().parents[1] / "data" / name)
+
+
+# `path: ${specflow_demo:target}` in conf/model/demo.yaml: the installed package's own copy;
+# `${specflow_data:...}`: the prompt sets shipped in specflow/data
 if not OmegaConf.has_resolver("specflow_demo"):
     OmegaConf.register_new_resolver("specflow_demo", _demo_path)
+if not OmegaConf.has_resolver("specflow_data"):
+    OmegaConf.register_new_resolver("specflow_data", _data_path)
 
 
 CONFIG_PATH_ENV = "SPECFLOW_CONFIG_PATH"

@@ -108,3 +108,59 @@ def plot_calibration(rows: list[dict], crossover: float | None, path: pathlib.Pa
     ax2.set_ylabel(f"time per token per request ({unit})")
     ax2.set_title("Per-token latency")
     return _save(fig, path)
+
+
+def plot_ab(summary: dict, folder: pathlib.Path) -> list[pathlib.Path]:
+    """The A/B report's figures: speedup with intervals, acceptance per position,
+    tokens per round (Figure 2 of seeds/001) and τ against k (Figure 1)."""
+    arms = summary["arms"]
+    names = list(arms)
+    written = []
+
+    fig, ax = plt.subplots(figsize=(max(6.5, 1.6 * len(names)), 4))
+    speed = [arms[n]["speedup"] for n in names]
+    lo = [s - arms[n]["speedup_ci95"][0] for s, n in zip(speed, names)]
+    hi = [arms[n]["speedup_ci95"][1] - s for s, n in zip(speed, names)]
+    ax.bar(names, speed, yerr=[lo, hi], capsize=6, color=["tab:gray" if n == summary["baseline"]
+                                                          else "tab:blue" for n in names])
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_ylabel(f"speedup over {summary['baseline']} (tokens/s ratio)")
+    ax.set_title(f"{summary['experiment']}: speedup, 95% bootstrap intervals")
+    written.append(_save(fig, folder / "speedup.png"))
+
+    drafting = [n for n in names if arms[n]["acceptance_per_position"]]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for n in drafting:
+        acc = arms[n]["acceptance_per_position"]
+        ax.plot(range(1, len(acc) + 1), acc, "o-", label=f"{n} (α {arms[n]['alpha']:.2f})")
+    ax.set_xlabel("draft position"); ax.set_ylabel("P(accepted | reached)"); ax.set_ylim(0, 1.05)
+    ax.set_title("Acceptance per position")
+    if drafting:
+        ax.legend()
+    written.append(_save(fig, folder / "acceptance_per_position.png"))
+
+    fig, axes = plt.subplots(1, max(len(drafting), 1), figsize=(4 * max(len(drafting), 1), 3.5),
+                             sharey=True, squeeze=False)
+    for ax, n in zip(axes[0], drafting):
+        hist = {int(k): v for k, v in arms[n]["tokens_per_step_histogram"].items()}
+        total = sum(hist.values()) or 1
+        xs = sorted(hist)
+        ax.bar(xs, [hist[x] / total for x in xs])
+        ax.set_title(f"{n}: τ = {arms[n]['tau']:.2f}")
+        ax.set_xlabel("tokens committed per round")
+    axes[0][0].set_ylabel("fraction of rounds")
+    written.append(_save(fig, folder / "tokens_per_round.png"))
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ks = [i / 10 for i in range(0, 101)]
+    for i, n in enumerate(drafting):
+        a, k = arms[n]["alpha"], arms[n]["mean_k"]
+        curve = [(k_ + 1) if a >= 1 else (1 - a ** (k_ + 1)) / (1 - a) for k_ in ks]
+        ax.plot(ks, curve, "-", color=f"C{i}", alpha=0.6, label=f"formula at α={a:.2f}")
+        ax.plot([k], [arms[n]["tau"]], "D", color=f"C{i}", ms=9, label=f"{n} measured")
+    ax.set_xlabel("mean draft length k"); ax.set_ylabel("tokens per target pass τ")
+    ax.set_title("τ against k: measured and (1 - α^(k+1)) / (1 - α)")
+    if drafting:
+        ax.legend(fontsize=8)
+    written.append(_save(fig, folder / "tau_vs_k.png"))
+    return written

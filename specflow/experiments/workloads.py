@@ -24,10 +24,14 @@ class FileWorkloadConfig:
     path: str = "???"
     field: str = "prompt"          # JSONL: the key holding the prompt (a list takes its first item)
     limit: int | None = None       # read at most this many prompts
+    where: dict[str, str] | None = None   # JSONL: keep rows whose fields equal these, e.g. {category: qa}
+    chat: str = "auto"             # wrap prompts in the tokenizer's chat template: auto | on | off
 
     def __post_init__(self) -> None:
         if self.limit is not None and self.limit < 1:
             raise ConfigError(f"workload.limit={self.limit} must be >= 1 or null")
+        if self.chat not in ("auto", "on", "off"):
+            raise ConfigError(f"workload.chat={self.chat!r}; use auto, on or off")
 
 
 class DemoWorkload:
@@ -43,10 +47,24 @@ class FileWorkload:
         self.cfg = cfg
 
     def prompts(self) -> list[str]:
-        return read_prompt_file(self.cfg.path, self.cfg.field, self.cfg.limit)
+        return read_prompt_file(self.cfg.path, self.cfg.field, self.cfg.limit, self.cfg.where)
 
 
-def read_prompt_file(path: str, key: str = "prompt", limit: int | None = None) -> list[str]:
+def apply_chat_template(prompts: list[str], tokenizer, mode: str) -> list[str]:
+    """Wrap each prompt as one user turn with the tokenizer's chat template (`workload.chat`)."""
+    tok = getattr(tokenizer, "tok", None)
+    has = tok is not None and getattr(tok, "chat_template", None)
+    if mode == "off" or (mode == "auto" and not has):
+        return prompts
+    if not has:
+        raise ConfigError("workload.chat=on but this tokenizer has no chat template; use "
+                          "workload.chat=auto or off")
+    return [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                    add_generation_prompt=True) for p in prompts]
+
+
+def read_prompt_file(path: str, key: str = "prompt", limit: int | None = None,
+                     where: dict | None = None) -> list[str]:
     """Prompts from JSONL (`key` of each object) or from plain text (one prompt a line)."""
     p = pathlib.Path(path).expanduser()
     try:
@@ -68,6 +86,8 @@ def read_prompt_file(path: str, key: str = "prompt", limit: int | None = None) -
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise InputError(f"{p}:{n}: not valid JSON ({exc.msg}); one JSON object a line") from None
+            if where and any(str(obj.get(k)) != str(v) for k, v in where.items()):
+                continue
             if key not in obj:
                 raise InputError(f"{p}:{n}: no field {key!r} (fields: {', '.join(obj)}); "
                                  f"set workload.field") from None
@@ -78,5 +98,6 @@ def read_prompt_file(path: str, key: str = "prompt", limit: int | None = None) -
         if limit is not None and len(prompts) >= limit:
             break
     if not prompts:
-        raise InputError(f"prompt file {str(p)!r} has no prompts")
+        raise InputError(f"prompt file {str(p)!r} has no prompts"
+                         + (f" matching {dict(where)}" if where else ""))
     return prompts

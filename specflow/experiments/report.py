@@ -1,0 +1,283 @@
+"""`specflow report <sweep-folder>`: what an A/B experiment says, with its uncertainty.
+
+Per arm: tokens/s and speedup over the baseline arm with a bootstrap 95% interval (requests are
+resampled with their pairing kept: the same prompt and repetition in both arms), τ, α (and vLLM's
+acceptance rate), acceptance per position, per-token latency p50/p95, the formula's predicted
+speedup from the arm's own α and c, and correctness: a greedy arm must match the baseline token for
+token (the exact-match rate and the first differing position are reported); a sampling arm gets a
+two-sample chi-square test of its first tokens against the baseline's. Writes report.md,
+report.json and PNG plots into the folder.
+
+`--baseline old/report.json --max-acceptance-drop 0.05` exits 1 when any arm's α fell by more than
+that: a draft that drifted after a target update still gives correct output, and only acceptance
+shows it (seeds/000).
+"""
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+from collections import Counter
+
+import numpy as np
+
+from specflow.errors import InputError
+from specflow.metrics import predicted_speedup
+
+COUNTERS = ("num_target_passes", "num_drafts", "num_draft_tokens", "num_examined_draft_tokens",
+            "num_accepted_tokens", "num_committed_tokens")
+
+
+def read_jsonl(path: pathlib.Path) -> list[dict]:
+    rows = []
+    if not path.exists():
+        return rows
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:      # a line cut by an interrupted run
+            break
+    return rows
+
+
+def load_sweep(folder: pathlib.Path) -> tuple[dict, list[str]]:
+    """{arm: {rep: {"metrics", "requests"}}} from finished jobs, and the unfinished job folders."""
+    if not folder.is_dir():
+        raise InputError(f"{str(folder)!r} is not a folder; give the sweep folder that "
+                         f"`specflow ab` printed (ab/<experiment>)")
+    arms: dict = {}
+    unfinished = []
+    for req in sorted(folder.glob("**/requests.jsonl")):
+        metrics = req.parent / "metrics.json"
+        if not metrics.exists():
+            unfinished.append(str(req.parent.relative_to(folder)))
+            continue
+        m = json.loads(metrics.read_text())
+        if "arm" not in m:
+            continue
+        arms.setdefault(m["arm"], {})[m["rep"]] = {"metrics": m, "requests": read_jsonl(req)}
+    if not arms:
+        raise InputError(f"no finished A/B jobs under {str(folder)!r} (no metrics.json with an "
+                         f"arm); run specflow ab first")
+    return arms, unfinished
+
+
+def _units(reps: dict) -> dict:
+    """(rep, request index) -> request record."""
+    return {(rep, r["index"]): r for rep, job in reps.items() for r in job["requests"]}
+
+
+def _seconds(r: dict) -> float:
+    return sum(r["stats"]["seconds"].values())
+
+
+def bootstrap_ratio(tok_a, sec_a, tok_b, sec_b, n: int, seed: int = 0) -> tuple[float, float]:
+    """95% percentile interval of (sum tok_a / sum sec_a) / (sum tok_b / sum sec_b), paired."""
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(tok_a), size=(n, len(tok_a)))
+    ta, sa, tb, sb = (np.asarray(x, dtype=float)[idx].sum(1) for x in (tok_a, sec_a, tok_b, sec_b))
+    ratios = (ta / sa) / (tb / sb)
+    return float(np.percentile(ratios, 2.5)), float(np.percentile(ratios, 97.5))
+
+
+def _aggregate(reps: dict) -> dict:
+    agg = {c: 0 for c in COUNTERS}
+    acc_pos, exam_pos, hist, secs = Counter(), Counter(), Counter(), Counter()
+    for job in reps.values():
+        a = job["metrics"]["aggregate"]
+        for c in COUNTERS:
+            agg[c] += a[c]
+        for i, v in enumerate(a["accepted_per_position"]):
+            acc_pos[i] += v
+        for i, v in enumerate(a["examined_per_position"]):
+            exam_pos[i] += v
+        for n, v in a["tokens_per_step_histogram"].items():
+            hist[int(n)] += v
+        for stage, v in a["seconds"].items():
+            secs[stage] += v
+    exam = agg["num_examined_draft_tokens"]
+    alpha = agg["num_accepted_tokens"] / exam if exam else 0.0
+    mean_k = agg["num_draft_tokens"] / agg["num_drafts"] if agg["num_drafts"] else 0.0
+    c = None
+    if agg["num_draft_tokens"] and secs["target"]:
+        c = (secs["propose"] / agg["num_draft_tokens"]) / (secs["target"] / agg["num_target_passes"])
+    return {
+        **agg, "alpha": alpha,
+        "acceptance_rate": (agg["num_accepted_tokens"] / agg["num_draft_tokens"]
+                            if agg["num_draft_tokens"] else 0.0),
+        "tau": agg["num_committed_tokens"] / max(agg["num_target_passes"], 1),
+        "mean_k": mean_k, "c": c,
+        "acceptance_per_position": [acc_pos[i] / exam_pos[i] for i in sorted(exam_pos)
+                                    if exam_pos[i]],
+        "tokens_per_step_histogram": {str(n): hist[n] for n in sorted(hist)},
+        "predicted_speedup": (predicted_speedup(alpha, mean_k, c, agg["num_drafts"]
+                                                / max(agg["num_target_passes"], 1))
+                              if c is not None else None),
+    }
+
+
+def _first_token_test(units_a: dict, units_b: dict) -> dict:
+    from scipy import stats
+
+    a = Counter(r["token_ids"][0] for r in units_a.values() if r["token_ids"])
+    b = Counter(r["token_ids"][0] for r in units_b.values() if r["token_ids"])
+    keys = sorted(set(a) | set(b))
+    table = np.array([[a[k] for k in keys], [b[k] for k in keys]])
+    if table.shape[1] < 2:
+        return {"test": "first-token chi-square", "p_value": 1.0, "n": int(table.sum())}
+    p = float(stats.chi2_contingency(table + 0.5)[1])     # +0.5: sparse cells stay defined
+    return {"test": "first-token chi-square", "p_value": p, "n": int(table[0].sum())}
+
+
+def summarize(arms: dict, n_boot: int = 2000) -> dict:
+    any_job = next(iter(next(iter(arms.values())).values()))["metrics"]
+    baseline = any_job["baseline"]
+    if baseline not in arms:
+        raise InputError(f"the baseline arm {baseline!r} has no finished job; finish the sweep "
+                         f"(rerun specflow ab) before reporting")
+    base_units = _units(arms[baseline])
+    out = {"experiment": any_job["experiment"], "baseline": baseline, "arms": {}}
+    order = [a for a in any_job.get("arms", []) if a in arms] + sorted(
+        a for a in arms if a not in any_job.get("arms", []))
+    for name in order:
+        reps = arms[name]
+        units = _units(reps)
+        common = sorted(set(units) & set(base_units))
+        tok = [len(units[u]["token_ids"]) for u in common]
+        sec = [_seconds(units[u]) for u in common]
+        btok = [len(base_units[u]["token_ids"]) for u in common]
+        bsec = [_seconds(base_units[u]) for u in common]
+        tps = sum(tok) / sum(sec) if sum(sec) else 0.0
+        speedup = tps / (sum(btok) / sum(bsec)) if sum(bsec) and sum(btok) else float("nan")
+        lo, hi = bootstrap_ratio(tok, sec, btok, bsec, n_boot) if common else (math.nan, math.nan)
+        per_token = sorted(s / t for s, t in zip(sec, tok) if t)
+        greedy = all(job["metrics"]["greedy"] for job in reps.values())
+        row = {"repetitions": len(reps), "requests": len(units), "tokens": sum(tok),
+               "tokens_per_second": tps, "speedup": speedup, "speedup_ci95": [lo, hi],
+               "latency_p50": float(np.percentile(per_token, 50)) if per_token else None,
+               "latency_p95": float(np.percentile(per_token, 95)) if per_token else None,
+               "greedy": greedy, **_aggregate(reps)}
+        if name != baseline and greedy:
+            diffs = []
+            for u in common:
+                a, b = units[u]["token_ids"], base_units[u]["token_ids"]
+                if a != b:
+                    pos = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                    diffs.append({"rep": u[0], "request": u[1], "position": pos})
+            row["exact_match"] = 1 - len(diffs) / len(common) if common else None
+            row["first_difference"] = min(diffs, key=lambda d: d["position"]) if diffs else None
+        elif name != baseline:
+            row["distribution"] = _first_token_test({u: units[u] for u in common},
+                                                    {u: base_units[u] for u in common})
+        out["arms"][name] = row
+    return out
+
+
+def drift(summary: dict, old: dict, max_drop: float) -> list[str]:
+    found = []
+    for name, row in summary["arms"].items():
+        before = old.get("arms", {}).get(name)
+        if before is None or not row["num_draft_tokens"] or not before.get("num_draft_tokens"):
+            continue
+        drop = before["alpha"] - row["alpha"]
+        if drop > max_drop:
+            found.append(f"arm {name}: α fell from {before['alpha']:.3f} to {row['alpha']:.3f} "
+                         f"(drop {drop:.3f} > {max_drop}); output stays correct, the draft drifted")
+    return found
+
+
+def _f(x, d=2):
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{d}f}"
+
+
+def correctness(row: dict, baseline: bool) -> str:
+    if baseline:
+        return "baseline"
+    if "exact_match" in row:
+        first = row.get("first_difference")
+        where = "" if first is None else (f"; first difference: request {first['request']}, "
+                                          f"rep {first['rep']}, token {first['position']}")
+        return f"exact match {100 * row['exact_match']:.0f}%{where}"
+    d = row.get("distribution", {})
+    return f"first tokens vs baseline: chi-square p = {_f(d.get('p_value'), 3)} (n = {d.get('n')})"
+
+
+def markdown(summary: dict) -> str:
+    base = summary["baseline"]
+    lines = [f"# A/B report: {summary['experiment']}", "",
+             f"Baseline arm: `{base}`. Speedup = the arm's tokens/s over the baseline's on the same "
+             f"requests, 95% bootstrap interval over requests. α = accepted / examined drafts, "
+             f"acceptance rate = accepted / proposed, τ = committed tokens / target pass, "
+             f"predicted = (1-α^(k+1)) / ((1-α)(k·c+1)).", "",
+             "| arm | tokens/s | speedup [95% CI] | τ | α | acceptance rate | acceptance per position "
+             "| latency p50 / p95 (ms/token) | predicted | correctness |",
+             "|---|---:|---|---:|---:|---:|---|---:|---:|---|"]
+    for name, r in summary["arms"].items():
+        lo, hi = r["speedup_ci95"]
+        per_pos = " ".join(_f(a) for a in r["acceptance_per_position"]) or "-"
+        lat = ("-" if r["latency_p50"] is None else
+               f"{1000 * r['latency_p50']:.2f} / {1000 * r['latency_p95']:.2f}")
+        lines.append(f"| {name} | {r['tokens_per_second']:.1f} | {r['speedup']:.2f} "
+                     f"[{_f(lo)}, {_f(hi)}] | {r['tau']:.2f} | {_f(r['alpha'], 3)} | "
+                     f"{_f(r['acceptance_rate'], 3)} | {per_pos} | {lat} | "
+                     f"{_f(r['predicted_speedup'])} | {correctness(r, name == base)} |")
+    lines += ["", "Plots: speedup.png, acceptance_per_position.png, tokens_per_round.png, "
+              "tau_vs_k.png."]
+    return "\n".join(lines) + "\n"
+
+
+def table(summary: dict):
+    from rich.table import Table
+
+    base = summary["baseline"]
+    t = Table(title=f"A/B {summary['experiment']} (baseline {base}; speedup with 95% bootstrap CI)")
+    for col in ("arm", "tokens/s", "speedup", "95% CI", "τ", "α", "acc/pos", "p50/p95 ms/tok",
+                "predicted", "correctness"):
+        t.add_column(col)
+    for name, r in summary["arms"].items():
+        lo, hi = r["speedup_ci95"]
+        lat = ("-" if r["latency_p50"] is None else
+               f"{1000 * r['latency_p50']:.1f}/{1000 * r['latency_p95']:.1f}")
+        t.add_row(name, f"{r['tokens_per_second']:.1f}", f"{r['speedup']:.2f}",
+                  f"[{_f(lo)}, {_f(hi)}]", f"{r['tau']:.2f}", _f(r["alpha"], 3),
+                  " ".join(_f(a) for a in r["acceptance_per_position"]) or "-", lat,
+                  _f(r["predicted_speedup"]), correctness(r, name == base))
+    return t
+
+
+def main(opts) -> int:
+    from specflow.console import console, err_console
+    from specflow.errors import SpecflowError
+    from specflow.experiments import plots
+    from specflow.io import atomic_write_json, atomic_write_text
+
+    folder = pathlib.Path(opts.folder)
+    try:
+        arms, unfinished = load_sweep(folder)
+        summary = summarize(arms, opts.bootstrap)
+        old = None
+        if opts.baseline:
+            try:
+                old = json.loads(pathlib.Path(opts.baseline).read_text())
+            except (OSError, json.JSONDecodeError) as exc:
+                raise InputError(f"cannot read --baseline {opts.baseline!r}: {exc}") from None
+    except SpecflowError as exc:
+        err_console.print(f"specflow: error: {exc}", markup=False, highlight=False, soft_wrap=True)
+        return 2
+    summary["unfinished"] = unfinished
+    atomic_write_json(folder / "report.json", summary)
+    atomic_write_text(folder / "report.md", markdown(summary))
+    plots.plot_ab(summary, folder)
+    if not opts.quiet:
+        console.print(table(summary))
+        if unfinished:
+            console.print(f"[yellow]unfinished jobs (not counted): {', '.join(unfinished)}[/]")
+        console.print(f"[dim]wrote {folder}/report.md, report.json and plots[/]")
+    if old is not None:
+        found = drift(summary, old, opts.max_acceptance_drop)
+        for line in found:
+            err_console.print(f"specflow: drift: {line}", markup=False, highlight=False,
+                              soft_wrap=True)
+        if found:
+            return 1
+    return 0

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from specflow.state import DecodeBatch, Proposal, RoundResult, ShapingBatch, VerifyOutput
     from specflow.stages.stop import TrimResult
 
-HOOK_API_VERSION = "1.0"
+HOOK_API_VERSION = "1.1"   # 1.1 added specflow_run_start / specflow_run_end
 
 hookspec = pluggy.HookspecMarker("specflow")
 
@@ -151,6 +151,26 @@ def specflow_observe(result: "RoundResult") -> None:
 @hookspec
 def specflow_pipeline_built(pipeline: "Pipeline") -> None:
     """Called once, after a pipeline has registered all its stages. Returns nothing."""
+
+
+@hookspec
+def specflow_run_start(pipeline: "Pipeline", requests: "list[Request]") -> None:
+    """Called at the start of every ``Pipeline.generate`` call, before any request takes a slot.
+
+    ``requests`` are all the requests of the call, in prompt order. Observers open a trace here;
+    a proposer with a store outside the process (a suffix cache file) may reload it.
+    Returns nothing; all run.
+    """
+
+
+@hookspec
+def specflow_run_end(pipeline: "Pipeline", results: list, stats: dict) -> None:
+    """Called once a ``Pipeline.generate`` call has finished every request (not after an error).
+
+    ``results`` are the GenerationResults in prompt order and ``stats`` the aggregate metrics
+    (DESIGN.md section 7 names). Observers write their files here (a Chrome trace, a table);
+    stages with state worth keeping across runs save it. Returns nothing; all run.
+    """
 
 
 @hookspec

@@ -136,6 +136,9 @@ class Pipeline:
             if self.greedy and getattr(processor, "samples", False):
                 continue   # cannot change the argmax
             self._register(processor, f"logits.{key}")
+        # observers (a tracer, an exporter) come last: a wrapper=True observer wraps every stage
+        for key, node in (cfg.get("observer") or {}).items():
+            self._register(self._build_node("observer", node, ctx), f"observer.{key}")
         for plugin in plugins:
             self.pm.register(plugin)
         check_hooks(self.pm)
@@ -244,11 +247,14 @@ class Pipeline:
         recorder = MetricsRecorder(self.clock)
         self.pm.register(recorder, name="metrics")
         try:
+            self.hook.specflow_run_start(pipeline=self, requests=requests)
             results = self._run(requests, capacity, recorder, progress, on_result)
         finally:
             self.pm.unregister(recorder)
         self.last_stats = recorder.total.as_dict()
-        return [results[r.request_id] for r in requests]
+        ordered = [results[r.request_id] for r in requests]
+        self.hook.specflow_run_end(pipeline=self, results=ordered, stats=self.last_stats)
+        return ordered
 
     def _run(self, requests: list[Request], capacity: int, recorder: MetricsRecorder,
              progress: bool, on_result=None) -> dict[int, GenerationResult]:

@@ -19,7 +19,7 @@ from specflow.errors import ConfigError, SpecflowError
 
 CONFIG_MODULE = "specflow.conf"
 SINGLE_GROUPS = ("model", "draft", "proposer", "constraint", "verifier", "stop", "policy", "workload")
-MULTI_GROUPS = ("logits",)
+MULTI_GROUPS = ("logits", "observer")
 GROUPS = SINGLE_GROUPS + MULTI_GROUPS + ("experiment",)
 # keys whose values are free text (JSON, regexes, code): quoted for Hydra when given bare
 FREE_TEXT_KEYS = ("prompt", "constraint.schema", "constraint.pattern", "constraint.model",

@@ -35,8 +35,12 @@ _FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-name", "-cn", "
 
 
 def fail(message: str, code: int = 2) -> int:
+    """Print one line `specflow: error: ...` (after the traceback with SPECFLOW_TRACEBACK=1)."""
     from specflow.console import err_console
 
+    if os.environ.get("SPECFLOW_TRACEBACK") == "1" and sys.exc_info()[1] is not None:
+        import traceback
+        traceback.print_exc()
     err_console.print(f"specflow: error: {message}", markup=False, highlight=False, soft_wrap=True)
     return code
 

@@ -23,7 +23,7 @@ from specflow.config import compose, option, validate
 from specflow.errors import ConfigError, InputError
 from specflow.metrics import MetricsRecorder
 from specflow.models.base import Backend, SimClock
-from specflow.plugins import check_hooks, get_registry, new_plugin_manager
+from specflow.plugins import blame, check_hooks, get_registry, new_plugin_manager
 from specflow.stages.cache import TargetCacheSync
 from specflow.stages.logits import is_greedy
 from specflow.stages.score import TargetScorer
@@ -108,6 +108,12 @@ class Pipeline:
     """A composed speculative decoding pipeline. Build with `Pipeline.from_config(overrides=[...])`."""
 
     def __init__(self, cfg: DictConfig, plugins: Iterable[object] = ()):
+        try:
+            self._construct(cfg, plugins)
+        except Exception as exc:
+            raise blame(exc, "while the pipeline was built") or exc
+
+    def _construct(self, cfg: DictConfig, plugins: Iterable[object]) -> None:
         self.cfg = validate(cfg)
         self.registry = get_registry()
         self.pm = new_plugin_manager()
@@ -170,7 +176,11 @@ class Pipeline:
     def _build_node(self, kind: str, node, ctx: BuildContext):
         component = self.registry.get(kind, node.name)
         obj = option({kind: node}, kind) if component.schema is not None else node
-        return component.factory(obj, ctx)
+        try:
+            return component.factory(obj, ctx)
+        except Exception as exc:   # a plugin's factory: name the plugin and its package
+            module = getattr(component.factory, "__module__", None)
+            raise blame(exc, f"building {kind}={node.name}", module, component.plugin) or exc
 
     def _register(self, stage, name: str) -> None:
         if stage is not None:
@@ -249,11 +259,16 @@ class Pipeline:
         try:
             self.hook.specflow_run_start(pipeline=self, requests=requests)
             results = self._run(requests, capacity, recorder, progress, on_result)
+        except Exception as exc:   # a plugin raising inside a hook is named with its package
+            raise blame(exc) or exc
         finally:
             self.pm.unregister(recorder)
         self.last_stats = recorder.total.as_dict()
         ordered = [results[r.request_id] for r in requests]
-        self.hook.specflow_run_end(pipeline=self, results=ordered, stats=self.last_stats)
+        try:
+            self.hook.specflow_run_end(pipeline=self, results=ordered, stats=self.last_stats)
+        except Exception as exc:
+            raise blame(exc) or exc
         return ordered
 
     def _run(self, requests: list[Request], capacity: int, recorder: MetricsRecorder,

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import pluggy
 
 from specflow import hookspecs
-from specflow.errors import PluginError
+from specflow.errors import PluginError, SpecflowError
 
 PROJECT = "specflow"
 ENTRY_POINT_GROUP = "specflow"
@@ -149,18 +149,59 @@ def get_registry() -> Registry:
     return registry
 
 
+@functools.lru_cache(maxsize=1)
 def config_searchpath() -> list[str]:
-    """Search-path entries contributed by plugins (used by the Hydra search-path plugin)."""
+    """Search-path entries contributed by plugins (added to Hydra's search path).
+
+    A plugin's yaml that would shadow a built-in option, or another plugin's (the same
+    group/option.yaml), is refused here with both names: Hydra would silently pick one.
+    """
+    pm = get_plugin_manager()
     entries: list[str] = []
-    for result in get_plugin_manager().hook.specflow_config_searchpath():
-        entries.extend([result] if isinstance(result, str) else list(result or []))
+    owners = {option: "specflow (built-in)" for option in conf_options("pkg://specflow.conf")}
+    for impl in reversed(pm.hook.specflow_config_searchpath.get_hookimpls()):
+        result = impl.function()
+        mine = [result] if isinstance(result, str) else list(result or [])
+        label = plugin_label(pm, impl.plugin)
+        for entry in mine:
+            for option in conf_options(entry):
+                if option in owners and owners[option] != label:
+                    raise PluginError(f"config option {option.replace('/', '=', 1)[:-5]!r} of "
+                                      f"plugin {label} ({entry}) collides with the one of "
+                                      f"{owners[option]}; rename the plugin's yaml and its name:")
+                owners[option] = label
+        entries.extend(mine)
     return entries
+
+
+def conf_options(entry: str) -> list[str]:
+    """'group/option.yaml' for every option yaml under a search-path entry (pkg:// or file://)."""
+    import pathlib
+    from importlib import resources
+
+    if entry.startswith("pkg://"):
+        try:
+            root = resources.files(entry[len("pkg://"):])
+        except ModuleNotFoundError:
+            raise PluginError(f"config search path {entry!r} names a package that does not "
+                              f"import; fix the plugin's specflow_config_searchpath") from None
+    else:
+        root = pathlib.Path(entry[len("file://"):] if entry.startswith("file://") else entry)
+        if not root.is_dir():
+            return []
+    found = []
+    for group in root.iterdir():
+        if not group.is_dir() or group.name.startswith(("_", ".")):
+            continue
+        found += [f"{group.name}/{f.name}" for f in group.iterdir() if f.name.endswith(".yaml")]
+    return found
 
 
 def reset() -> None:
     """Forget the cached global manager and registry (tests that install plugins use this)."""
     get_plugin_manager.cache_clear()
     get_registry.cache_clear()
+    config_searchpath.cache_clear()
 
 
 def plugin_distributions() -> list[dict[str, Any]]:
@@ -180,3 +221,70 @@ def plugin_distributions() -> list[dict[str, Any]]:
         rows.append({"name": name, "package": package, "version": version, "hooks": hooks,
                      "components": components})
     return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# blaming a plugin that raises
+# ---------------------------------------------------------------------------------------------
+
+def distribution_of(module: str) -> str | None:
+    """'specflow-suffix 0.1.0' for a module of an installed distribution, else None."""
+    from importlib import metadata
+
+    top = module.split(".")[0]
+    for plugin, dist in get_plugin_manager().list_plugin_distinfo():   # entry-point plugins
+        if getattr(plugin, "__name__", "").split(".")[0] == top:
+            return f"{dist.metadata['name']} {dist.version}"
+    for dist_name in metadata.packages_distributions().get(top, []):
+        try:
+            return f"{dist_name} {metadata.version(dist_name)}"
+        except metadata.PackageNotFoundError:   # pragma: no cover - a stale mapping
+            continue
+    return None
+
+
+def _raising_hook_impl(exc: BaseException):
+    """(hook name, HookImpl) of the innermost pluggy call the exception passed through."""
+    from pluggy._callers import _multicall
+
+    found, tb = None, exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code is _multicall.__code__ and "hook_impl" in frame.f_locals:
+            found = (frame.f_locals.get("hook_name"), frame.f_locals["hook_impl"])
+        tb = tb.tb_next
+    return found
+
+
+def _is_ours(module: str) -> bool:
+    return module.split(".")[0] == PROJECT
+
+
+def blame(exc: BaseException, where: str | None = None, module: str | None = None,
+          name: str | None = None) -> PluginError | None:
+    """A PluginError naming the third-party plugin (and its package) an exception came from.
+
+    The plugin is the hook implementation the innermost pluggy call was running, or, for a
+    component factory, `module`. Exceptions from specflow's own code return None (they are
+    specflow's bugs and keep their traceback); SpecflowErrors pass through unchanged.
+    """
+    if isinstance(exc, SpecflowError) or not isinstance(exc, Exception):
+        return None
+    found = _raising_hook_impl(exc)
+    if found is not None:
+        hook_name, impl = found
+        module = getattr(impl.function, "__module__", None) or type(impl.plugin).__module__
+        name, where = impl.plugin_name, f"in hook {hook_name}"
+        if name.isdigit():   # registered without a name: pluggy uses id(plugin)
+            name = getattr(impl.plugin, "__name__", type(impl.plugin).__name__)
+    if module is None or _is_ours(module):
+        return None
+    dist = distribution_of(module)
+    label = f"{name} ({dist})" if dist else f"{name} (module {module}, not an installed package)"
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    error = PluginError(f"plugin {label} raised {type(exc).__name__}{': ' + first if first else ''} "
+                       f"{where}; the bug is in that plugin, not in specflow: report it to its "
+                       f"authors or leave it out of the config (SPECFLOW_TRACEBACK=1 shows "
+                       f"the traceback)")
+    error.__cause__ = exc
+    return error

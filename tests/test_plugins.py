@@ -159,3 +159,60 @@ def test_plugin_option_colliding_with_a_builtin_is_refused(plugin_env):
         ''', extra_conf=False)
     with pytest.raises(PluginError, match=r"'ngram'.*specflow\.builtins.*fake_specflow_clash"):
         plugins.get_registry()
+
+
+RAISING_SOURCE = PLUGIN_SOURCE.replace('''        last = batch.last_tokens()''', '''        if batch.num_generated(0) >= 3:
+            raise ZeroDivisionError("draft table empty")
+        last = batch.last_tokens()''')
+
+
+def test_plugin_raising_inside_a_hook_is_named_with_its_package(plugin_env):
+    from specflow import Pipeline
+
+    install_fake_plugin(plugin_env, "fake_specflow_raiser", RAISING_SOURCE)
+    pipe = Pipeline.from_config(["model=synthetic", "proposer=echo"])
+    with pytest.raises(PluginError, match=r"plugin proposer\.echo \(fake-specflow-raiser 0\.3\.1\) "
+                                          r"raised ZeroDivisionError: draft table empty in hook "
+                                          r"specflow_propose") as info:
+        pipe.generate(["abc"], max_new_tokens=12)
+    assert isinstance(info.value.__cause__, ZeroDivisionError)   # the traceback is kept
+
+
+def test_plugin_factory_raising_is_named_with_its_package(plugin_env):
+    from specflow import Pipeline
+
+    install_fake_plugin(plugin_env, "fake_specflow_badinit", PLUGIN_SOURCE.replace(
+        "self.k = cfg.k", "self.k = cfg.kk"))
+    with pytest.raises(PluginError, match=r"fake_specflow_badinit \(fake-specflow-badinit 0\.3\.1\)"
+                                          r" raised AttributeError.*building proposer=echo"):
+        Pipeline.from_config(["model=synthetic", "proposer=echo"])
+
+
+def test_specflows_own_bugs_are_not_blamed_on_plugins(make_pipeline):
+    class Probe:   # defined in specflow's tests, not an installed package: still a plugin
+        @hookimpl
+        def specflow_observe(self, result):
+            raise RuntimeError("probe")
+
+    pipe = make_pipeline(plugins=[Probe()])
+    with pytest.raises(PluginError, match="plugin Probe .*not an installed package.*RuntimeError"):
+        pipe.generate(["ab"], max_new_tokens=3)
+    assert plugins.blame(RuntimeError("x"), "here", "specflow.pipeline", "core") is None
+
+
+def test_plugin_yaml_shadowing_a_builtin_option_is_refused(plugin_env):
+    install_fake_plugin(plugin_env, "fake_specflow_shadow", PLUGIN_SOURCE)
+    conf = plugin_env / "fake_specflow_shadow" / "conf" / "proposer"
+    (conf / "ngram.yaml").write_text("name: echo\nk: 3\n")
+    with pytest.raises(PluginError, match=r"config option 'proposer=ngram' of plugin "
+                                          r"fake_specflow_shadow \(fake-specflow-shadow 0\.3\.1\).*"
+                                          r"collides with the one of specflow \(built-in\)"):
+        plugins.config_searchpath()
+
+
+def test_two_plugins_with_the_same_yaml_option_are_refused(plugin_env):
+    install_fake_plugin(plugin_env, "fake_specflow_one", PLUGIN_SOURCE)
+    install_fake_plugin(plugin_env, "fake_specflow_two", PLUGIN_SOURCE.replace('"echo"', '"echo2"'))
+    with pytest.raises(PluginError, match=r"'proposer=echo'.*fake_specflow_(one|two).*collides"
+                                          r".*fake_specflow_(one|two)"):
+        plugins.config_searchpath()

@@ -5,7 +5,10 @@ PY     := $(VENV)/bin/python
 # CPU build from this machine's local disk; GPU users: make TORCH="torch" (or install torch first)
 TORCH  ?= torch==2.13.0
 PYTEST_ARGS ?=
+# example third-party plugin packages: installed into .venv and tested by `make test`
+PLUGINS := plugins/specflow-suffix plugins/specflow-trace
 
+# the example plugins' tests run in their own pytest session (autoload on)
 .PHONY: demo test test-fast bench bench-policies sim calibrate wheel-check clean
 
 $(VENV)/.installed: pyproject.toml
@@ -18,11 +21,17 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(VENV)/bin/specflow run
 
-test: $(VENV)/.installed
-	$(PY) -m pytest $(PYTEST_ARGS)
+$(VENV)/.plugins: $(VENV)/.installed $(addsuffix /pyproject.toml,$(PLUGINS))
+	$(PY) -m pip install -q $(foreach p,$(PLUGINS),-e $(p))
+	touch $@
 
-test-fast: $(VENV)/.installed
+test: $(VENV)/.installed $(VENV)/.plugins
+	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_ARGS) $(addsuffix /tests,$(PLUGINS))
+
+test-fast: $(VENV)/.installed $(VENV)/.plugins
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS) $(addsuffix /tests,$(PLUGINS))
 
 bench: $(VENV)/.installed
 	$(PY) bench/run.py

@@ -14,5 +14,14 @@ cd "$tmp"
 out="$("$tmp/venv/bin/specflow" run max_new_tokens=16 'prompt=def add(a, b):' hydra.run.dir="$tmp/run")"
 echo "$out" | tail -n 5
 test -s "$tmp/run/metrics.json"
-"$tmp/venv/bin/specflow" plugins > /dev/null
-echo "wheel-check: ok ($(ls "$tmp"/dist))"
+# the example plugin packages, installed from wheels as an outside author's would be
+for plugin in specflow-suffix specflow-trace; do
+  "$repo/.venv/bin/python" -m pip wheel -q --no-deps -w "$tmp/dist" "$repo/plugins/$plugin"
+done
+"$tmp/venv/bin/python" -m pip install -q "$tmp"/dist/specflow_suffix-*.whl "$tmp"/dist/specflow_trace-*.whl
+"$tmp/venv/bin/specflow" plugins | tee "$tmp/plugins.txt" | grep -E "specflow-(suffix|trace)"
+grep -q "specflow-suffix 0.1.0" "$tmp/plugins.txt" && grep -q "specflow-trace 0.1.0" "$tmp/plugins.txt"
+"$tmp/venv/bin/specflow" run proposer=suffix 'observer=[trace]' max_new_tokens=16 --quiet \
+  'prompt=def add(a, b):' hydra.run.dir="$tmp/run2"
+test -s "$tmp/run2/metrics.json" && test -s "$tmp/run2/trace.json"
+echo "wheel-check: ok ($(ls "$tmp"/dist | tr '\n' ' '))"

@@ -93,6 +93,14 @@ class Counters:
             "tokens_per_second": self.num_committed_tokens / wall if wall > 0 else 0.0,
         }
 
+    def speculation(self) -> dict:
+        """Whether speculation ran ("on", "partly", "off") and, when not always, the main reason:
+        it is never switched off without the record saying so."""
+        off = sum(self.rounds_without_drafts.values())
+        state = "on" if off == 0 else ("off" if off >= self.num_rounds else "partly")
+        reason = self.rounds_without_drafts.most_common(1)[0][0] if off else None
+        return {"speculation": state, "speculation_off_reason": reason}
+
     def measured_c(self) -> float | None:
         """Draft cost per token relative to a target pass (simulated time when there is a clock)."""
         if self.sim_time:
@@ -109,6 +117,7 @@ class Counters:
         out["tokens_per_step_histogram"] = {str(n): c for n, c in
                                             sorted(self.tokens_per_step_histogram.items())}
         out["rounds_without_drafts"] = dict(self.rounds_without_drafts)
+        out.update(self.speculation())
         out["seconds"] = dict(self.seconds)
         out.update(self.derived())
         return out

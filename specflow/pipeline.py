@@ -359,6 +359,11 @@ class Pipeline:
         k, skip_reasons = self._cap_k(k, batch)                                    # [B]
         t1 = time.perf_counter()
         proposal = hook.specflow_propose(batch=batch, k=k) or Proposal.empty(batch.size)
+        num_drafts = proposal.num_draft_tokens.tolist()                              # [B]
+        for b, n in enumerate(num_drafts):   # asked for drafts, got none: say why
+            if n == 0 and skip_reasons[b] is None:
+                given = proposal.skip_reasons[b] if proposal.skip_reasons else None
+                skip_reasons[b] = given or "no proposal"
         t2 = time.perf_counter()
         logits = hook.specflow_score(batch=batch, proposal=proposal)                # [B, K+1, V]
         t3 = time.perf_counter()
@@ -374,7 +379,7 @@ class Pipeline:
         t5 = time.perf_counter()
         result = RoundResult(
             round_index=round_index, request_ids=batch.request_ids,
-            num_drafts=proposal.num_draft_tokens.tolist(),
+            num_drafts=num_drafts,
             num_accepted=verified.num_accepted.tolist(), committed=trim.committed,
             finish_reasons=trim.finish_reasons, batch_size=batch.size, skip_reasons=skip_reasons,
             sim_time={s: v - sim_before.get(s, 0.0) for s, v in self.clock.by_source.items()

@@ -77,6 +77,8 @@ class Proposal:
     draft_token_ids: torch.Tensor             # [B, K] long, PAD after each row's own k
     draft_probs: torch.Tensor | None = None   # [B, K, V] float, exactly the q each draft was sampled
                                               # from; None = deterministic proposer (one-hot q)
+    skip_reasons: list[str | None] | None = None  # [B] why a row asked for drafts got none
+                                                  # (e.g. "draft context full"); None: no reason
 
     @property
     def num_draft_tokens(self) -> torch.Tensor:

@@ -85,7 +85,10 @@ def test_draft_with_a_shorter_context_than_the_target(hf_models):
     got = pipe.generate(PROMPTS[:2], max_new_tokens=80)
     assert [r.token_ids for r in got] == [r.token_ids for r in plain.generate(PROMPTS[:2],
                                                                               max_new_tokens=80)]
-    assert pipe.last_stats["rounds_without_drafts"].get("no proposal", 0) > 0
+    # the record says why those rounds ran without drafts (no silent fallback)
+    assert pipe.last_stats["rounds_without_drafts"].get("draft context full", 0) > 0
+    assert all(r.stats["speculation"] == "partly" for r in got)
+    assert {r.stats["speculation_off_reason"] for r in got} <= {"draft context full", "length cap"}
 
 
 def test_lean_forward_is_refused_where_it_cannot_compute_the_same(hf_models):

@@ -79,13 +79,16 @@ class DraftModelProposer:
         ks = self._room(batch, k)
         rows = [b for b, kb in enumerate(ks) if kb > 0]
         K = max(ks, default=0)
+        full_context = ["draft context full" if asked > 0 and kb == 0 else None
+                        for asked, kb in zip(k.tolist(), ks)]
         if K == 0:
-            return Proposal.empty(batch.size)
+            return Proposal(Proposal.empty(batch.size).draft_token_ids, None, full_context)
         sub = batch.select(rows) if len(rows) < batch.size else batch   # only rows that draft run
         drafts, probs = self._draft(sub, [ks[b] for b in rows], K)
         if sub is batch:
             return Proposal(drafts, probs)
         full = Proposal.empty(batch.size, K, device=drafts.device)
+        full.skip_reasons = full_context
         full.draft_token_ids[rows] = drafts
         if probs is not None:
             full.draft_probs = probs.new_zeros(batch.size, K, probs.shape[-1])

@@ -6,6 +6,7 @@ outputs under Hydra's run folder. Every user error prints one line and exits wit
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from typing import Callable
@@ -119,27 +120,51 @@ def run_task(cfg) -> None:
 
     from specflow.console import console, metrics_table, print_results
     from specflow.experiments.workloads import apply_chat_template
-    from specflow.io import JsonlWriter, atomic_write_json
-    from specflow.pipeline import Pipeline
+    from specflow.io import atomic_write_json
+    from specflow.pipeline import GenerationResult, Pipeline
+    from specflow.resume import run_resumable
 
     out = HydraConfig.get().runtime.output_dir
+    quiet = os.environ.get("SPECFLOW_QUIET") == "1"
+    for done in ("metrics.json", "requests.jsonl"):   # a finished run here: start a new one
+        if os.path.exists(f"{out}/metrics.json") and done == "requests.jsonl":
+            os.remove(f"{out}/requests.jsonl") if os.path.exists(f"{out}/requests.jsonl") else None
+    if os.path.exists(f"{out}/metrics.json"):
+        os.remove(f"{out}/metrics.json")
     try:
         prompts = read_prompts(cfg)
         pipe = Pipeline(cfg)
         prompts = apply_chat_template(prompts, pipe.tokenizer, chat_mode(cfg))
-        quiet = os.environ.get("SPECFLOW_QUIET") == "1"
-        with JsonlWriter(f"{out}/requests.jsonl") as sink:     # one line per finished request
-            results = pipe.generate(prompts, on_result=lambda r: sink.write(r.to_json()),
-                                    progress=bool(cfg.show_progress) and console.is_terminal
-                                    and not quiet)
+        # one line per finished request; a rerun into this folder generates only the rest
+        with interrupt_message(out):
+            rows, stats, resumed = run_resumable(
+                pipe, prompts, out, progress=bool(cfg.show_progress) and console.is_terminal
+                and not quiet)
     except SpecflowError as exc:
         raise SystemExit(fail(str(exc)))
-    atomic_write_json(f"{out}/metrics.json", {"aggregate": pipe.last_stats, "greedy": pipe.greedy,
-                                              "requests": [r.stats for r in results]})
+    atomic_write_json(f"{out}/metrics.json", {"aggregate": stats, "greedy": pipe.greedy,
+                                              "resumed_requests": resumed,
+                                              "requests": [r["stats"] for r in rows]})
     if not quiet:
-        print_results(results)
-        console.print(metrics_table(pipe.last_stats))
+        print_results([GenerationResult(r["index"], r["prompt"], r["text"], r["token_ids"],
+                                        r["finish_reason"], r["stats"]) for r in rows])
+        console.print(metrics_table(stats))
+    if resumed:
+        console.print(f"[dim]resumed: {resumed} requests came from the interrupted run[/]")
     console.print(f"[dim]wrote {out}/requests.jsonl and {out}/metrics.json[/]")
+
+
+@contextlib.contextmanager
+def interrupt_message(out: str, rerun: str = "rerun the same command with hydra.run.dir={out}"):
+    """Ctrl-C: say where the finished requests are and how to resume, then exit 130."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        from specflow.console import err_console
+        err_console.print(f"specflow: interrupted; every finished request is kept in "
+                          f"{out}/requests.jsonl: {rerun.format(out=out)} to resume",
+                          markup=False, highlight=False, soft_wrap=True)
+        raise SystemExit(130) from None
 
 
 # --- sim -----------------------------------------------------------------------------------------

@@ -40,13 +40,14 @@ class JsonlWriter:
     """Append one JSON object per line, flushed at once, so an interrupted run keeps every line
     it wrote; the file is created empty (a re-run starts it again)."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, append: bool = False):
         self.path = pathlib.Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.append = append     # resuming: keep the lines an earlier session wrote
         self.fh = None
 
     def __enter__(self) -> "JsonlWriter":
-        self.fh = open(self.path, "w", encoding="utf-8")
+        self.fh = open(self.path, "a" if self.append else "w", encoding="utf-8")
         return self
 
     def write(self, obj: Any) -> None:

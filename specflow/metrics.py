@@ -67,6 +67,36 @@ class Counters:
         for i in range(accepted):
             self.accepted_per_position[i] += 1
 
+    COUNTS = ("num_rounds", "num_target_passes", "num_drafts", "num_draft_tokens",
+              "num_examined_draft_tokens", "num_accepted_tokens", "num_committed_tokens")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Counters":
+        """Counters back from `as_dict()` (a metrics.json aggregate or a request's stats)."""
+        c = cls()
+        for key in cls.COUNTS:
+            setattr(c, key, int(d.get(key, 0)))
+        c.accepted_per_position = list(d.get("accepted_per_position", []))
+        c.examined_per_position = list(d.get("examined_per_position", []))
+        c.tokens_per_step_histogram = Counter({int(n): v for n, v in
+                                               d.get("tokens_per_step_histogram", {}).items()})
+        c.rounds_without_drafts = Counter(d.get("rounds_without_drafts", {}))
+        c.seconds = {**dict.fromkeys(STAGES, 0.0), **d.get("seconds", {})}
+        c.sim_time = dict(d.get("sim_time", {}))
+        return c
+
+    def add_counts(self, other: "Counters") -> None:
+        """Add another's counts (not its times): merging requests of an earlier session."""
+        for key in self.COUNTS:
+            setattr(self, key, getattr(self, key) + getattr(other, key))
+        for mine, theirs in ((self.accepted_per_position, other.accepted_per_position),
+                             (self.examined_per_position, other.examined_per_position)):
+            mine += [0] * (len(theirs) - len(mine))
+            for i, v in enumerate(theirs):
+                mine[i] += v
+        self.tokens_per_step_histogram.update(other.tokens_per_step_histogram)
+        self.rounds_without_drafts.update(other.rounds_without_drafts)
+
     def add_seconds(self, seconds: dict[str, float]) -> None:
         for stage, s in seconds.items():
             self.seconds[stage] = self.seconds.get(stage, 0.0) + s

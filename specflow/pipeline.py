@@ -204,7 +204,8 @@ class Pipeline:
 
     # --- generation --------------------------------------------------------------------------
 
-    def _requests(self, prompts, max_new_tokens, stop, seed, logprobs) -> list[Request]:
+    def _requests(self, prompts, max_new_tokens, stop, seed, logprobs,
+                  indices=None) -> list[Request]:
         if isinstance(prompts, str):
             prompts = [prompts]
         prompts = list(prompts)
@@ -222,8 +223,14 @@ class Pipeline:
         if logprobs is not None and int(logprobs) < 0:
             raise InputError(f"logprobs={logprobs} must be >= 0 (0 = the chosen tokens only) or None")
         limit = self.target.max_length
+        if indices is None:
+            indices = range(len(prompts))
+        indices = [int(i) for i in indices]
+        if len(indices) != len(prompts) or len(set(indices)) != len(indices):
+            raise InputError(f"indices must give one distinct index per prompt "
+                             f"({len(indices)} for {len(prompts)} prompts)")
         requests = []
-        for i, prompt in enumerate(prompts):
+        for i, prompt in zip(indices, prompts):
             if not isinstance(prompt, str) or not prompt:
                 raise InputError(f"prompt {i} is empty; every prompt needs at least one character")
             ids = list(self.tokenizer.encode(prompt))
@@ -241,20 +248,23 @@ class Pipeline:
                  stop: Sequence[str] | None = None, seed: int | None = None,
                  max_batch_size: int | None = None, progress: bool = False,
                  logprobs: int | None = None,
-                 on_result: Callable[[GenerationResult], None] | None = None
-                 ) -> list[GenerationResult]:
+                 on_result: Callable[[GenerationResult], None] | None = None,
+                 indices: Sequence[int] | None = None) -> list[GenerationResult]:
         """Generate a continuation of every prompt; results come back in prompt order.
 
         logprobs: None (off), 0 (each returned token's logprob under the target's shaped
         distribution, the one it was verified against) or n (also the top n alternatives).
         on_result: called with each result as its request finishes (write it out, stream it).
+        indices: each prompt's index in a larger list (default 0..n-1). A request's index is its
+        result's `index` and its seed offset (seed + index), so resuming the unfinished part of a
+        list reproduces exactly what the whole list would have produced.
         """
-        requests = self._requests(prompts, max_new_tokens, stop, seed, logprobs)
+        requests = self._requests(prompts, max_new_tokens, stop, seed, logprobs, indices)
         capacity = int(max_batch_size or self.cfg.max_batch_size)
         if capacity > self.ctx.slots:
             raise InputError(f"max_batch_size={capacity} exceeds the pipeline's "
                              f"{self.ctx.slots} slots; set max_batch_size={capacity} in the config")
-        recorder = MetricsRecorder(self.clock)
+        recorder = self.recorder = MetricsRecorder(self.clock)   # live counts: on_result may read
         self.pm.register(recorder, name="metrics")
         try:
             self.hook.specflow_run_start(pipeline=self, requests=requests)

@@ -5,7 +5,8 @@ each arm runs once, in turn: machine drift hits every arm alike. Every job compo
 plus its arm's overrides, decodes the same prompts in the same order (seed + 1000 x rep, the same
 for every arm), and writes into ab/<name>/<arm>/rep<r>/: the arm's composed config, one JSON line
 per finished request (flushed as it finishes) and metrics.json, written last and atomically: a
-job whose metrics.json exists is finished and is skipped when the command is run again.
+job whose metrics.json exists is finished and is skipped when the command is run again, and an
+interrupted job generates only the requests its requests.jsonl lacks (specflow/resume.py).
 """
 from __future__ import annotations
 
@@ -57,12 +58,13 @@ def run_job(cfg: DictConfig) -> None:
     """One (repetition, arm) job inside the Hydra multirun."""
     from hydra.core.hydra_config import HydraConfig
 
-    from specflow.cli import chat_mode, read_prompts
+    from specflow.cli import chat_mode, interrupt_message, read_prompts
     from specflow.config import compose
     from specflow.console import console
     from specflow.experiments.workloads import apply_chat_template
-    from specflow.io import JsonlWriter, atomic_write_json, atomic_write_text
+    from specflow.io import atomic_write_json, atomic_write_text
     from specflow.pipeline import Pipeline
+    from specflow.resume import run_resumable
 
     hc = HydraConfig.get()
     out = pathlib.Path(hc.runtime.output_dir)
@@ -78,15 +80,15 @@ def run_job(cfg: DictConfig) -> None:
     atomic_write_text(out / "arm_config.yaml", OmegaConf.to_yaml(pipe.cfg))
     if not quiet:
         console.print(f"{label}: {len(prompts)} prompts")
-    with JsonlWriter(out / "requests.jsonl") as sink:
-        results = pipe.generate(prompts, progress=not quiet and console.is_terminal,
-                                on_result=lambda r: sink.write(r.to_json()))
+    with interrupt_message(str(out), "rerun the same command"):
+        rows, stats, resumed = run_resumable(pipe, prompts, out,
+                                             progress=not quiet and console.is_terminal)
     atomic_write_json(out / "metrics.json", {
         "experiment": str(cfg.ab.name), "arm": str(cfg.ab.arm), "rep": int(cfg.ab.rep),
         "arms": [str(a) for a in cfg.ab.arms], "baseline": str(cfg.ab.baseline),
-        "greedy": pipe.greedy, "aggregate": pipe.last_stats,
-        "requests": [r.stats for r in results]})
+        "greedy": pipe.greedy, "aggregate": stats, "resumed_requests": resumed,
+        "requests": [r["stats"] for r in rows]})
     if not quiet:
-        s = pipe.last_stats
+        s = stats
         console.print(f"[dim]{label}: {s['num_committed_tokens']} tokens, "
                       f"{s['tokens_per_second']:.1f} tokens/s, α {s['alpha']:.3f}[/]")

@@ -146,7 +146,7 @@ class StopTrimmer:
             # keep the tokens whose text ends at or before the stop string's start; the string
             # may have begun in tokens committed in an earlier round: take those back
             n_keep = sum(1 for e in inc.ends[: base + i + 1] if e <= start)
-            return tokens[:max(0, n_keep - base)], "stop", 0
+            return tokens[:max(0, n_keep - base)], "stop", max(0, base - n_keep)
         return tokens, reason, 0
 
 

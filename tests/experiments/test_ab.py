@@ -78,13 +78,17 @@ def test_rerun_skips_finished_jobs_and_redoes_an_unfinished_one(healthy, tmp_pat
     stamps = {p: p.stat().st_mtime_ns for p in healthy.glob("*/rep*/metrics.json")}
     done.unlink()                                     # as if interrupted before it finished
     partial = healthy / "ngram/rep1/requests.jsonl"
-    partial.write_text(partial.read_text().splitlines()[0] + "\n{\"index\": 1, \"tru")
+    first = partial.read_text().splitlines()[0]
+    partial.write_text(first + "\n{\"index\": 1, \"tru")     # a line torn by the interruption
     out = specflow("ab", *SMALL, "ab.repetitions=2", f"hydra.sweep.dir={healthy}", cwd=tmp_path)
     assert out.returncode == 0, out.stderr.decode()
     for p, t in stamps.items():
         if p != done:
             assert p.stat().st_mtime_ns == t            # finished jobs were not re-run
     assert done.exists() and len(partial.read_text().splitlines()) == 3
+    # the finished request was kept, not generated again; the torn one and the rest were
+    assert partial.read_text().splitlines()[0] == first
+    assert json.loads(done.read_text())["resumed_requests"] == 1
 
 
 def test_broken_draft_cache_lowers_alpha_and_trips_the_drift_check(healthy, tmp_path):

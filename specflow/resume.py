@@ -1,0 +1,104 @@
+"""Resuming an interrupted run: what finished, what is left, and the metrics of all sessions.
+
+`requests.jsonl` gets one line per finished request, flushed as it finishes, so Ctrl-C (or a
+crash) keeps every finished request. A rerun into the same folder reads those lines, drops a line
+torn by the interruption, checks that they were written for the same prompts, and generates only
+the rest with the same per-request indices (and so the same seeds). metrics.json, written last,
+marks a finished run.
+
+Each line also carries its session's stage seconds so far (`session`, `session_seconds`,
+`session_sim_time`). The merged aggregate counts every finished request exactly and charges each
+earlier session the time up to its last finished request: work on requests that were cut off is
+thrown away and not counted in either tokens or time.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import uuid
+from typing import Any, Callable, Sequence
+
+from specflow.errors import InputError
+from specflow.io import atomic_write_text
+from specflow.metrics import Counters
+
+
+def finished_requests(path: str | os.PathLike, prompts: Sequence[str]) -> dict[int, dict]:
+    """The finished requests already in `path` (by index); rewrites the file without a torn line."""
+    path = pathlib.Path(path)
+    if not path.exists():
+        return {}
+    done: dict[int, dict] = {}
+    lines = path.read_text(encoding="utf-8").splitlines()
+    for n, line in enumerate(lines):
+        try:
+            row = json.loads(line)
+            index = int(row["index"])
+        except (ValueError, KeyError, TypeError):
+            if n == len(lines) - 1:      # the line being written when the run stopped
+                break
+            raise InputError(f"{path} line {n + 1} is not a request record; move the file away "
+                             f"or choose another output folder") from None
+        if index >= len(prompts) or row.get("prompt") != prompts[index]:
+            raise InputError(f"{path} was written for other prompts (request {index} differs); "
+                             f"use a new output folder (hydra.run.dir=...) for these prompts")
+        done[index] = row
+    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in done.values()))
+    return done
+
+
+def session_tagger(pipe) -> Callable[[Any], dict]:
+    """result -> its JSON line, tagged with this session's stage seconds so far."""
+    session = uuid.uuid4().hex[:12]
+
+    def tag(result) -> dict:
+        total = pipe.recorder.total
+        return {**result.to_json(), "session": session, "session_seconds": dict(total.seconds),
+                "session_sim_time": dict(total.sim_time)}
+
+    return tag
+
+
+def merged_stats(earlier: Sequence[dict], now: dict) -> dict:
+    """The aggregate over earlier sessions' finished requests and this session's run."""
+    total = Counters.from_dict(now)
+    last_of_session: dict[str, dict] = {}
+    for row in earlier:
+        total.add_counts(Counters.from_dict(row.get("stats", {})))
+        sid = row.get("session", "?")
+        seconds = sum(row.get("session_seconds", {}).values())
+        if sid not in last_of_session or seconds > sum(last_of_session[sid].get(
+                "session_seconds", {}).values()):
+            last_of_session[sid] = row
+    for row in last_of_session.values():
+        total.add_seconds(row.get("session_seconds", {}))
+        for key, value in row.get("session_sim_time", {}).items():
+            total.sim_time[key] = total.sim_time.get(key, 0.0) + value
+    out = total.as_dict()
+    out["sessions"] = len(last_of_session) + 1
+    return out
+
+
+def run_resumable(pipe, prompts: Sequence[str], out: str | os.PathLike, progress: bool
+                  ) -> tuple[list[dict], dict, int]:
+    """Generate what is not yet in out/requests.jsonl (appending as requests finish).
+
+    Returns (every request's record in prompt order, the aggregate stats, how many were resumed).
+    """
+    from specflow.io import JsonlWriter
+
+    path = pathlib.Path(out) / "requests.jsonl"
+    done = finished_requests(path, prompts)
+    todo = [i for i in range(len(prompts)) if i not in done]
+    tag = session_tagger(pipe)
+    if not todo:
+        return [done[i] for i in range(len(prompts))], merged_stats(
+            list(done.values()), Counters().as_dict()), len(done)
+    with JsonlWriter(path, append=bool(done)) as sink:
+        results = pipe.generate([prompts[i] for i in todo], indices=todo, progress=progress,
+                                on_result=lambda r: sink.write(tag(r)))
+    rows = dict(done)
+    rows.update({r.index: {**r.to_json()} for r in results})
+    stats = merged_stats(list(done.values()), pipe.last_stats) if done else pipe.last_stats
+    return [rows[i] for i in range(len(prompts))], stats, len(done)

@@ -193,7 +193,9 @@ def _schema_node(kind: str, node: DictConfig, where: str):
         msg = str(exc).splitlines()[0]
         key = getattr(exc, "full_key", None) or ""
         valid = ", ".join(f.name for f in component.schema.__dataclass_fields__.values())
-        raise ConfigError(f"{where}{'.' + key if key else ''}: {msg} (valid keys: {valid})") from None
+        fix = "; give a value of that type" if "could not be converted" in msg else ""
+        raise ConfigError(f"{where}{'.' + key if key else ''}: {msg}{fix} "
+                          f"(valid keys: {valid})") from None
     return OmegaConf.structured(obj) if is_dataclass(obj) else typed, obj
 
 

@@ -99,7 +99,7 @@ def load_schema(schema: str | None, model: str | None) -> str:
     except jsonschema.SchemaError as exc:
         where = "/".join(str(p) for p in exc.path) or "the top level"
         raise ConfigError(f"constraint.schema is not a valid JSON Schema at {where}: "
-                          f"{exc.message}") from None
+                          f"{exc.message.splitlines()[0]}; fix the schema there") from None
     return json.dumps(parsed)
 
 

@@ -99,5 +99,7 @@ def read_prompt_file(path: str, key: str = "prompt", limit: int | None = None,
             break
     if not prompts:
         raise InputError(f"prompt file {str(p)!r} has no prompts"
-                         + (f" matching {dict(where)}" if where else ""))
+                         + (f" matching {dict(where)}" if where else "")
+                         + "; give a file with one prompt per line or JSONL rows with a "
+                           "prompt field (workload.field)")
     return prompts

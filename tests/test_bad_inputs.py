@@ -1,0 +1,207 @@
+"""The README's bad-input table, row by row, through the CLI and through the Python API.
+
+Every row: one line that names the value and the fix, exit code 2 (SpecflowError.exit_code on the
+API), and no metrics.json (the file that marks a finished run). README_TABLE is checked against
+README.md so the table users read is the table tested here.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from specflow import Pipeline, SpecflowError
+from specflow.config import compose
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SPECFLOW = str(pathlib.Path(sys.executable).parent / "specflow")
+SYN = ["model=synthetic", "draft=synthetic"]
+
+
+def _mismatched_draft(tmp: pathlib.Path) -> str:
+    """The demo draft with another tokenizer (a 300-token BPE): a draft from another family."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from specflow.models.hf import DEMO_DIR
+
+    dst = tmp / "other-draft"
+    if not dst.exists():
+        shutil.copytree(DEMO_DIR / "draft", dst)
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.train_from_iterator([textwrap.__doc__ or "abc"] * 3, trainers.BpeTrainer(
+            vocab_size=300, special_tokens=["<eos>"], show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(dst)
+    return str(dst)
+
+
+RAISING_PLUGIN = '''
+from dataclasses import dataclass
+from specflow import hookimpl
+
+@dataclass
+class BoomConfig:
+    name: str = "boom"
+    k: int = 2
+
+class Boom:
+    def __init__(self, cfg, ctx):
+        pass
+    @hookimpl
+    def specflow_propose(self, batch, k):
+        raise ZeroDivisionError("table is empty")
+
+@hookimpl
+def specflow_register(registry):
+    registry.add("proposer", "boom", Boom, BoomConfig)
+
+@hookimpl
+def specflow_config_searchpath():
+    return "pkg://fake_specflow_boom.conf"
+'''
+
+
+def _install_raising_plugin(tmp: pathlib.Path) -> pathlib.Path:
+    root = tmp / "site"
+    if not root.exists():
+        (root / "fake_specflow_boom-1.2.0.dist-info").mkdir(parents=True)
+        (root / "fake_specflow_boom-1.2.0.dist-info/METADATA").write_text(
+            "Metadata-Version: 2.1\nName: fake-specflow-boom\nVersion: 1.2.0\n")
+        (root / "fake_specflow_boom-1.2.0.dist-info/entry_points.txt").write_text(
+            "[specflow]\nboom = fake_specflow_boom\n")
+        (root / "fake_specflow_boom").mkdir()
+        (root / "fake_specflow_boom/__init__.py").write_text(RAISING_PLUGIN)
+        (root / "fake_specflow_boom/conf/proposer").mkdir(parents=True)
+        (root / "fake_specflow_boom/conf/__init__.py").write_text("")
+        (root / "fake_specflow_boom/conf/proposer/boom.yaml").write_text("name: boom\nk: 2\n")
+    return root
+
+
+def _files(tmp: pathlib.Path) -> None:
+    (tmp / "empty.txt").write_text("\n\n")
+    (tmp / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))
+
+
+# (input, CLI arguments, what the API call is, message on the CLI, message on the API)
+# {tmp} is the test's folder, {draft} a draft with another tokenizer
+ROWS = [
+    ("unknown config option", [*SYN, "proposer.kk=3"], "compose",
+     "unknown config key 'proposer.kk'", None),
+    ("wrong type", [*SYN, "proposer.k=two"], "compose", "could not be converted to Integer", None),
+    ("k < 0", [*SYN, "proposer.k=-1"], "compose", "proposer.k=-1 must be >= 0", None),
+    ("temperature < 0", [*SYN, "logits=[temperature]", "logits.temperature.value=-1"], "compose",
+     "logits.temperature.value=-1.0 must be >= 0", None),
+    ("top_p outside (0, 1]", [*SYN, "logits=[top_p]", "logits.top_p.p=1.5"], "compose",
+     "logits.top_p.p=1.5 must be in (0, 1]", None),
+    ("empty prompt", [*SYN, "prompt="], "generate:['']", "prompt 0 is empty", None),
+    ("empty prompt list", [*SYN, "workload=file", "workload.path={tmp}/empty.txt"],
+     "generate:[]", "has no prompts", "no prompts given"),
+    ("prompt longer than the context", [*SYN, "model.max_length=8", "prompt=abcdefghij"],
+     "generate:['abcdefghij']", "has 10 tokens but the model's context is 8", None),
+    ("non-UTF-8 prompt file", [*SYN, "workload=file", "workload.path={tmp}/latin1.txt"],
+     "prompt_file:{tmp}/latin1.txt", "is not UTF-8", None),
+    ("invalid JSON Schema", ["proposer=ngram", "constraint=json_schema",
+                             'constraint.schema={"type": "objekt"}'], "build",
+     "not a valid JSON Schema", None),
+    ("empty stop string", [*SYN, "stop.strings=['']"], "generate_stop:['']",
+     "empty string", "a stop string is empty"),
+    ("tokenizer mismatch", ["draft=hf", "draft.path={draft}"], "build",
+     "does not share the tokenizer", None),
+    ("missing model path", ["model=hf", "model.path={tmp}/no-model", "proposer=ngram"], "build",
+     "is not a directory; set model.path", None),
+    ("CUDA without a GPU", [*SYN, "device=cuda"], "build", "has no CUDA GPU", None),
+    ("a plugin that raises", [*SYN, "proposer=boom"], "plugin",
+     "plugin proposer.boom (fake-specflow-boom 1.2.0) raised ZeroDivisionError: table is empty "
+     "in hook specflow_propose", None),
+]
+
+
+def _fill(arg: str, tmp: pathlib.Path) -> str:
+    if "{draft}" in arg:
+        arg = arg.replace("{draft}", _mismatched_draft(tmp))
+    return arg.replace("{tmp}", str(tmp))
+
+
+def _skip_cuda(name):
+    if name == "CUDA without a GPU" and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+
+
+@pytest.mark.parametrize("name,args,api,cli_msg,api_msg", ROWS, ids=[r[0] for r in ROWS])
+def test_cli(tmp_path, name, args, api, cli_msg, api_msg):
+    _skip_cuda(name)
+    _files(tmp_path)
+    env = {**os.environ, "SPECFLOW_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    if api == "plugin":
+        env.pop("SPECFLOW_DISABLE_PLUGIN_AUTOLOAD")
+        env["PYTHONPATH"] = str(_install_raising_plugin(tmp_path))
+    args = [_fill(a, tmp_path) for a in args]
+    out = subprocess.run([SPECFLOW, "run", *args, "max_new_tokens=8",
+                          f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path, capture_output=True,
+                         env=env, timeout=300)
+    err = out.stderr.decode().strip()
+    assert out.returncode == 2, (out.returncode, err)
+    assert err.startswith("specflow: error:") and cli_msg in err, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert not (tmp_path / "run/metrics.json").exists()
+
+
+@pytest.fixture
+def raising_plugin(tmp_path, monkeypatch):
+    from specflow import plugins
+    monkeypatch.syspath_prepend(str(_install_raising_plugin(tmp_path)))
+    monkeypatch.delenv(plugins.AUTOLOAD_ENV, raising=False)
+    plugins.reset()
+    yield
+    plugins.reset()
+    sys.modules.pop("fake_specflow_boom", None)
+
+
+@pytest.mark.parametrize("name,args,api,cli_msg,api_msg", ROWS, ids=[r[0] for r in ROWS])
+def test_api(tmp_path, request, name, args, api, cli_msg, api_msg):
+    _skip_cuda(name)
+    _files(tmp_path)
+    args = [_fill(a, tmp_path) for a in args]
+    message = api_msg or cli_msg
+    with pytest.raises(SpecflowError) as info:
+        if api == "compose":
+            compose(args)
+        elif api == "build":
+            Pipeline.from_config(args)
+        elif api.startswith("prompt_file:"):
+            from specflow.experiments.workloads import read_prompt_file
+            read_prompt_file(_fill(api.split(":", 1)[1], tmp_path))
+        elif api == "plugin":
+            request.getfixturevalue("raising_plugin")
+            Pipeline.from_config(args).generate(["abc"], max_new_tokens=8)
+        else:
+            kind, value = api.split(":", 1)
+            prompts = eval(value)       # noqa: S307 - literals from the table above
+            keep = [a for a in args if not a.startswith(("prompt=", "stop.strings="))]
+            pipe = Pipeline.from_config(keep)
+            if kind == "generate_stop":
+                pipe.generate(["abc"], stop=prompts, max_new_tokens=8)
+            else:
+                pipe.generate(prompts, max_new_tokens=8)
+    assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
+    assert info.value.exit_code == 2
+
+
+def test_the_readme_table_is_this_table():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Bad input", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ")][1:]   # no header
+    assert len(rows) == len(ROWS)
+    for line, (name, *_rest, cli_msg, api_msg) in zip(rows, ROWS):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[0] == name, (cells[0], name)
+        assert cli_msg in line.replace("\\|", "|"), (name, cli_msg)

@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig
 
 from specflow.config import compose, option, validate
-from specflow.errors import ConfigError, InputError
+from specflow.errors import ConfigError, InputError, PluginError
 from specflow.metrics import MetricsRecorder
 from specflow.models.base import Backend, SimClock
 from specflow.plugins import blame, check_hooks, get_registry, new_plugin_manager
@@ -359,6 +359,16 @@ class Pipeline:
             reasons = [self.no_speculation_reason] * batch.size
         return torch.tensor(ks, dtype=torch.long), reasons
 
+    def _check_draft_counts(self, num_drafts: list[int], ks: list[int]) -> None:
+        """A proposer may return fewer drafts than k, never more (the caps keep rows in context)."""
+        for b, (n, kb) in enumerate(zip(num_drafts, ks)):
+            if n > kb:
+                name = self.cfg.proposer.name
+                owner = self.registry.get("proposer", name).plugin
+                raise PluginError(f"proposer {name!r} (plugin {owner}) returned {n} drafts for a "
+                                  f"row given k={kb}; a proposer may return fewer drafts than "
+                                  f"asked, never more: fix the proposer")
+
     def _round(self, batch: DecodeBatch, round_index: int):
         hook, seconds = self.hook, {}
         sim_before = dict(self.clock.by_source)
@@ -370,6 +380,7 @@ class Pipeline:
         t1 = time.perf_counter()
         proposal = hook.specflow_propose(batch=batch, k=k) or Proposal.empty(batch.size)
         num_drafts = proposal.num_draft_tokens.tolist()                              # [B]
+        self._check_draft_counts(num_drafts, k.tolist())
         for b, n in enumerate(num_drafts):   # asked for drafts, got none: say why
             if n == 0 and skip_reasons[b] is None:
                 given = proposal.skip_reasons[b] if proposal.skip_reasons else None

@@ -79,7 +79,9 @@ class Echo:
     @hookimpl
     def specflow_propose(self, batch, k):
         last = batch.last_tokens()
-        return Proposal(last[:, None].repeat(1, self.k))
+        out = last[:, None].repeat(1, self.k)                       # [B, k]
+        keep = torch.arange(self.k)[None, :] < k[:, None]           # never more than asked
+        return Proposal(torch.where(keep, out, torch.full_like(out, -1)))
 
 @hookimpl
 def specflow_register(registry):
@@ -216,3 +218,17 @@ def test_two_plugins_with_the_same_yaml_option_are_refused(plugin_env):
     with pytest.raises(PluginError, match=r"'proposer=echo'.*fake_specflow_(one|two).*collides"
                                           r".*fake_specflow_(one|two)"):
         plugins.config_searchpath()
+
+
+def test_a_proposer_returning_more_drafts_than_k_is_refused(make_pipeline):
+    from specflow.state import Proposal
+
+    class Greedy:
+        @hookimpl
+        def specflow_propose(self, batch, k):
+            return Proposal(torch.zeros(batch.size, int(k.max()) + 2, dtype=torch.long))
+
+    pipe = make_pipeline("proposer=draft", plugins=[Greedy()])
+    with pytest.raises(PluginError, match=r"returned 6 drafts for a row given k=4; a proposer may "
+                                          r"return fewer drafts than asked, never more"):
+        pipe.generate(["ab"], max_new_tokens=20)

@@ -156,7 +156,13 @@ def summarize(arms: dict, n_boot: int = 2000) -> dict:
                "tokens_per_second": tps, "speedup": speedup, "speedup_ci95": [lo, hi],
                "latency_p50": float(np.percentile(per_token, 50)) if per_token else None,
                "latency_p95": float(np.percentile(per_token, 95)) if per_token else None,
-               "greedy": greedy, **_aggregate(reps)}
+               "greedy": greedy, **_aggregate(reps),
+               # run over run: a proposer that learns across runs (a suffix cache) shows it here
+               "per_repetition": {str(rep): {key: job["metrics"]["aggregate"].get(key)
+                                             for key in ("alpha", "acceptance_rate",
+                                                         "mean_acceptance_length",
+                                                         "tokens_per_second")}
+                                  for rep, job in sorted(reps.items())}}
         if name != baseline and greedy:
             diffs = []
             for u in common:
@@ -221,9 +227,40 @@ def markdown(summary: dict) -> str:
                      f"[{_f(lo)}, {_f(hi)}] | {r['tau']:.2f} | {_f(r['alpha'], 3)} | "
                      f"{_f(r['acceptance_rate'], 3)} | {per_pos} | {lat} | "
                      f"{_f(r['predicted_speedup'])} | {correctness(r, name == base)} |")
+    reps = sorted({r for row in summary["arms"].values() for r in row["per_repetition"]}, key=int)
+    if len(reps) > 1:
+        lines += ["", "Per repetition (α / τ / tokens/s): does acceptance change run over run?", "",
+                  "| arm | " + " | ".join(f"rep {r}" for r in reps) + " |",
+                  "|---|" + "---|" * len(reps)]
+        for name, row in summary["arms"].items():
+            lines.append(f"| {name} | " + " | ".join(_rep_cell(row["per_repetition"].get(r))
+                                                     for r in reps) + " |")
     lines += ["", "Plots: speedup.png, acceptance_per_position.png, tokens_per_round.png, "
               "tau_vs_k.png."]
     return "\n".join(lines) + "\n"
+
+
+def _rep_cell(m: dict | None) -> str:
+    if m is None:
+        return "-"
+    return (f"{_f(m['alpha'], 3)} / {_f(m['mean_acceptance_length'])} / "
+            f"{_f(m['tokens_per_second'], 1)}")
+
+
+def repetition_table(summary: dict):
+    """The per-repetition table (None with a single repetition)."""
+    from rich.table import Table
+
+    reps = sorted({r for row in summary["arms"].values() for r in row["per_repetition"]}, key=int)
+    if len(reps) < 2:
+        return None
+    t = Table(title="per repetition: α / τ / tokens/s")
+    t.add_column("arm")
+    for r in reps:
+        t.add_column(f"rep {r}")
+    for name, row in summary["arms"].items():
+        t.add_row(name, *[_rep_cell(row["per_repetition"].get(r)) for r in reps])
+    return t
 
 
 def table(summary: dict):
@@ -270,6 +307,8 @@ def main(opts) -> int:
     plots.plot_ab(summary, folder)
     if not opts.quiet:
         console.print(table(summary))
+        if repetition_table(summary) is not None:
+            console.print(repetition_table(summary))
         if unfinished:
             console.print(f"[yellow]unfinished jobs (not counted): {', '.join(unfinished)}[/]")
         console.print(f"[dim]wrote {folder}/report.md, report.json and plots[/]")

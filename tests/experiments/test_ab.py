@@ -71,6 +71,13 @@ def test_report_speedups_intervals_exact_match_and_plots(healthy, tmp_path):
     text = out.stdout.decode()
     assert "95% CI" in text and "exact match 100%" in text
     assert "| draft |" in (healthy / "report.md").read_text()
+    # run over run: one column per repetition, from each job's own metrics
+    for name in ("ngram", "draft"):
+        per_rep = arms[name]["per_repetition"]
+        assert list(per_rep) == ["0", "1"]
+        job = json.loads((healthy / name / "rep1/metrics.json").read_text())["aggregate"]
+        assert per_rep["1"]["alpha"] == job["alpha"]
+    assert "Per repetition" in (healthy / "report.md").read_text() and "per repetition" in text
 
 
 def test_rerun_skips_finished_jobs_and_redoes_an_unfinished_one(healthy, tmp_path):

@@ -19,8 +19,13 @@ for plugin in specflow-suffix specflow-trace; do
   "$repo/.venv/bin/python" -m pip wheel -q --no-deps -w "$tmp/dist" "$repo/plugins/$plugin"
 done
 "$tmp/venv/bin/python" -m pip install -q "$tmp"/dist/specflow_suffix-*.whl "$tmp"/dist/specflow_trace-*.whl
-"$tmp/venv/bin/specflow" plugins | tee "$tmp/plugins.txt" | grep -E "specflow-(suffix|trace)"
-grep -q "specflow-suffix 0.1.0" "$tmp/plugins.txt" && grep -q "specflow-trace 0.1.0" "$tmp/plugins.txt"
+"$tmp/venv/bin/specflow" plugins --json > "$tmp/plugins.json"
+"$tmp/venv/bin/python" - "$tmp/plugins.json" <<'EOF'
+import json, sys
+rows = {r["package"]: r["version"] for r in json.load(open(sys.argv[1]))["plugins"]}
+assert rows.get("specflow-suffix") == "0.1.0" and rows.get("specflow-trace") == "0.1.0", rows
+print("plugins:", ", ".join(f"{p} {v}" for p, v in rows.items()))
+EOF
 "$tmp/venv/bin/specflow" run proposer=suffix 'observer=[trace]' max_new_tokens=16 --quiet \
   'prompt=def add(a, b):' hydra.run.dir="$tmp/run2"
 test -s "$tmp/run2/metrics.json" && test -s "$tmp/run2/trace.json"

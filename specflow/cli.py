@@ -24,7 +24,7 @@ commands:
   ab        an A/B experiment as a Hydra multirun: specflow ab experiment=demo_proposers
             (hydra/launcher=joblib for local processes; --quiet for CI logs)
   report    specflow report ab/<name> [--baseline old/report.json --max-acceptance-drop 0.05]
-  plugins   list loaded plugins: name, package, version, hooks, components
+  plugins   list loaded plugins: name, package, version, hooks, components (--json)
 
 Hydra options work after run, sim, calibrate and ab: --cfg job, --help, hydra.run.dir=...
 --quiet (run, sim, calibrate, ab, report): no progress bars or Hydra log lines, for CI logs
@@ -344,10 +344,17 @@ def cmd_plugins(args: list[str]) -> int:
     from specflow.hookspecs import HOOK_API_VERSION
     from specflow.plugins import plugin_distributions
 
+    if args and args != ["--json"]:
+        return fail(f"specflow plugins takes no arguments but --json (got {' '.join(args)})")
+    rows = plugin_distributions()
+    if args == ["--json"]:          # for scripts and CI
+        import json
+        print(json.dumps({"hook_api": HOOK_API_VERSION, "plugins": rows}, indent=2))
+        return 0
     t = Table(title=f"specflow plugins (hook API {HOOK_API_VERSION})")
     for col in ("name", "package", "version", "hooks", "components"):
         t.add_column(col)
-    for row in plugin_distributions():
+    for row in rows:
         t.add_row(row["name"], row["package"], row["version"], "\n".join(row["hooks"]),
                   "\n".join(row["components"]))
     console.print(t)

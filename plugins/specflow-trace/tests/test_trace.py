@@ -18,6 +18,16 @@ def test_listed_with_its_version():
     assert row["version"] == "0.1.0" and "observer=trace" in row["components"]
 
 
+def test_specflow_plugins_lists_it_with_its_version(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "SPECFLOW_DISABLE_PLUGIN_AUTOLOAD"}
+    specflow = os.path.join(os.path.dirname(sys.executable), "specflow")
+    out = subprocess.run([specflow, "plugins", "--json"], cwd=tmp_path, capture_output=True,
+                         env=env, timeout=300)
+    rows = {r["package"]: r for r in json.loads(out.stdout)["plugins"]}
+    assert rows["specflow-trace"]["version"] == "0.1.0"
+    assert rows["specflow-trace"]["components"] == ["observer=trace"]
+
+
 def _traced(tmp_path, *overrides):
     pipe = Pipeline.from_config([*SYNTHETIC, "observer=[trace]",
                                  f"observer.trace.path={tmp_path}/trace.json", *overrides])

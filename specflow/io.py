@@ -5,7 +5,7 @@ import json
 import os
 import pathlib
 import tempfile
-from typing import Any, Iterable
+from typing import Any
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> pathlib.Path:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import re
 import shutil
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import textwrap
 
 import pytest
 import torch
+from fake_plugins import install_fake_plugin
 
 from specflow import Pipeline, SpecflowError
 from specflow.config import compose
@@ -66,23 +66,15 @@ def specflow_register(registry):
 
 @hookimpl
 def specflow_config_searchpath():
-    return "pkg://fake_specflow_boom.conf"
+    return "pkg://{module}.conf"
 '''
 
 
 def _install_raising_plugin(tmp: pathlib.Path) -> pathlib.Path:
     root = tmp / "site"
     if not root.exists():
-        (root / "fake_specflow_boom-1.2.0.dist-info").mkdir(parents=True)
-        (root / "fake_specflow_boom-1.2.0.dist-info/METADATA").write_text(
-            "Metadata-Version: 2.1\nName: fake-specflow-boom\nVersion: 1.2.0\n")
-        (root / "fake_specflow_boom-1.2.0.dist-info/entry_points.txt").write_text(
-            "[specflow]\nboom = fake_specflow_boom\n")
-        (root / "fake_specflow_boom").mkdir()
-        (root / "fake_specflow_boom/__init__.py").write_text(RAISING_PLUGIN)
-        (root / "fake_specflow_boom/conf/proposer").mkdir(parents=True)
-        (root / "fake_specflow_boom/conf/__init__.py").write_text("")
-        (root / "fake_specflow_boom/conf/proposer/boom.yaml").write_text("name: boom\nk: 2\n")
+        install_fake_plugin(root, "fake_specflow_boom", RAISING_PLUGIN, version="1.2.0",
+                            option=("proposer", "boom"))
     return root
 
 

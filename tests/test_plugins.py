@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import inspect
 import sys
-import textwrap
 
 import pytest
 import torch
 
+from fake_plugins import install_fake_plugin
 from specflow import PluginError, hookimpl, hookspecs, plugins
 from specflow.stages.logits import apply_min_p, apply_temperature
 
@@ -91,22 +91,6 @@ def specflow_register(registry):
 def specflow_config_searchpath():
     return "pkg://{module}.conf"
 '''
-
-
-def install_fake_plugin(root, module: str, source: str, extra_conf: bool = True) -> None:
-    """A real distribution on sys.path: dist-info with an entry point, a module, its conf/."""
-    dist = root / f"{module}-0.3.1.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module.replace('_', '-')}\n"
-                                   f"Version: 0.3.1\n")
-    (dist / "entry_points.txt").write_text(f"[specflow]\n{module} = {module}\n")
-    pkg = root / module
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text(textwrap.dedent(source.replace("{module}", module)))
-    if extra_conf:
-        (pkg / "conf" / "proposer").mkdir(parents=True)
-        (pkg / "conf" / "__init__.py").write_text("")
-        (pkg / "conf" / "proposer" / "echo.yaml").write_text("name: echo\nk: 2\n")
 
 
 @pytest.fixture

@@ -67,7 +67,7 @@ def test_table_counts_match_the_pipeline(tmp_path):
     rows = {line.split(" | ")[0].strip("| "): line for line in table.splitlines()
             if line.startswith("| ") and not line.startswith("| stage")}
     assert f"| target | {len(rounds)} |" in rows["target"]
-    assert f"| prefill | 3 |" in rows["prefill"]
+    assert "| prefill | 3 |" in rows["prefill"]
 
 
 def test_tracing_does_not_change_outputs(tmp_path):

@@ -6,6 +6,7 @@ schema, an invalid regex, or a regex the tokenizer's tokens cannot spell.
 """
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import os
@@ -27,18 +28,30 @@ def tokenizer_vocabulary(tok, eos_id: int):
     return Vocabulary(eos_id, vocab)
 
 
-_VOCABS: dict[int, object] = {}
+_VOCABS: "collections.OrderedDict[tuple, object]" = collections.OrderedDict()
+_MAX_VOCABS = 8       # tokenizers whose vocabularies stay cached (least recently used dropped)
 
 
-def vocabulary_for(tokenizer, eos_id: int):
-    key = id(tokenizer)
+def vocab_key(tokenizer, eos_id: int) -> tuple:
+    """What the vocabulary depends on: the token -> id table and EOS (never `id(tokenizer)`,
+    which Python reuses for a new object once the old one is freed)."""
+    tok = getattr(tokenizer, "tok", tokenizer)
+    return (eos_id, len(tok), hash(tuple(sorted(tok.get_vocab().items()))))
+
+
+def vocabulary_for(tokenizer, eos_id: int, key: tuple | None = None):
+    key = key or vocab_key(tokenizer, eos_id)
     if key not in _VOCABS:
         _VOCABS[key] = tokenizer_vocabulary(tokenizer, eos_id)
+        if len(_VOCABS) > _MAX_VOCABS:
+            _VOCABS.popitem(last=False)
+            _compile.cache_clear()           # indexes over the dropped vocabulary go too
+    _VOCABS.move_to_end(key)
     return _VOCABS[key]
 
 
 @functools.lru_cache(maxsize=64)
-def _compile(regex: str, vocab_key: int):
+def _compile(regex: str, vocab_key: tuple):
     from outlines_core import Index
 
     return Index(regex, _VOCABS[vocab_key])
@@ -46,9 +59,10 @@ def _compile(regex: str, vocab_key: int):
 
 def compile_index(regex: str, tokenizer, eos_id: int, what: str):
     """The Index for `regex` over `tokenizer` (cached); `what` names the config value in errors."""
-    vocabulary_for(tokenizer, eos_id)
+    key = vocab_key(tokenizer, eos_id)
+    vocabulary_for(tokenizer, eos_id, key)
     try:
-        index = _compile(regex, id(tokenizer))
+        index = _compile(regex, key)
     except ValueError as exc:
         text = str(exc).splitlines()[0]
         if "incompatible with the regex" in text:

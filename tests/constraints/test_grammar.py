@@ -164,3 +164,21 @@ def test_pydantic_model_by_import_path(tmp_path, monkeypatch):
     r = p.generate(["# a point\n"], max_new_tokens=60)[0]
     data = json.loads(r.text)
     assert set(data) == {"x", "label"} and isinstance(data["x"], bool)
+
+
+def test_index_cache_is_keyed_by_the_vocabulary_not_the_object_id():
+    from specflow.constraints import index
+
+    class Tok:
+        def __init__(self, vocab):
+            self.vocab = vocab
+
+        def get_vocab(self):
+            return self.vocab
+
+        def __len__(self):
+            return len(self.vocab)
+
+    a, b = Tok({"a": 0, "b": 1}), Tok({"a": 0, "c": 1})
+    assert index.vocab_key(a, 2) != index.vocab_key(b, 2)
+    assert index.vocab_key(a, 2) == index.vocab_key(Tok({"b": 1, "a": 0}), 2)

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from specflow.models.hf import DEMO_DIR, HFBackend, HFModelConfig
@@ -80,7 +80,9 @@ def run_rounds(backend, reference, atol: float, data) -> int:
         backend.reset(s)
 
     def start(slot: int) -> None:
-        prompt = data.draw(st.lists(TOKENS, min_size=1, max_size=40), label=f"prompt[{slot}]")
+        # short prompts, or long ones that rounds push past 64 positions (where buffers grow)
+        n = data.draw(st.integers(1, 12) | st.integers(48, 64), label=f"prompt length[{slot}]")
+        prompt = data.draw(st.lists(TOKENS, min_size=n, max_size=n), label=f"prompt[{slot}]")
         sync.specflow_request_start(slot=slot, request=SimpleNamespace(prompt_ids=prompt))
         committed[slot] = list(prompt)
 
@@ -94,7 +96,7 @@ def run_rounds(backend, reference, atol: float, data) -> int:
 
     for s in range(SLOTS):
         start(s)
-    rounds = data.draw(st.integers(2, 8), label="rounds")
+    rounds = data.draw(st.integers(2, 10), label="rounds")
     for _ in range(rounds):
         if data.draw(st.integers(0, 5), label="restart?") == 0:     # a new request in some slot
             start(data.draw(st.integers(0, SLOTS - 1), label="restart slot"))
@@ -103,13 +105,17 @@ def run_rounds(backend, reference, atol: float, data) -> int:
         fed = []
         for s in slots:
             assert backend.cache_length(s) == len(committed[s]) - 1
-            k = data.draw(st.integers(0, 5), label="k")
+            k = data.draw(st.integers(0, 6), label="k")
             fed.append([committed[s][-1]] + data.draw(st.lists(TOKENS, min_size=k, max_size=k)))
         T = max(len(f) for f in fed)
         ids = torch.tensor([f + [PAD] * (T - len(f)) for f in fed])                     # [B, T]
         lens = torch.tensor([len(f) for f in fed])
         logits = backend.forward(torch.tensor(slots), ids, lens)                        # [B, T, V]
         check(slots, fed, logits)
+        event("ragged rows" if min(lens) < T else "equal rows")
+        event("rows in slot order" if slots == list(range(len(slots))) else "rows out of order")
+        if max(len(committed[s]) - 1 + len(f) for s, f in zip(slots, fed)) > 64:
+            event("past 64 positions")
         for b, s in enumerate(slots):
             drafts = fed[b][1:]
             n = data.draw(st.integers(0, len(drafts)), label="accepted")
@@ -139,17 +145,19 @@ def test_synthetic_cache_equals_a_fresh_one_after_any_accept_pattern(data):
     run_rounds(*synthetic_pair(), data)
 
 
+@pytest.fixture(scope="module")
+def kept_backends(tiny_llama_dir):
+    return {forward: hf_pair(tiny_llama_dir, forward) for forward in ("hf", "lean")}
+
+
 @pytest.mark.parametrize("forward", ["hf", "lean"])
-def test_slot_kv_cache_equals_a_fresh_forward_after_any_accept_pattern(tiny_llama_dir, forward):
-    kept = hf_pair(tiny_llama_dir, forward)
-    assert (kept[0].lean is None) == (forward == "hf")
-
-    @CACHE_SETTINGS
-    @given(st.data())
-    def prop(data):
-        # a fresh backend (its buffers grow from nothing past 64 positions) or the kept one (its
-        # buffers hold stale keys and values of earlier examples beyond every slot's length)
-        pair = hf_pair(tiny_llama_dir, forward) if data.draw(st.booleans(), label="fresh") else kept
-        run_rounds(*pair, data)
-
-    prop()
+@CACHE_SETTINGS
+@given(data=st.data())
+def test_slot_kv_cache_equals_a_fresh_forward_after_any_accept_pattern(tiny_llama_dir,
+                                                                       kept_backends, forward, data):
+    # a fresh backend (its buffers grow from nothing past 64 positions) or a kept one (its buffers
+    # hold stale keys and values of earlier examples beyond every slot's length)
+    fresh = data.draw(st.booleans(), label="fresh backend")
+    backend, reference, atol = hf_pair(tiny_llama_dir, forward) if fresh else kept_backends[forward]
+    assert (backend.lean is None) == (forward == "hf")
+    run_rounds(backend, reference, atol, data)

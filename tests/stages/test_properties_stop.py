@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
-from hypothesis import event, given, settings
+from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
 from specflow.stages.stop import IncrementalText, StopConfig, StopTrimmer
@@ -181,9 +182,11 @@ def substring_cases(draw):
     """Stop strings cut out of the stream's own text: several complete at once, overlapping."""
     tok = Pieces()
     text = draw(st.text(alphabet="ab\n", min_size=1, max_size=14))
-    spans = st.tuples(st.integers(0, len(text) - 1), st.integers(1, 4)).map(
+    end = draw(st.integers(1, len(text)))        # strings ending together, starting apart
+    together = st.integers(max(0, end - 4), end - 1).map(lambda i: text[i:end])
+    anywhere = st.tuples(st.integers(0, len(text) - 1), st.integers(1, 4)).map(
         lambda ij: text[ij[0]:ij[0] + ij[1]])
-    strings = draw(st.lists(spans, min_size=1, max_size=3))
+    strings = draw(st.lists(together | anywhere, min_size=1, max_size=3))
     return dict(
         tok=tok, streams={0: segment(draw, text, tok.PIECES)}, cfg_strings=strings,
         per_request={0: None}, token_ids=[], eos=True, include=draw(st.booleans()),
@@ -247,8 +250,11 @@ def test_trimming_over_rounds_equals_trimming_the_whole_stream_pieces(c):
     check(c)
 
 
-@SETTINGS
+@settings(max_examples=300, deadline=None)
 @given(substring_cases())
+@example(dict(   # two strings complete on one token; the one listed first starts later
+    tok=Pieces(), streams={0: [0, 1]}, cfg_strings=["b", "ab"], per_request={0: None},
+    token_ids=[], eos=True, include=False, max_new={0: 30}, sizes={0: [1, 1]}))
 def test_trimming_with_stop_strings_taken_from_the_text_itself(c):
     check(c)
 
@@ -276,3 +282,50 @@ def test_incremental_text_is_the_decoded_complete_characters(text, data):
                           for m in range(j, i + 1))
             assert (inc.ends[j] != float("inf")) == settled
     assert inc.text == text
+
+
+# --- end to end: speculative pipelines against the whole plain stream ---------------------------
+
+PROMPTS = ["def f(x):\n", "the cat ", "a = [1, 2"]
+PLAIN_LEN = 60
+
+
+@pytest.fixture(scope="module")
+def synthetic_runs():
+    """The plain greedy stream of each prompt (no stops), and speculative pipelines to test."""
+    from specflow import Pipeline
+
+    base = ["model=synthetic", "draft=synthetic", "max_batch_size=2", "show_progress=false"]
+    plain = Pipeline.from_config([*base, "proposer=none"])
+    streams = {p: r.token_ids for p, r in zip(PROMPTS, plain.generate(PROMPTS, PLAIN_LEN))}
+    spec = {"draft": Pipeline.from_config([*base, "proposer=draft", "proposer.k=5",
+                                           "draft.mismatch=0.5"]),
+            "ngram": Pipeline.from_config([*base, "proposer=ngram", "proposer.k=4",
+                                           "proposer.min_n=1"])}
+    return plain.tokenizer, streams, spec
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_speculative_generation_with_stops_equals_trimming_the_plain_stream(synthetic_runs, data):
+    """Greedy: rounds of drafts (accepted, rejected, ragged over the batch) and stop strings at
+    any place must give exactly the plain stream cut by the reference rule."""
+    tok, streams, spec = synthetic_runs
+    name = data.draw(st.sampled_from(sorted(spec)), label="proposer")
+    texts = {p: tok.decode(s) for p, s in streams.items()}
+    cut = st.sampled_from(PROMPTS).flatmap(lambda p: st.tuples(
+        st.integers(0, PLAIN_LEN - 1), st.integers(1, 5)).map(
+        lambda ij: texts[p][ij[0]:ij[0] + ij[1]]))
+    stops = data.draw(st.lists(cut | st.text(alphabet="abc \n", min_size=1, max_size=3),
+                               max_size=3), label="stop")
+    max_new = data.draw(st.integers(1, PLAIN_LEN), label="max_new_tokens")
+    results = spec[name].generate(PROMPTS, max_new, stop=stops)
+    for prompt, r in zip(PROMPTS, results):
+        (fewest, most), reason = reference(streams[prompt], tok, max_new, set(), set(), stops,
+                                           False)
+        assert fewest == most                      # one character per token
+        assert (r.token_ids, r.finish_reason) == (streams[prompt][:most], reason), (prompt, stops)
+        assert r.text == tok.decode(r.token_ids)
+        assert not any(s in r.text for s in stops)
+        assert len(r.token_ids) <= max_new
+        event(f"{name}: {r.finish_reason}, alpha {'< 1' if r.stats.get('alpha', 1) < 1 else '1'}")

@@ -1,8 +1,9 @@
 """Property tests (hypothesis) for the verifier: shapes, prefixes, greedy rule, p == q, zeros, rows.
 
 Cases are random batches: B rows, a padded width K, each row's own k_b (PAD after it), a vocabulary
-of V tokens, target probabilities p [B, K+1, V] and draft probabilities q [B, K, V] (or None: a
-deterministic proposer) built from small integer weights, so exact zeros and exact ties occur.
+of V tokens, target probabilities p [B, K+1, V] and draft probabilities q [B, K, V] (None: a
+deterministic proposer; random; or p itself, possibly scaled past 1 as rounding can leave it) built
+from small integer weights, so exact zeros and exact ties occur.
 """
 from __future__ import annotations
 
@@ -34,11 +35,15 @@ def cases(draw, with_q=None, greedy=None):
     weights = st.integers(0, 4)
     p = _normalise(torch.tensor(draw(st.lists(weights, min_size=B * (K + 1) * V,
                                               max_size=B * (K + 1) * V))).view(B, K + 1, V))
-    use_q = draw(st.booleans()) if with_q is None else with_q
+    kind = draw(st.sampled_from(["none", "random", "target"])) if with_q is None else with_q
     q = None
-    if use_q:
+    if kind == "random":
         q = _normalise(torch.tensor(draw(st.lists(weights, min_size=B * K * V,
                                                   max_size=B * K * V))).view(B, K, V))
+    elif kind == "target":
+        # q = p, or q over-covering p everywhere (unnormalised, as rounding can leave it): a
+        # rejection then leaves max(0, p - q) == 0 and the verifier must still pick a real token
+        q = p[:, :K] * draw(st.sampled_from([1.0, 1.25]))
     # drafts: often the target's argmax or a token q supports, so long prefixes get accepted
     drafts = torch.full((B, K), PAD, dtype=torch.long)
     for b in range(B):

@@ -6,7 +6,7 @@
 """
 from __future__ import annotations
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 from specflow.errors import ConfigError, InputError, PluginError, SpecflowError
 from specflow.pipeline import GenerationResult, Pipeline

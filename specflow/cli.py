@@ -111,8 +111,15 @@ def read_prompts(cfg) -> list[str]:
         return [text]
     if prompt is not None:
         return [str(prompt)]
+    from specflow.plugins import blame
+
     workload = option(cfg, "workload")
-    return get_registry().get("workload", workload.name).factory(workload, None).prompts()
+    component = get_registry().get("workload", workload.name)
+    try:
+        return component.factory(workload, None).prompts()
+    except Exception as exc:      # a plugin's workload: name the plugin and its package
+        raise blame(exc, f"reading workload={workload.name}",
+                    getattr(component.factory, "__module__", None), component.plugin) or exc
 
 
 def run_task(cfg) -> None:
@@ -126,15 +133,14 @@ def run_task(cfg) -> None:
 
     out = HydraConfig.get().runtime.output_dir
     quiet = os.environ.get("SPECFLOW_QUIET") == "1"
-    for done in ("metrics.json", "requests.jsonl"):   # a finished run here: start a new one
-        if os.path.exists(f"{out}/metrics.json") and done == "requests.jsonl":
-            os.remove(f"{out}/requests.jsonl") if os.path.exists(f"{out}/requests.jsonl") else None
-    if os.path.exists(f"{out}/metrics.json"):
-        os.remove(f"{out}/metrics.json")
     try:
         prompts = read_prompts(cfg)
         pipe = Pipeline(cfg)
         prompts = apply_chat_template(prompts, pipe.tokenizer, chat_mode(cfg))
+        if os.path.exists(f"{out}/metrics.json"):   # a finished run here: this one replaces it
+            for name in ("requests.jsonl", "metrics.json"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(f"{out}/{name}")
         # one line per finished request; a rerun into this folder generates only the rest
         with interrupt_message(out):
             rows, stats, resumed = run_resumable(

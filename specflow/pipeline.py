@@ -27,7 +27,7 @@ from specflow.plugins import blame, check_hooks, get_registry, new_plugin_manage
 from specflow.stages.cache import TargetCacheSync
 from specflow.stages.logits import is_greedy
 from specflow.stages.score import TargetScorer
-from specflow.state import DecodeBatch, Proposal, RoundResult, ShapingBatch
+from specflow.state import PAD, DecodeBatch, Proposal, RoundResult, ShapingBatch
 
 
 @dataclass
@@ -225,7 +225,10 @@ class Pipeline:
         limit = self.target.max_length
         if indices is None:
             indices = range(len(prompts))
-        indices = [int(i) for i in indices]
+        try:
+            indices = [int(i) for i in indices]
+        except (TypeError, ValueError):
+            raise InputError(f"indices={indices!r} must be a list of ints, one per prompt") from None
         if len(indices) != len(prompts) or len(set(indices)) != len(indices):
             raise InputError(f"indices must give one distinct index per prompt "
                              f"({len(indices)} for {len(prompts)} prompts)")
@@ -257,7 +260,8 @@ class Pipeline:
         on_result: called with each result as its request finishes (write it out, stream it).
         indices: each prompt's index in a larger list (default 0..n-1). A request's index is its
         result's `index` and its seed offset (seed + index), so resuming the unfinished part of a
-        list reproduces exactly what the whole list would have produced.
+        list reproduces the whole list's output (greedy always; sampling when draft lengths do
+        not depend on the other requests).
         """
         requests = self._requests(prompts, max_new_tokens, stop, seed, logprobs, indices)
         capacity = int(max_batch_size or self.cfg.max_batch_size)
@@ -288,6 +292,13 @@ class Pipeline:
         active: dict[int, _Row] = {}
         results: dict[int, GenerationResult] = {}
         bar = _progress(len(requests)) if progress else None
+        try:
+            return self._loop(queue, free, active, results, bar, recorder, on_result, capacity)
+        finally:
+            if bar is not None:    # also on Ctrl-C or an error: give the terminal back
+                bar[0].stop()
+
+    def _loop(self, queue, free, active, results, bar, recorder, on_result, capacity):
         round_index = 0
         while queue or active:
             while queue and free:
@@ -332,8 +343,6 @@ class Pipeline:
                                                finish_reason=reason)
                 if bar is not None:
                     bar[0].advance(bar[1])
-        if bar is not None:
-            bar[0].stop()
         return results
 
     def _finish(self, row: _Row, reason: str, recorder: MetricsRecorder) -> GenerationResult:
@@ -359,15 +368,25 @@ class Pipeline:
             reasons = [self.no_speculation_reason] * batch.size
         return torch.tensor(ks, dtype=torch.long), reasons
 
-    def _check_draft_counts(self, num_drafts: list[int], ks: list[int]) -> None:
-        """A proposer may return fewer drafts than k, never more (the caps keep rows in context)."""
+    def _check_drafts(self, num_drafts: list[int], packed: list[int], bad_ids: list[int],
+                      ks: list[int]) -> None:
+        """A proposer's drafts: at most k per row (the caps keep rows in context), packed at the
+        front (PAD only after them) and inside the vocabulary."""
         for b, (n, kb) in enumerate(zip(num_drafts, ks)):
+            problem = None
             if n > kb:
+                problem = (f"returned {n} drafts for a row given k={kb}; a proposer may return "
+                           f"fewer drafts than asked, never more")
+            elif packed[b] != n:
+                problem = "returned a row with padding (-1) between drafts; pad only after them"
+            elif bad_ids[b]:
+                problem = (f"returned token ids outside the vocabulary [0, "
+                           f"{self.target.vocab_size})")
+            if problem:
                 name = self.cfg.proposer.name
                 owner = self.registry.get("proposer", name).plugin
-                raise PluginError(f"proposer {name!r} (plugin {owner}) returned {n} drafts for a "
-                                  f"row given k={kb}; a proposer may return fewer drafts than "
-                                  f"asked, never more: fix the proposer")
+                raise PluginError(f"proposer {name!r} (or a plugin answering specflow_propose; "
+                                  f"configured one from {owner}) {problem}: fix the proposer")
 
     def _round(self, batch: DecodeBatch, round_index: int):
         hook, seconds = self.hook, {}
@@ -379,8 +398,12 @@ class Pipeline:
         k, skip_reasons = self._cap_k(k, batch)                                    # [B]
         t1 = time.perf_counter()
         proposal = hook.specflow_propose(batch=batch, k=k) or Proposal.empty(batch.size)
-        num_drafts = proposal.num_draft_tokens.tolist()                              # [B]
-        self._check_draft_counts(num_drafts, k.tolist())
+        ids = proposal.draft_token_ids                                               # [B, K]
+        valid = ids != PAD                                                           # [B, K]
+        counts = torch.stack([valid.sum(-1), valid.long().cumprod(-1).sum(-1),
+                              ((ids < PAD) | (ids >= self.target.vocab_size)).sum(-1)])   # [3, B]
+        num_drafts, packed, bad_ids = counts.tolist()       # one host read for all three
+        self._check_drafts(num_drafts, packed, bad_ids, k.tolist())
         for b, n in enumerate(num_drafts):   # asked for drafts, got none: say why
             if n == 0 and skip_reasons[b] is None:
                 given = proposal.skip_reasons[b] if proposal.skip_reasons else None

@@ -164,7 +164,7 @@ def config_searchpath() -> list[str]:
         mine = [result] if isinstance(result, str) else list(result or [])
         label = plugin_label(pm, impl.plugin)
         for entry in mine:
-            for option in conf_options(entry):
+            for option in conf_options(entry, label):
                 if option in owners and owners[option] != label:
                     raise PluginError(f"config option {option.replace('/', '=', 1)[:-5]!r} of "
                                       f"plugin {label} ({entry}) collides with the one of "
@@ -174,17 +174,24 @@ def config_searchpath() -> list[str]:
     return entries
 
 
-def conf_options(entry: str) -> list[str]:
-    """'group/option.yaml' for every option yaml under a search-path entry (pkg:// or file://)."""
+def conf_options(entry: str, label: str = "specflow") -> list[str]:
+    """'group/option.yaml' for every option yaml under a search-path entry (pkg:// or file://).
+
+    pkg:// takes Hydra's forms: `pkg://plugin.conf` and `pkg://plugin/conf`.
+    """
     import pathlib
     from importlib import resources
 
     if entry.startswith("pkg://"):
+        package = entry[len("pkg://"):].strip("/").replace("/", ".")
         try:
-            root = resources.files(entry[len("pkg://"):])
-        except ModuleNotFoundError:
-            raise PluginError(f"config search path {entry!r} names a package that does not "
-                              f"import; fix the plugin's specflow_config_searchpath") from None
+            root = resources.files(package)
+            if not root.is_dir():
+                raise TypeError(f"{package} is not a package")
+        except Exception as exc:   # missing, a module, or an __init__ that raises
+            raise PluginError(f"plugin {label} gives config search path {entry!r}, which is not "
+                              f"an importable package ({type(exc).__name__}: {exc}); fix its "
+                              f"specflow_config_searchpath or uninstall it") from None
     else:
         root = pathlib.Path(entry[len("file://"):] if entry.startswith("file://") else entry)
         if not root.is_dir():
@@ -229,13 +236,20 @@ def plugin_distributions() -> list[dict[str, Any]]:
 
 def distribution_of(module: str) -> str | None:
     """'specflow-suffix 0.1.0' for a module of an installed distribution, else None."""
+    import sys
     from importlib import metadata
 
     top = module.split(".")[0]
     for plugin, dist in get_plugin_manager().list_plugin_distinfo():   # entry-point plugins
         if getattr(plugin, "__name__", "").split(".")[0] == top:
             return f"{dist.metadata['name']} {dist.version}"
-    for dist_name in metadata.packages_distributions().get(top, []):
+    names = metadata.packages_distributions().get(top, [])
+    if len(names) > 1:      # a namespace package shared by several distributions: match the file
+        path = getattr(sys.modules.get(module), "__file__", None)
+        owning = [n for n in names if path and any(
+            str(f.locate()) == path for f in (metadata.distribution(n).files or []))]
+        names = owning or names
+    for dist_name in names:
         try:
             return f"{dist_name} {metadata.version(dist_name)}"
         except metadata.PackageNotFoundError:   # pragma: no cover - a stale mapping
@@ -243,16 +257,43 @@ def distribution_of(module: str) -> str | None:
     return None
 
 
-def _raising_hook_impl(exc: BaseException):
-    """(hook name, HookImpl) of the innermost pluggy call the exception passed through."""
-    from pluggy._callers import _multicall
+def _multicall_code():
+    try:
+        from pluggy._callers import _multicall
+    except ImportError:   # pragma: no cover - a later pluggy layout
+        from pluggy._execution import _multicall   # type: ignore[no-redef]
+    return _multicall.__code__
 
-    found, tb = None, exc.__traceback__
+
+def _frames(exc: BaseException) -> list:
+    """The traceback's frames, outermost first."""
+    out, tb = [], exc.__traceback__
     while tb is not None:
-        frame = tb.tb_frame
-        if frame.f_code is _multicall.__code__ and "hook_impl" in frame.f_locals:
-            found = (frame.f_locals.get("hook_name"), frame.f_locals["hook_impl"])
+        out.append(tb.tb_frame)
         tb = tb.tb_next
+    return out
+
+
+def _raising_hook_impl(exc: BaseException):
+    """(hook name, HookImpl) whose function (or wrapper teardown) the exception came out of.
+
+    Among the innermost specflow hook call in the traceback, the implementation is the one whose
+    code object has a frame further in (a wrapper's generator frame has its function's code).
+    """
+    code = _multicall_code()
+    frames = _frames(exc)
+    found = None
+    for i, frame in enumerate(frames):
+        if frame.f_code is not code or not str(frame.f_locals.get("hook_name", "")).startswith(
+                "specflow_"):
+            continue
+        impls = {impl.function.__code__: impl
+                 for impl in frame.f_locals.get("hook_impls", ())
+                 if hasattr(impl.function, "__code__")}
+        for inner in frames[i + 1:]:
+            if inner.f_code in impls:
+                found = (frame.f_locals["hook_name"], impls[inner.f_code], inner)
+                break
     return found
 
 
@@ -260,31 +301,58 @@ def _is_ours(module: str) -> bool:
     return module.split(".")[0] == PROJECT
 
 
+def _innermost_owner(frames: list, plugin_top: str) -> str | None:
+    """'plugin' or 'specflow': whose code ran last before the exception (libraries skipped)."""
+    for frame in reversed(frames):
+        top = str(frame.f_globals.get("__name__", "")).split(".")[0]
+        if top == plugin_top:
+            return "plugin"
+        if top == PROJECT:
+            return "specflow"
+    return None
+
+
+# resource errors are not a plugin's bug: callers that back off on them must still see them
+_NOT_BLAMED = ("OutOfMemoryError", "MemoryError")
+
+
 def blame(exc: BaseException, where: str | None = None, module: str | None = None,
           name: str | None = None) -> PluginError | None:
     """A PluginError naming the third-party plugin (and its package) an exception came from.
 
-    The plugin is the hook implementation the innermost pluggy call was running, or, for a
-    component factory, `module`. Exceptions from specflow's own code return None (they are
-    specflow's bugs and keep their traceback); SpecflowErrors pass through unchanged.
+    The plugin is the hook implementation whose code the exception came out of, or, for a
+    component factory, `module`. The plugin is blamed only when its own code ran last before the
+    exception (a plugin calling into specflow code that fails is specflow's problem), never for
+    specflow's own modules, and never for out-of-memory errors. SpecflowErrors pass through.
+    Never raises: a failure to attribute returns None and the original exception stands.
     """
-    if isinstance(exc, SpecflowError) or not isinstance(exc, Exception):
+    if isinstance(exc, SpecflowError) or not isinstance(exc, Exception) or \
+            type(exc).__name__ in _NOT_BLAMED:
         return None
-    found = _raising_hook_impl(exc)
-    if found is not None:
-        hook_name, impl = found
-        module = getattr(impl.function, "__module__", None) or type(impl.plugin).__module__
-        name, where = impl.plugin_name, f"in hook {hook_name}"
-        if name.isdigit():   # registered without a name: pluggy uses id(plugin)
-            name = getattr(impl.plugin, "__name__", type(impl.plugin).__name__)
-    if module is None or _is_ours(module):
+    try:
+        frames = _frames(exc)
+        found = _raising_hook_impl(exc)
+        if found is not None:
+            hook_name, impl, frame = found
+            module = str(frame.f_globals.get("__name__", "")) or type(impl.plugin).__module__
+            name, where = impl.plugin_name, f"in hook {hook_name}"
+            if name.isdigit():   # registered without a name: pluggy uses id(plugin)
+                name = getattr(impl.plugin, "__name__", type(impl.plugin).__name__)
+            frames = frames[frames.index(frame):]
+        if module is None or _is_ours(module):
+            return None
+        if _innermost_owner(frames, module.split(".")[0]) == "specflow":
+            return None
+        dist = distribution_of(module)
+        label = f"{name} ({dist})" if dist else f"{name} (module {module}, not an installed package)"
+        text = str(exc).strip()
+        first = text.splitlines()[0] if text else ""
+    except Exception:   # pragma: no cover - attribution must never hide the real error
         return None
-    dist = distribution_of(module)
-    label = f"{name} ({dist})" if dist else f"{name} (module {module}, not an installed package)"
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    kind = ("an environment error (check paths and permissions)" if isinstance(exc, OSError)
+            else "the bug is in that plugin, not in specflow: report it to its authors or leave "
+                 "it out of the config")
     error = PluginError(f"plugin {label} raised {type(exc).__name__}{': ' + first if first else ''} "
-                       f"{where}; the bug is in that plugin, not in specflow: report it to its "
-                       f"authors or leave it out of the config (SPECFLOW_TRACEBACK=1 shows "
-                       f"the traceback)")
+                        f"{where}; {kind} (SPECFLOW_TRACEBACK=1 shows the traceback)")
     error.__cause__ = exc
     return error

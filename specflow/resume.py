@@ -3,16 +3,19 @@
 `requests.jsonl` gets one line per finished request, flushed as it finishes, so Ctrl-C (or a
 crash) keeps every finished request. A rerun into the same folder reads those lines, drops a line
 torn by the interruption, checks that they were written for the same prompts, and generates only
-the rest with the same per-request indices (and so the same seeds). metrics.json, written last,
+the rest with the same per-request indices (and so the same seeds): greedy output is what an
+uninterrupted run gives, and so is sampled output when a request's draft lengths do not depend on
+the other requests. Records written with another config are refused. metrics.json, written last,
 marks a finished run.
 
 Each line also carries its session's stage seconds so far (`session`, `session_seconds`,
 `session_sim_time`). The merged aggregate counts every finished request exactly and charges each
-earlier session the time up to its last finished request: work on requests that were cut off is
-thrown away and not counted in either tokens or time.
+earlier session the time up to its last finished request: exact at batch size 1, an upper bound
+when requests that were cut off shared rounds with finished ones.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pathlib
@@ -24,8 +27,23 @@ from specflow.io import atomic_write_text
 from specflow.metrics import Counters
 
 
-def finished_requests(path: str | os.PathLike, prompts: Sequence[str]) -> dict[int, dict]:
-    """The finished requests already in `path` (by index); rewrites the file without a torn line."""
+def config_fingerprint(cfg) -> str:
+    """What a request's output depends on: the composed config without display-only keys."""
+    from omegaconf import OmegaConf
+
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    for key in ("show_progress", "hydra"):
+        plain.pop(key, None)
+    return hashlib.sha1(json.dumps(plain, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def finished_requests(path: str | os.PathLike, prompts: Sequence[str],
+                      config: str | None = None) -> dict[int, dict]:
+    """The finished requests already in `path` (by index); rewrites the file without a torn line.
+
+    Records written with another config (`config` fingerprint) or for other prompts are refused:
+    mixing them would make a result no single run produces.
+    """
     path = pathlib.Path(path)
     if not path.exists():
         return {}
@@ -43,6 +61,9 @@ def finished_requests(path: str | os.PathLike, prompts: Sequence[str]) -> dict[i
         if index >= len(prompts) or row.get("prompt") != prompts[index]:
             raise InputError(f"{path} was written for other prompts (request {index} differs); "
                              f"use a new output folder (hydra.run.dir=...) for these prompts")
+        if config is not None and row.get("config", config) != config:
+            raise InputError(f"{path} was written with another config (request {index}); rerun "
+                             f"with the same overrides to resume, or use a new output folder")
         done[index] = row
     atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in done.values()))
     return done
@@ -51,11 +72,12 @@ def finished_requests(path: str | os.PathLike, prompts: Sequence[str]) -> dict[i
 def session_tagger(pipe) -> Callable[[Any], dict]:
     """result -> its JSON line, tagged with this session's stage seconds so far."""
     session = uuid.uuid4().hex[:12]
+    config = config_fingerprint(pipe.cfg)
 
     def tag(result) -> dict:
         total = pipe.recorder.total
-        return {**result.to_json(), "session": session, "session_seconds": dict(total.seconds),
-                "session_sim_time": dict(total.sim_time)}
+        return {**result.to_json(), "config": config, "session": session,
+                "session_seconds": dict(total.seconds), "session_sim_time": dict(total.sim_time)}
 
     return tag
 
@@ -89,16 +111,18 @@ def run_resumable(pipe, prompts: Sequence[str], out: str | os.PathLike, progress
     from specflow.io import JsonlWriter
 
     path = pathlib.Path(out) / "requests.jsonl"
-    done = finished_requests(path, prompts)
+    done = finished_requests(path, prompts, config_fingerprint(pipe.cfg))
     todo = [i for i in range(len(prompts)) if i not in done]
     tag = session_tagger(pipe)
     if not todo:
-        return [done[i] for i in range(len(prompts))], merged_stats(
-            list(done.values()), Counters().as_dict()), len(done)
+        stats = merged_stats(list(done.values()), Counters().as_dict())
+        stats["sessions"] -= 1          # nothing ran in this one
+        return [done[i] for i in range(len(prompts))], stats, len(done)
     with JsonlWriter(path, append=bool(done)) as sink:
         results = pipe.generate([prompts[i] for i in todo], indices=todo, progress=progress,
                                 on_result=lambda r: sink.write(tag(r)))
     rows = dict(done)
     rows.update({r.index: {**r.to_json()} for r in results})
-    stats = merged_stats(list(done.values()), pipe.last_stats) if done else pipe.last_stats
+    stats = (merged_stats(list(done.values()), pipe.last_stats) if done
+             else {**pipe.last_stats, "sessions": 1})
     return [rows[i] for i in range(len(prompts))], stats, len(done)

@@ -216,3 +216,67 @@ def test_a_proposer_returning_more_drafts_than_k_is_refused(make_pipeline):
     with pytest.raises(PluginError, match=r"returned 6 drafts for a row given k=4; a proposer may "
                                           r"return fewer drafts than asked, never more"):
         pipe.generate(["ab"], max_new_tokens=20)
+
+
+def test_a_wrapper_failing_after_its_yield_is_blamed_not_the_stage_it_wrapped(make_pipeline):
+    class Tracer:
+        @hookimpl(wrapper=True)
+        def specflow_propose(self):
+            result = yield
+            raise RuntimeError("teardown broke")
+
+    pipe = make_pipeline("proposer=draft", plugins=[Tracer()])
+    with pytest.raises(PluginError, match=r"plugin Tracer .*RuntimeError: teardown broke in hook "
+                                          r"specflow_propose"):
+        pipe.generate(["ab"], max_new_tokens=8)
+
+
+def test_specflow_code_failing_under_a_plugins_call_is_not_blamed_on_it(make_pipeline):
+    class CallsBack:
+        @hookimpl
+        def specflow_propose(self, batch, k):
+            return batch.select([99])          # specflow's own code raises IndexError
+
+    pipe = make_pipeline("proposer=draft", plugins=[CallsBack()])
+    with pytest.raises(Exception) as info:
+        pipe.generate(["ab"], max_new_tokens=8)
+    assert isinstance(info.value, IndexError)   # specflow's frame ran last: its own traceback
+
+
+def test_out_of_memory_passes_through_unchanged(make_pipeline):
+    class Hungry:
+        @hookimpl
+        def specflow_observe(self, result):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        make_pipeline(plugins=[Hungry()]).generate(["ab"], max_new_tokens=4)
+
+
+@pytest.mark.parametrize("drafts,message", [
+    ([[3, -1, 4]], "padding \\(-1\\) between drafts"),
+    ([[3, 10_000]], "token ids outside the vocabulary"),
+])
+def test_malformed_drafts_are_refused(make_pipeline, drafts, message):
+    from specflow.state import Proposal
+
+    class Bad:
+        @hookimpl
+        def specflow_propose(self, batch, k):
+            return Proposal(torch.tensor(drafts))
+
+    with pytest.raises(PluginError, match=message):
+        make_pipeline("proposer=draft", plugins=[Bad()]).generate(["ab"], max_new_tokens=20)
+
+
+def test_a_search_path_in_hydras_slash_form_works_and_a_broken_one_names_the_plugin(plugin_env):
+    install_fake_plugin(plugin_env, "fake_specflow_slash",
+                        PLUGIN_SOURCE.replace('"pkg://{module}.conf"', '"pkg://{module}/conf"'))
+    assert any("slash" in e for e in plugins.config_searchpath())
+    plugins.reset()
+    install_fake_plugin(plugin_env, "fake_specflow_nopkg",
+                        PLUGIN_SOURCE.replace('"pkg://{module}.conf"', '"pkg://{module}.nope"')
+                        .replace('"echo"', '"echo3"'), extra_conf=False)
+    with pytest.raises(PluginError, match=r"plugin fake_specflow_nopkg \(fake-specflow-nopkg "
+                                          r"0\.3\.1\) gives config search path"):
+        plugins.config_searchpath()

@@ -121,3 +121,14 @@ def test_ctrl_c_during_an_ab_experiment_then_rerun_finishes_it(tmp_path):
         assert (tmp_path / f"sweep/{arm}/rep0/metrics.json").exists()
     report = _cli("report", str(tmp_path / "sweep"), "--quiet", cwd=tmp_path)
     assert report.returncode == 0, report.stderr.decode()
+
+
+def test_records_written_with_another_config_are_refused(make_pipeline, tmp_path):
+    with pytest.raises(KeyboardInterrupt):
+        run_resumable(make_pipeline(*SHORT, plugins=[StopAfter(2)]), PROMPTS, tmp_path, False)
+    with pytest.raises(InputError, match="written with another config"):
+        run_resumable(make_pipeline(*SHORT, "seed=7"), PROMPTS, tmp_path, False)
+    # display-only settings are not part of it
+    rows, _, resumed = run_resumable(make_pipeline(*SHORT, "show_progress=false"), PROMPTS,
+                                     tmp_path, False)
+    assert resumed == 2 and len(rows) == 6

@@ -36,7 +36,9 @@ def vocab_key(tokenizer, eos_id: int) -> tuple:
     """What the vocabulary depends on: the token -> id table and EOS (never `id(tokenizer)`,
     which Python reuses for a new object once the old one is freed)."""
     tok = getattr(tokenizer, "tok", tokenizer)
-    return (eos_id, len(tok), hash(tuple(sorted(tok.get_vocab().items()))))
+    special = tuple(sorted(getattr(tok, "all_special_ids", []) or []))
+    return (type(tok).__name__, eos_id, len(tok), special,
+            hash(tuple(sorted(tok.get_vocab().items()))))
 
 
 def vocabulary_for(tokenizer, eos_id: int, key: tuple | None = None):

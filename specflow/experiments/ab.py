@@ -55,7 +55,18 @@ def job_overrides(task_overrides: list[str], cfg: DictConfig) -> list[str]:
 
 
 def run_job(cfg: DictConfig) -> None:
-    """One (repetition, arm) job inside the Hydra multirun."""
+    """One (repetition, arm) job inside the Hydra multirun; a user error ends the sweep with one
+    line and exit status 2 (not Hydra's multirun traceback)."""
+    from specflow.cli import fail
+    from specflow.errors import SpecflowError
+
+    try:
+        _run_job(cfg)
+    except SpecflowError as exc:
+        raise SystemExit(fail(f"{cfg.ab.name}, arm {cfg.ab.arm}, repetition {cfg.ab.rep}: {exc}"))
+
+
+def _run_job(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from specflow.cli import chat_mode, interrupt_message, read_prompts

@@ -155,6 +155,8 @@ def test_sampling_arms_get_a_distribution_check(tmp_path):
     (["ab", "experiment=synthetic_sampling"], "needs an experiment that names its arms"),
     (["ab", "experiment=demo_proposers", "ab.baseline=nope"], "is not one of the arms"),
     (["report", "/no/such/folder"], "is not a folder"),
+    (["ab", "experiment=demo_proposers", "workload=file", "workload.path=/no/such.jsonl",
+      "--quiet"], "demo_proposers, arm none, repetition 0: cannot read prompt file"),
 ])
 def test_bad_ab_input_is_one_line_exit_2(args, message, tmp_path):
     out = specflow(*args, cwd=tmp_path)

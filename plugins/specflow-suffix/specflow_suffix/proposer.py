@@ -37,7 +37,7 @@ CACHE_VERSION = 1
 @dataclass
 class SuffixProposerConfig:
     name: str = "suffix"
-    k: int = 16                    # most tokens drafted per round (the static policy's k)
+    k: int = 12                    # most tokens drafted per round (the static policy's k)
     max_depth: int = 24            # longest suffix matched, and depth of the tries (Arctic's)
     max_spec_factor: float = 1.0   # draft length <= ceil(max_spec_factor x match length)
     min_token_prob: float = 0.1    # stop drafting when the draft prefix's estimated prob drops below
@@ -130,9 +130,10 @@ class SuffixProposer:
             if data.get("version") != CACHE_VERSION:
                 raise ValueError(f"version {data.get('version')!r}, expected {CACHE_VERSION}")
             sequences = data["sequences"]
-            if not all(isinstance(s, list) and all(isinstance(t, int) for t in s)
+            top = self.vocab_size or data.get("vocab_size") or float("inf")
+            if not all(isinstance(s, list) and all(type(t) is int and 0 <= t < top for t in s)
                        for s in sequences):
-                raise ValueError("sequences must be lists of token ids")
+                raise ValueError(f"sequences must be lists of token ids in [0, {top})")
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"{where} is not a suffix cache this plugin can read ({exc}); "
                               f"delete the file or point cache_path elsewhere") from None

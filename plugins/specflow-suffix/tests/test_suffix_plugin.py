@@ -42,7 +42,7 @@ def test_the_entry_point_is_listed_with_its_package_and_version():
 
 def test_proposer_suffix_composes_with_its_defaults_and_the_static_policy_reads_k():
     cfg = compose(["proposer=suffix", "proposer.min_token_prob=0.2"])
-    assert cfg.proposer.name == "suffix" and cfg.proposer.k == 16 and cfg.policy.k == 16
+    assert cfg.proposer.name == "suffix" and cfg.proposer.k == 12 and cfg.policy.k == 12
     assert cfg.proposer.max_depth == 24 and cfg.proposer.max_cached_requests == 200 and cfg.proposer.min_token_prob == 0.2
     assert cfg.proposer.cache_path is None and cfg.proposer.use_global is True
 
@@ -139,6 +139,12 @@ def test_cache_files_that_cannot_be_used_fail_with_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"100-token vocabulary but this model has 64"):
         SuffixProposer(SuffixProposerConfig(cache_path=str(other)),
                        SimpleNamespace(target=SimpleNamespace(vocab_size=64)))
+    data = json.loads(other.read_text())
+    data["sequences"] = [[1, 150], [-1, 2]]                  # ids a model of 100 tokens lacks
+    other.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=r"token ids in \[0, 100\)"):
+        SuffixProposer(SuffixProposerConfig(cache_path=str(other)),
+                       SimpleNamespace(target=SimpleNamespace(vocab_size=100)))
 
 
 # --- pipelines ------------------------------------------------------------------------------------

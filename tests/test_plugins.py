@@ -222,7 +222,7 @@ def test_a_wrapper_failing_after_its_yield_is_blamed_not_the_stage_it_wrapped(ma
     class Tracer:
         @hookimpl(wrapper=True)
         def specflow_propose(self):
-            result = yield
+            yield
             raise RuntimeError("teardown broke")
 
     pipe = make_pipeline("proposer=draft", plugins=[Tracer()])

@@ -152,8 +152,7 @@ def run_task(cfg) -> None:
                                               "resumed_requests": resumed,
                                               "requests": [r["stats"] for r in rows]})
     if not quiet:
-        print_results([GenerationResult(r["index"], r["prompt"], r["text"], r["token_ids"],
-                                        r["finish_reason"], r["stats"]) for r in rows])
+        print_results([GenerationResult.from_json(r) for r in rows])
         console.print(metrics_table(stats))
     if resumed:
         console.print(f"[dim]resumed: {resumed} requests came from the interrupted run[/]")

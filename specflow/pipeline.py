@@ -52,6 +52,13 @@ class GenerationResult:
     logprobs: list[float] | None = None          # target logprob of each returned token
     top_logprobs: list[dict[int, float]] | None = None   # the top-n alternatives per position
 
+    @classmethod
+    def from_json(cls, row: dict[str, Any]) -> "GenerationResult":
+        """Back from `to_json()` (a requests.jsonl line; extra keys are ignored)."""
+        return cls(row["index"], row["prompt"], row["text"], row["token_ids"],
+                   row["finish_reason"], row.get("stats", {}), row.get("logprobs"),
+                   row.get("top_logprobs"))
+
     def to_json(self) -> dict[str, Any]:
         out = {"index": self.index, "prompt": self.prompt, "text": self.text,
                "token_ids": self.token_ids, "finish_reason": self.finish_reason,
@@ -273,32 +280,31 @@ class Pipeline:
         try:
             self.hook.specflow_run_start(pipeline=self, requests=requests)
             results = self._run(requests, capacity, recorder, progress, on_result)
+            self.last_stats = recorder.total.as_dict()
+            ordered = [results[r.request_id] for r in requests]
+            self.hook.specflow_run_end(pipeline=self, results=ordered, stats=self.last_stats)
         except Exception as exc:   # a plugin raising inside a hook is named with its package
             raise blame(exc) or exc
         finally:
             self.pm.unregister(recorder)
-        self.last_stats = recorder.total.as_dict()
-        ordered = [results[r.request_id] for r in requests]
-        try:
-            self.hook.specflow_run_end(pipeline=self, results=ordered, stats=self.last_stats)
-        except Exception as exc:
-            raise blame(exc) or exc
         return ordered
 
     def _run(self, requests: list[Request], capacity: int, recorder: MetricsRecorder,
              progress: bool, on_result=None) -> dict[int, GenerationResult]:
-        queue = deque(requests)
-        free = list(range(capacity))
-        active: dict[int, _Row] = {}
-        results: dict[int, GenerationResult] = {}
         bar = _progress(len(requests)) if progress else None
         try:
-            return self._loop(queue, free, active, results, bar, recorder, on_result, capacity)
+            return self._loop(requests, capacity, recorder, on_result, bar)
         finally:
             if bar is not None:    # also on Ctrl-C or an error: give the terminal back
                 bar[0].stop()
 
-    def _loop(self, queue, free, active, results, bar, recorder, on_result, capacity):
+    def _loop(self, requests: list[Request], capacity: int, recorder: MetricsRecorder,
+              on_result, bar) -> dict[int, GenerationResult]:
+        """Admit queued requests into free slots, run rounds, finish rows, until all are done."""
+        queue = deque(requests)
+        free = list(range(capacity))
+        active: dict[int, _Row] = {}
+        results: dict[int, GenerationResult] = {}
         round_index = 0
         while queue or active:
             while queue and free:

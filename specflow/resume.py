@@ -48,7 +48,8 @@ def finished_requests(path: str | os.PathLike, prompts: Sequence[str],
     if not path.exists():
         return {}
     done: dict[int, dict] = {}
-    lines = path.read_text(encoding="utf-8").splitlines()
+    text = path.read_text(encoding="utf-8")
+    lines = text.splitlines()
     for n, line in enumerate(lines):
         try:
             row = json.loads(line)
@@ -65,14 +66,15 @@ def finished_requests(path: str | os.PathLike, prompts: Sequence[str],
             raise InputError(f"{path} was written with another config (request {index}); rerun "
                              f"with the same overrides to resume, or use a new output folder")
         done[index] = row
-    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in done.values()))
+    if len(done) < len(lines) or (text and not text.endswith("\n")):   # torn: append cleanly
+        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in done.values()))
     return done
 
 
-def session_tagger(pipe) -> Callable[[Any], dict]:
-    """result -> its JSON line, tagged with this session's stage seconds so far."""
+def session_tagger(pipe, config: str) -> Callable[[Any], dict]:
+    """result -> its JSON line, tagged with the config fingerprint and this session's stage
+    seconds so far."""
     session = uuid.uuid4().hex[:12]
-    config = config_fingerprint(pipe.cfg)
 
     def tag(result) -> dict:
         total = pipe.recorder.total
@@ -111,9 +113,10 @@ def run_resumable(pipe, prompts: Sequence[str], out: str | os.PathLike, progress
     from specflow.io import JsonlWriter
 
     path = pathlib.Path(out) / "requests.jsonl"
-    done = finished_requests(path, prompts, config_fingerprint(pipe.cfg))
+    config = config_fingerprint(pipe.cfg)
+    done = finished_requests(path, prompts, config)
     todo = [i for i in range(len(prompts)) if i not in done]
-    tag = session_tagger(pipe)
+    tag = session_tagger(pipe, config)
     if not todo:
         stats = merged_stats(list(done.values()), Counters().as_dict())
         stats["sessions"] -= 1          # nothing ran in this one
@@ -122,7 +125,7 @@ def run_resumable(pipe, prompts: Sequence[str], out: str | os.PathLike, progress
         results = pipe.generate([prompts[i] for i in todo], indices=todo, progress=progress,
                                 on_result=lambda r: sink.write(tag(r)))
     rows = dict(done)
-    rows.update({r.index: {**r.to_json()} for r in results})
+    rows.update({r.index: r.to_json() for r in results})
     stats = (merged_stats(list(done.values()), pipe.last_stats) if done
              else {**pipe.last_stats, "sessions": 1})
     return [rows[i] for i in range(len(prompts))], stats, len(done)

@@ -15,16 +15,113 @@ import re
 from specflow.errors import ConfigError
 
 
+def _gpt2_bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, which byte-level BPE vocabularies are spelled in
+    (GPT-2, Llama 3, Qwen, the demo pair): printable Latin-1 bytes stand for themselves, the other
+    68 bytes for U+0100.. in byte order ("Ġ" is the space, "Ċ" the newline)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    extra = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(extra)}}
+
+
+_BYTE_LEVEL = {ord(c): b for b, c in _gpt2_bytes_to_unicode().items()}  # for str.translate
+_HEX_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _decoder_specs(tok) -> list[dict]:
+    """The fast tokenizer's decoder, flattened out of any Sequence (JSON specs; [] if none)."""
+    decoder = getattr(getattr(tok, "backend_tokenizer", None), "decoder", None)
+    if decoder is None:
+        return []
+    try:
+        spec = json.loads(decoder.__getstate__())
+    except Exception:     # an unknown decoder object: its type name is all there is to go on
+        return [{"type": type(decoder).__name__}]
+    out, todo = [], [spec]
+    while todo:
+        d = todo.pop(0)
+        if isinstance(d, dict) and d.get("type") == "Sequence":
+            todo[:0] = d.get("decoders", [])
+        elif isinstance(d, dict):
+            out.append(d)
+    return out
+
+
+def token_spelling(tok) -> tuple:
+    """How a token's bytes are read off its vocabulary string (mirrors outlines-core's
+    TokenProcessor in Vocabulary.from_pretrained): ("byte_level",) for GPT-2-style byte-level BPE;
+    ("sentencepiece", byte_fallback, ((old, new), ...)) for '▁'-spaced vocabularies, with <0xNN>
+    byte tokens when byte_fallback; ("plain",) otherwise (the token's decoded string). Hashable: it
+    is part of vocab_key."""
+    specs = _decoder_specs(tok)
+    kinds = {d.get("type") for d in specs}
+    if "ByteLevel" in kinds:
+        return ("byte_level",)
+    if specs and kinds & {"ByteFallback", "Metaspace", "Replace"}:
+        subs = []
+        for d in specs:
+            if d.get("type") == "Metaspace":
+                subs.append((d.get("replacement", "▁"), " "))
+            elif d.get("type") == "Replace" and isinstance(d.get("pattern"), dict) \
+                    and "String" in d["pattern"]:
+                subs.append((d["pattern"]["String"], d.get("content", "")))
+        return ("sentencepiece", "ByteFallback" in kinds, tuple(subs))
+    if specs:
+        return ("plain",)
+    if getattr(tok, "byte_decoder", None):                 # a slow GPT-2-style tokenizer
+        return ("byte_level",)
+    if getattr(tok, "sp_model", None) is not None:         # a slow SentencePiece tokenizer
+        return ("sentencepiece", True, (("▁", " "),))
+    return ("plain",)
+
+
+def token_bytes_reader(tok, spelling: tuple | None = None):
+    """token string -> the bytes it stands for in generated text."""
+    spelling = spelling or token_spelling(tok)
+    decoded = lambda token: tok.convert_tokens_to_string([token]).encode("utf-8")  # noqa: E731
+    if spelling[0] == "byte_level":
+        table = _BYTE_LEVEL
+        byte_decoder = getattr(tok, "byte_decoder", None)
+        if byte_decoder and not getattr(tok, "backend_tokenizer", None):
+            table = {ord(c): b for c, b in byte_decoder.items()}
+        chars = frozenset(map(chr, table))
+
+        def read(token: str) -> bytes:
+            if set(token) <= chars:
+                return token.translate(table).encode("latin-1")
+            return decoded(token)       # not byte-level spelled (an added token, say)
+        return read
+    if spelling[0] == "sentencepiece":
+        byte_fallback, subs = spelling[1], spelling[2]
+
+        def read(token: str) -> bytes:
+            if byte_fallback and (m := _HEX_BYTE.fullmatch(token)):
+                return bytes([int(m.group(1), 16)])
+            for old, new in subs:
+                token = token.replace(old, new)
+            return token.encode("utf-8")
+        return read
+    return decoded
+
+
 def tokenizer_vocabulary(tok, eos_id: int):
-    """outlines_core Vocabulary: each token's decoded string -> its ids (EOS kept apart)."""
+    """outlines_core Vocabulary: the bytes each token stands for -> its ids (EOS and special
+    tokens kept apart). outlines-core matches the regex on UTF-8 bytes, so a token holding part of
+    a multi-byte character (byte-level BPE, <0xNN> byte fallback) is a step through that character
+    rather than an unusable U+FFFD. Added (non-special) tokens are spelled by their content."""
     from outlines_core import Vocabulary
 
-    vocab: dict[str, list[int]] = {}
+    read = token_bytes_reader(tok)
+    added = {i: t.content for i, t in (getattr(tok, "added_tokens_decoder", None) or {}).items()}
+    vocab: dict[bytes, list[int]] = {}
     special = set(getattr(tok, "all_special_ids", []) or [])
     for token, i in tok.get_vocab().items():
-        if i in special:
+        if i in special or i == eos_id:
             continue
-        vocab.setdefault(tok.convert_tokens_to_string([token]), []).append(i)
+        spelled = added[i].encode("utf-8") if i in added else read(token)
+        if spelled:
+            vocab.setdefault(spelled, []).append(i)
     return Vocabulary(eos_id, vocab)
 
 
@@ -37,14 +134,14 @@ def vocab_key(tokenizer, eos_id: int) -> tuple:
     which Python reuses for a new object once the old one is freed)."""
     tok = getattr(tokenizer, "tok", tokenizer)
     special = tuple(sorted(getattr(tok, "all_special_ids", []) or []))
-    return (type(tok).__name__, eos_id, len(tok), special,
+    return (type(tok).__name__, eos_id, len(tok), special, token_spelling(tok),
             hash(tuple(sorted(tok.get_vocab().items()))))
 
 
 def vocabulary_for(tokenizer, eos_id: int, key: tuple | None = None):
     key = key or vocab_key(tokenizer, eos_id)
     if key not in _VOCABS:
-        _VOCABS[key] = tokenizer_vocabulary(tokenizer, eos_id)
+        _VOCABS[key] = tokenizer_vocabulary(getattr(tokenizer, "tok", tokenizer), eos_id)
         if len(_VOCABS) > _MAX_VOCABS:
             _VOCABS.popitem(last=False)
             _compile.cache_clear()           # indexes over the dropped vocabulary go too

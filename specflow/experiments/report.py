@@ -8,6 +8,10 @@ token (the exact-match rate and the first differing position are reported); a sa
 two-sample chi-square test of its first tokens against the baseline's. Writes report.md,
 report.json and PNG plots into the folder.
 
+Every planned job (<arm>/rep<r>/, from multirun.yaml) must have finished: a sweep with a job
+lacking metrics.json is refused with the list of those jobs (an arm is never dropped silently),
+and a damaged metrics.json or requests.jsonl is refused with its name, one line each.
+
 `--baseline old/report.json --max-acceptance-drop 0.05` exits 1 when any arm's α fell by more than
 that: a draft that drifted after a target update still gives correct output, and only acceptance
 shows it (seeds/000).
@@ -17,49 +21,174 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import re
 from collections import Counter
 
 import numpy as np
 
-from specflow.errors import InputError
+from specflow.errors import InputError, SpecflowError
+from specflow.experiments.workloads import json_type
 from specflow.metrics import predicted_speedup
 
 COUNTERS = ("num_target_passes", "num_drafts", "num_draft_tokens", "num_examined_draft_tokens",
             "num_accepted_tokens", "num_committed_tokens")
 
 
-def read_jsonl(path: pathlib.Path) -> list[dict]:
-    rows = []
-    if not path.exists():
-        return rows
-    for line in path.read_text(encoding="utf-8").splitlines():
+# metrics.json of a finished job: the fields the report reads and their JSON types
+METRICS_FIELDS = {"experiment": str, "arm": str, "rep": int, "baseline": str, "greedy": bool,
+                  "aggregate": dict, "requests": list}
+AGGREGATE_FIELDS = {**{c: (int, float) for c in COUNTERS}, "accepted_per_position": list,
+                    "examined_per_position": list, "tokens_per_step_histogram": dict,
+                    "seconds": dict}
+JOB_DIR = re.compile(r"^rep(\d+)$")
+SHOWN = 8          # unfinished jobs named in the message before "and N more"
+
+
+def _is(value, kind) -> bool:
+    if kind is bool:
+        return isinstance(value, bool)
+    return isinstance(value, kind) and not isinstance(value, bool)
+
+
+def _damaged(where: str, job: pathlib.Path, what: str) -> InputError:
+    return InputError(f"{where}: {what}; the job {str(job)!r} is damaged: delete that folder and "
+                      f"rerun the same specflow ab command, which redoes only that job")
+
+
+def _read_text(path: pathlib.Path, job: pathlib.Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise _damaged(str(path), job, f"not UTF-8 (bad byte at offset {exc.start})") from None
+    except OSError as exc:
+        raise InputError(f"cannot read {path}: {exc.strerror}; check the file's "
+                         f"permissions") from None
+
+
+def read_metrics(path: pathlib.Path) -> dict:
+    """A finished job's metrics.json, checked field by field: one line naming the file if not."""
+    job = path.parent
+    try:
+        m = json.loads(_read_text(path, job))
+    except json.JSONDecodeError as exc:
+        raise _damaged(str(path), job, f"not valid JSON ({exc.msg}: line {exc.lineno} column "
+                                       f"{exc.colno}; a truncated file?)") from None
+    if not isinstance(m, dict):
+        raise _damaged(str(path), job, f"a JSON {json_type(m)}, not the object specflow ab "
+                                       f"writes")
+    checks = ((METRICS_FIELDS, m, ""), (AGGREGATE_FIELDS, m.get("aggregate"), "aggregate."))
+    for fields, node, prefix in checks:      # the aggregate's only once it is known an object
+        missing = [k for k in fields if k not in node]
+        if missing:
+            names = [repr(prefix + k) for k in missing]
+            raise _damaged(str(path), job, f"no field {names[0]}"
+                                           + (f" (nor {', '.join(names[1:])})" if names[1:] else ""))
+        wrong = next((k for k, kind in fields.items() if not _is(node[k], kind)), None)
+        if wrong is not None:
+            raise _damaged(str(path), job, f"field {prefix + wrong!r} is a JSON "
+                                           f"{json_type(node[wrong])}")
+    arms = m.get("arms", [])
+    if not isinstance(arms, list):
+        raise _damaged(str(path), job, f"field 'arms' is a JSON {json_type(arms)}")
+    return m
+
+
+def read_requests(path: pathlib.Path, expected: int) -> list[dict]:
+    """A finished job's requests.jsonl: every line a request record, as many as metrics.json
+    counts (a finished job has no torn line; an unfinished one is not read)."""
+    job = path.parent
+    if not path.is_file():
+        raise _damaged(str(path), job, "missing, though the job's metrics.json exists")
+    rows: dict[int, dict] = {}
+    for n, line in enumerate(_read_text(path, job).splitlines(), 1):
+        if not line.strip():
+            continue
         try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:      # a line cut by an interrupted run
-            break
-    return rows
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise _damaged(f"{path}:{n}", job, f"not valid JSON ({exc.msg}; a torn "
+                                               f"line?)") from None
+        stats = row.get("stats") if isinstance(row, dict) else None
+        if not (isinstance(row, dict) and _is(row.get("index"), int)
+                and isinstance(row.get("token_ids"), list) and isinstance(stats, dict)
+                and isinstance(stats.get("seconds"), dict)):
+            raise _damaged(f"{path}:{n}", job, "not a request record (index, token_ids, "
+                                               "stats.seconds)")
+        rows[row["index"]] = row
+    if len(rows) != expected:
+        raise _damaged(str(path), job, f"holds {len(rows)} requests but metrics.json counts "
+                                       f"{expected}")
+    return [rows[i] for i in sorted(rows)]
+
+
+def _planned_jobs(folder: pathlib.Path) -> set[tuple[str, int]] | None:
+    """(arm, rep) for every job the sweep's multirun.yaml asks for; None when it cannot tell."""
+    import yaml
+
+    try:
+        ab = yaml.safe_load((folder / "multirun.yaml").read_text(encoding="utf-8"))["ab"]
+        arms = [str(a) for a in ab["arms"]]
+        return {(a, r) for a in arms for r in range(int(ab["repetitions"]))}
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, KeyError, TypeError, ValueError):
+        return None
 
 
 def load_sweep(folder: pathlib.Path) -> tuple[dict, list[str]]:
-    """{arm: {rep: {"metrics", "requests"}}} from finished jobs, and the unfinished job folders."""
+    """{arm: {rep: {"metrics", "requests"}}} from a sweep whose every job finished.
+
+    Jobs are <arm>/rep<r>/ folders; one that is planned (multirun.yaml, or another job's arm
+    list) or started but has no metrics.json refuses the report with the list of those jobs: an
+    arm is never dropped silently. A damaged file refuses it with its name. The second value is
+    the unfinished jobs (always empty: kept for report.json).
+    """
     if not folder.is_dir():
         raise InputError(f"{str(folder)!r} is not a folder; give the sweep folder that "
                          f"`specflow ab` printed (ab/<experiment>)")
     arms: dict = {}
-    unfinished = []
-    for req in sorted(folder.glob("**/requests.jsonl")):
-        metrics = req.parent / "metrics.json"
+    started: set[tuple[str, int]] = set()
+    first = None
+    for job in sorted(d for d in folder.glob("*/rep*") if d.is_dir() and JOB_DIR.match(d.name)):
+        key = (job.parent.name, int(JOB_DIR.match(job.name).group(1)))
+        started.add(key)
+        metrics = job / "metrics.json"
         if not metrics.exists():
-            unfinished.append(str(req.parent.relative_to(folder)))
             continue
-        m = json.loads(metrics.read_text())
-        if "arm" not in m:
-            continue
-        arms.setdefault(m["arm"], {})[m["rep"]] = {"metrics": m, "requests": read_jsonl(req)}
+        m = read_metrics(metrics)
+        if (m["arm"], m["rep"]) != key:
+            raise _damaged(str(metrics), job, f"it records arm {m['arm']!r}, repetition "
+                                              f"{m['rep']}, but sits in {key[0]}/rep{key[1]}")
+        if first is None:
+            first = metrics, m
+        elif (m["experiment"], m["baseline"]) != (first[1]["experiment"], first[1]["baseline"]):
+            raise InputError(f"{metrics} is from experiment {m['experiment']!r} (baseline "
+                             f"{m['baseline']!r}) but {first[0]} from "
+                             f"{first[1]['experiment']!r} (baseline {first[1]['baseline']!r}); "
+                             f"report one sweep folder at a time")
+        requests = read_requests(job / "requests.jsonl", len(m["requests"]))
+        arms.setdefault(m["arm"], {})[m["rep"]] = {"metrics": m, "requests": requests}
+    planned = _planned_jobs(folder)
+    if planned is None:                  # no multirun.yaml: every listed arm at every rep seen
+        listed = {str(a) for reps in arms.values() for job in reps.values()
+                  for a in job["metrics"].get("arms", [])}
+        planned = {(a, r) for a in listed for r in {rep for _, rep in started}}
+    finished = {(arm, rep) for arm, reps in arms.items() for rep in reps}
+    unfinished = sorted((planned | started) - finished, key=lambda k: (k[1], k[0]))
+    if unfinished:
+        names = [f"{arm}/rep{rep}" for arm, rep in unfinished]
+        more = f" and {len(names) - SHOWN} more" if len(names) > SHOWN else ""
+        raise InputError(f"sweep {str(folder)!r} is not finished: no metrics.json in "
+                         f"{', '.join(names[:SHOWN])}{more} ({len(unfinished)} of "
+                         f"{len(planned | started | finished)} jobs); rerun the same specflow "
+                         f"ab command (hydra.sweep.dir={folder} if you set it) to finish them, "
+                         f"then report")
     if not arms:
-        raise InputError(f"no finished A/B jobs under {str(folder)!r} (no metrics.json with an "
-                         f"arm); run specflow ab first")
-    return arms, unfinished
+        sweeps = sorted(d.name for d in folder.iterdir() if (d / "multirun.yaml").is_file())
+        hint = (f"; it holds the sweeps {', '.join(sweeps)}: report one of them "
+                f"(specflow report {folder / sweeps[0]})" if sweeps else
+                "; give the sweep folder that specflow ab printed, or run specflow ab first")
+        raise InputError(f"no finished A/B jobs under {str(folder)!r} (no "
+                         f"<arm>/rep<r>/metrics.json){hint}")
+    return arms, []
 
 
 def _units(reps: dict) -> dict:
@@ -117,7 +246,11 @@ def _aggregate(reps: dict) -> dict:
 
 
 def _first_token_test(units_a: dict, units_b: dict) -> dict:
-    from scipy import stats
+    try:
+        from scipy import stats
+    except ImportError:
+        raise SpecflowError("the first-token test of sampling arms needs scipy, which is not "
+                            "installed; pip install scipy (specflow depends on it)") from None
 
     a = Counter(r["token_ids"][0] for r in units_a.values() if r["token_ids"])
     b = Counter(r["token_ids"][0] for r in units_b.values() if r["token_ids"])
@@ -282,35 +415,60 @@ def table(summary: dict):
     return t
 
 
+def read_baseline(path: str) -> dict:
+    """An earlier report.json for the drift check: an object with an `arms` object whose rows
+    carry a numeric `alpha`."""
+    try:
+        old = json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise InputError(f"cannot read --baseline {path!r}: {exc.strerror}; give the report.json "
+                         f"of an earlier sweep") from None
+    except UnicodeDecodeError as exc:
+        raise InputError(f"--baseline {path!r} is not UTF-8 (bad byte at offset {exc.start}); "
+                         f"give the report.json of an earlier sweep") from None
+    except json.JSONDecodeError as exc:
+        raise InputError(f"--baseline {path!r} is not valid JSON ({exc.msg}: line "
+                         f"{exc.lineno} column {exc.colno}); give the report.json of an "
+                         f"earlier sweep") from None
+    rows = old.get("arms") if isinstance(old, dict) else None
+    if not isinstance(rows, dict) or not all(
+            isinstance(r, dict) and _is(r.get("alpha"), (int, float)) for r in rows.values()):
+        raise InputError(f"--baseline {path!r} is not a report.json that specflow report wrote "
+                         f"(an 'arms' object with an 'alpha' per arm); give the report.json of "
+                         f"an earlier sweep")
+    return old
+
+
 def main(opts) -> int:
     from specflow.console import console, err_console
     from specflow.errors import SpecflowError
     from specflow.experiments import plots
     from specflow.io import atomic_write_json, atomic_write_text
 
+    def error(message) -> int:
+        err_console.print(f"specflow: error: {message}", markup=False, highlight=False,
+                          soft_wrap=True)
+        return 2
+
     folder = pathlib.Path(opts.folder)
     try:
+        old = read_baseline(opts.baseline) if opts.baseline else None
         arms, unfinished = load_sweep(folder)
         summary = summarize(arms, opts.bootstrap)
-        old = None
-        if opts.baseline:
-            try:
-                old = json.loads(pathlib.Path(opts.baseline).read_text())
-            except (OSError, json.JSONDecodeError) as exc:
-                raise InputError(f"cannot read --baseline {opts.baseline!r}: {exc}") from None
     except SpecflowError as exc:
-        err_console.print(f"specflow: error: {exc}", markup=False, highlight=False, soft_wrap=True)
-        return 2
+        return error(exc)
     summary["unfinished"] = unfinished
-    atomic_write_json(folder / "report.json", summary)
-    atomic_write_text(folder / "report.md", markdown(summary))
-    plots.plot_ab(summary, folder)
+    try:
+        atomic_write_json(folder / "report.json", summary)
+        atomic_write_text(folder / "report.md", markdown(summary))
+        plots.plot_ab(summary, folder)
+    except OSError as exc:
+        return error(f"cannot write the report into {str(folder)!r}: {exc.strerror}; make the "
+                     f"folder writable")
     if not opts.quiet:
         console.print(table(summary))
         if repetition_table(summary) is not None:
             console.print(repetition_table(summary))
-        if unfinished:
-            console.print(f"[yellow]unfinished jobs (not counted): {', '.join(unfinished)}[/]")
         console.print(f"[dim]wrote {folder}/report.md, report.json and plots[/]")
     if old is not None:
         found = drift(summary, old, opts.max_acceptance_drop)

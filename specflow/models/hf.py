@@ -6,6 +6,7 @@ back token by token (recurrent and hybrid state-space models) are refused with a
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import pathlib
@@ -66,43 +67,186 @@ class HFTokenizer:
         return len(self.tok)
 
 
-def resolve_path(path: str) -> str:
-    """A local directory stays as is; anything else must be a hub id already in the local cache."""
+def resolve_path(path: str, role: str = "model") -> str:
+    """A local directory stays as is; anything else must be a hub id already in the local cache
+    (resolved offline to its snapshot folder: nothing is downloaded at run time)."""
     if os.path.isdir(os.path.expanduser(path)):
         return os.path.expanduser(path)
     if path.startswith(("/", ".", "~")) or path.count("/") > 1 or path in ("", "???"):
         raise ConfigError(f"model path {path!r} is not a directory; set model.path (or draft.path) "
                           f"to a folder that AutoModelForCausalLM.from_pretrained can load")
-    return path
+    return cached_snapshot(path, role)
+
+
+def cached_snapshot(repo_id: str, role: str = "model") -> str:
+    """The local snapshot folder of a hub id, looked up in the HF cache without any network."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        return snapshot_download(repo_id, local_files_only=True)
+    except HFValidationError:
+        raise ConfigError(f"model path {repo_id!r} is not a directory; set model.path (or "
+                          f"draft.path) to a folder that AutoModelForCausalLM.from_pretrained "
+                          f"can load") from None
+    except OSError:       # LocalEntryNotFoundError: not in the cache (no network is tried)
+        raise ConfigError(f"{role}.path={repo_id!r} is not a local folder and not in the local "
+                          f"Hugging Face cache ({constants.HF_HUB_CACHE}); nothing is downloaded "
+                          f"at run time: fetch it first (hf download {repo_id}) or set "
+                          f"{role}.path to a local folder") from None
+
+
+def _brief(exc: BaseException) -> str:
+    """`Type: first line` of an exception, cut to a readable length."""
+    lines = str(exc).strip().splitlines()
+    text = lines[0].strip().rstrip(".:;,") if lines else ""
+    if len(text) > 200:
+        stop = text.find(". ", 40, 200)
+        text = text[:stop] if stop > 0 else text[:200] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def check_model_dir(path: str, name: str, role: str = "model") -> None:
+    """Refuse a folder from_pretrained cannot load, naming the file: no config.json, a config
+    that is not JSON or has no model_type, a damaged safetensors file (header check only)."""
+    import json
+
+    folder = pathlib.Path(path)
+    what = f"{role}.path={name!r}"
+    try:
+        names = {p.name for p in folder.iterdir()}
+    except OSError as exc:
+        raise ConfigError(f"{what} cannot be read ({exc.strerror}); check the folder's "
+                          f"permissions") from None
+    if not names:
+        raise ConfigError(f"{what} is an empty folder; point {role}.path at a folder that "
+                          f"save_pretrained wrote (config.json, weights, tokenizer)")
+    config = folder / "config.json"
+    if not config.is_file():
+        raise ConfigError(f"{what} has no config.json, so it is not a saved model; point "
+                          f"{role}.path at a folder that save_pretrained wrote (config.json, "
+                          f"weights, tokenizer)")
+    try:
+        parsed = json.loads(config.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{what}: config.json is not UTF-8 text (bad byte at offset "
+                          f"{exc.start}); restore config.json from the model's source") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{what}: config.json is not valid JSON ({exc.msg}: line "
+                          f"{exc.lineno} column {exc.colno}); restore config.json from the "
+                          f"model's source") from None
+    if not isinstance(parsed, dict):
+        kind = {list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
+            type(parsed), "number")
+        raise ConfigError(f"{what}: config.json holds a JSON {kind}, not an object; restore "
+                          f"config.json from the model's source")
+    if not parsed.get("model_type") or not isinstance(parsed["model_type"], str):
+        raise ConfigError(f"{what}: config.json has no model_type string, so transformers "
+                          f"cannot tell the architecture; restore config.json from the model's "
+                          f"source")
+    model_type = parsed["model_type"]
+    if "auto_map" not in parsed:              # remote code brings its own architecture
+        from transformers import __version__
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        if model_type not in CONFIG_MAPPING:
+            raise ConfigError(f"{what}: config.json has model_type={model_type!r}, which "
+                              f"transformers {__version__} does not know; upgrade transformers "
+                              f"or fix model_type in config.json")
+    if not names & TOKENIZER_FILES and not any(n.endswith((".model", ".tiktoken")) for n in names):
+        raise ConfigError(f"{what} has no tokenizer files (tokenizer.json, tokenizer_config.json, "
+                          f"...); save the model's tokenizer into the folder too "
+                          f"(tokenizer.save_pretrained)")
+    from safetensors import safe_open
+
+    for weights in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(weights), framework="pt") as fh:
+                fh.keys()
+        except Exception as exc:     # SafetensorError (and OSError): a torn or garbage file
+            raise ConfigError(f"{what}: {weights.name} is damaged ({_brief(exc)}); copy or "
+                              f"download the model again") from exc
+
+
+TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt",
+                   "merges.txt", "tekken.json"}
+# what from_pretrained raises on files it cannot use (an out-of-memory error is not one of them)
+LOAD_ERRORS = (OSError, ValueError, ImportError, RuntimeError, KeyError, EOFError)
+
+
+@contextlib.contextmanager
+def held_warnings():
+    """transformers' log records while loading, held back: shown once loading succeeds, dropped
+    when it fails (the one-line error says what went wrong; SPECFLOW_TRACEBACK=1 shows them)."""
+    import logging
+
+    lib = logging.getLogger("transformers")
+    held: list[logging.LogRecord] = []
+
+    class Hold(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            held.append(record)
+
+    saved = lib.handlers[:], lib.propagate
+    lib.handlers, lib.propagate = [Hold()], False
+    loaded = False
+    try:
+        yield
+        loaded = True
+    finally:
+        lib.handlers, lib.propagate = saved
+        if loaded or os.environ.get("SPECFLOW_TRACEBACK") == "1":
+            for record in held:
+                lib.handle(record)
 
 
 def load_model(cfg: HFModelConfig, device: torch.device, role: str = "model"):
+    import pickle
+
+    from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()   # specflow shows its own progress
 
-    path = resolve_path(cfg.path)
-    kwargs = dict(trust_remote_code=cfg.trust_remote_code)
+    path = resolve_path(cfg.path, role)
+    name = path if os.path.isdir(os.path.expanduser(cfg.path)) else cfg.path   # hub id as given
+    check_model_dir(path, name, role)
+    # local_files_only: never reach for the network (remote code, tokenizer checks, shards)
+    kwargs = dict(trust_remote_code=cfg.trust_remote_code, local_files_only=True)
     try:
         config = AutoConfig.from_pretrained(path, **kwargs)
+    except LOAD_ERRORS as exc:
+        raise ConfigError(f"cannot load the config of {role} {name!r}: {_brief(exc)}; restore "
+                          f"config.json from the model's source") from exc
+    try:
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-    except OSError as exc:
-        raise ConfigError(f"cannot load {role} {path!r}: {str(exc).splitlines()[0]} (no network "
-                          f"here: give a local directory or a model already in the HF cache)") from None
-    refuse_recurrent(config, path)
+    except Exception as exc:          # the tokenizers library raises plain Exception on bad files
+        raise ConfigError(f"cannot load the tokenizer of {role} {name!r}: {_brief(exc)}; the "
+                          f"folder needs the model's tokenizer files (tokenizer.json, "
+                          f"tokenizer_config.json) as save_pretrained writes them") from exc
+    refuse_recurrent(config, name)
     dtype = "auto" if cfg.dtype == "auto" else DTYPES[cfg.dtype]
     load = dict(kwargs, attn_implementation=cfg.attn_implementation, dtype=dtype)
     if cfg.device_map:
         load["device_map"] = cfg.device_map
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, config=config, **load)
-    except (OSError, ValueError, ImportError) as exc:
-        raise ConfigError(f"cannot load {role} {path!r}: {str(exc).splitlines()[0]}") from None
+        with held_warnings():
+            model = AutoModelForCausalLM.from_pretrained(path, config=config, **load)
+    except torch.OutOfMemoryError:
+        raise
+    except (*LOAD_ERRORS, SafetensorError, pickle.UnpicklingError) as exc:
+        if "ignore_mismatched_sizes" in str(exc) or "size mismatch" in str(exc):
+            raise ConfigError(f"cannot load {role} {name!r}: the shapes of its weights do not "
+                              f"match its config.json (hidden size, layers or vocabulary); the "
+                              f"folder mixes files of two models: restore config.json or the "
+                              f"weights") from exc
+        raise ConfigError(f"cannot load {role} {name!r}: {_brief(exc)}; check that the folder "
+                          f"holds the complete weights save_pretrained wrote") from exc
     if not cfg.device_map:
         model.to(device)
     model.eval()
-    return model, tokenizer, path
+    return model, tokenizer, name
 
 
 def refuse_recurrent(config, path: str) -> None:

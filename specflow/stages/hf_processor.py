@@ -1,5 +1,8 @@
 """`logits=[hf]`: run any transformers LogitsProcessor class (by import path) as a specflow stage.
 
+`class_path` imports a module, so a config is code: never build one from untrusted input. Only a
+subclass of transformers.LogitsProcessor is called; any other object is refused.
+
 The processor is called once per shaped position with that position's own prefix as `input_ids`
 [1, L] (so HF processors that read the prefix stay exact under speculation); slower than the
 vectorised built-ins, and the way to bring a processor specflow does not have.
@@ -7,6 +10,7 @@ vectorised built-ins, and the way to bring a processor specflow does not have.
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,13 +36,35 @@ def import_object(path: str):
         raise ConfigError(f"cannot import {path!r}: {exc}; give module.Class") from None
 
 
+def processor_class(path: str):
+    """The class at `path`, which must subclass transformers.LogitsProcessor: any other object
+    (a function such as os.system, a builtin, another class) is refused before it is called."""
+    from transformers import LogitsProcessor
+
+    obj = import_object(path)
+    if not isinstance(obj, type) or not issubclass(obj, LogitsProcessor):
+        if isinstance(obj, type):
+            what = f"the class {obj.__module__}.{obj.__qualname__}"
+        elif inspect.ismodule(obj):
+            what = "a module"
+        elif callable(obj):
+            what = f"the function {getattr(obj, '__qualname__', type(obj).__name__)}"
+        else:
+            what = f"a {type(obj).__name__} value"
+        raise ConfigError(f"logits.hf.class_path={path!r} is {what}, not a subclass of "
+                          f"transformers.LogitsProcessor; give a LogitsProcessor class, e.g. "
+                          f"transformers.RepetitionPenaltyLogitsProcessor")
+    return obj
+
+
 class HFLogitsProcessor:
     def __init__(self, cfg: HFProcessorConfig, ctx=None):
-        cls = import_object(cfg.class_path)
+        cls = processor_class(cfg.class_path)
         try:
             self.processor = cls(**dict(cfg.kwargs))
-        except TypeError as exc:
-            raise ConfigError(f"{cfg.class_path}({cfg.kwargs}) failed: {exc}; fix "
+        except (TypeError, ValueError) as exc:   # a missing or unknown argument, a bad value
+            message = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ConfigError(f"{cfg.class_path}({dict(cfg.kwargs)}) failed: {message}; fix "
                               f"logits.hf.kwargs") from None
         self.samples = cfg.samples
 

@@ -21,9 +21,14 @@ CONFIG_MODULE = "specflow.conf"
 SINGLE_GROUPS = ("model", "draft", "proposer", "constraint", "verifier", "stop", "policy", "workload")
 MULTI_GROUPS = ("logits", "observer")
 GROUPS = SINGLE_GROUPS + MULTI_GROUPS + ("experiment",)
-# keys whose values are free text (JSON, regexes, code): quoted for Hydra when given bare
+# keys whose values are free text (JSON, regexes, code): quoted for Hydra when given bare, and
+# `${` kept literal (never an interpolation: a prompt may hold shell or JS templates)
 FREE_TEXT_KEYS = ("prompt", "constraint.schema", "constraint.pattern", "constraint.model",
-                  "workload.path", "model.path", "draft.path")
+                  "workload.path", "model.path", "draft.path", "calibrate.output")
+# lists of free text, in Hydra's list syntax: `${` in them is kept literal
+FREE_TEXT_LIST_KEYS = ("constraint.choices", "stop.strings", "logits.bad_words.words")
+# groups a run cannot do without: `~model` and the like are refused at compose time
+REQUIRED_GROUPS = ("model", "proposer", "verifier", "stop", "policy", "workload")
 DEVICES = re.compile(r"^(cpu|auto|cuda(:\d+)?|mps)$")
 DTYPES = ("float32", "float16", "bfloat16", "auto")
 
@@ -84,7 +89,10 @@ def normalize_overrides(overrides: Sequence[str]) -> list[str]:
     """Make the command line forgiving where plain Hydra is not:
     - `+proposer=ngram` for a group the defaults list already has (Hydra refuses to append it);
     - `prompt=def fib(n):` with characters Hydra's grammar reserves: values of free-text keys
-      (FREE_TEXT_KEYS: prompts, schemas, regexes, paths) are quoted for it.
+      (FREE_TEXT_KEYS: prompts, schemas, regexes, paths) are quoted for it, with `${` and
+      backslashes kept literal (never an interpolation);
+    - `${` inside lists of free text (FREE_TEXT_LIST_KEYS: choices, stop strings) kept literal.
+    A value the user quoted Hydra's way is left to Hydra. Applying this twice changes nothing.
     """
     out = []
     for item in overrides:
@@ -94,13 +102,77 @@ def normalize_overrides(overrides: Sequence[str]) -> list[str]:
         m = re.match(r"^(\+{0,2}(?:%s))=(.*)$" % "|".join(map(re.escape, FREE_TEXT_KEYS)), item,
                      flags=re.S)
         if m and m.group(2) and m.group(2)[0] not in "'\"" and m.group(2) not in ("null", "-"):
-            # Hydra's quoted strings: a quote is escaped with a backslash, and backslashes
-            # right before a quote (or at the end) are doubled
-            value = re.sub(r"(\\*)'", lambda q: q.group(1) * 2 + "\\'", m.group(2))
-            value += "\\" * (len(value) - len(value.rstrip("\\")))
-            item = f"{m.group(1)}='{value}'"
+            item = f"{m.group(1)}={hydra_quote(m.group(2))}"
+        m = re.match(r"^(\+{0,2}(?:%s))=(\[.*)$" % "|".join(map(re.escape, FREE_TEXT_LIST_KEYS)),
+                     item, flags=re.S)
+        if m:
+            item = f"{m.group(1)}={_quote_list(m.group(2))}"
         out.append(item)
     return out
+
+
+def _quote_list(value: str) -> str:
+    """`[café, it's ${x}, 'quoted']` -> every bare element quoted (Hydra's lexer takes no
+    non-ASCII or `${` bare); quoted elements are Hydra's, with a not yet escaped `${` escaped, so
+    that a second pass changes nothing. A nested list is left to Hydra."""
+    inner = value.strip()
+    if not (inner.startswith("[") and inner.endswith("]")):
+        return value
+    items, current, quote = [], "", None
+    for ch in inner[1:-1]:
+        if quote:
+            current += ch
+            if ch == quote and not current[:-1].endswith("\\"):
+                quote = None
+        elif ch in "'\"" and not current.strip():
+            current, quote = current.strip() + ch, ch
+        elif ch == ",":
+            items.append(current)
+            current = ""
+        elif ch in "[]":
+            return value
+        else:
+            current += ch
+    if quote:
+        return value
+    items.append(current)
+    if len(items) == 1 and not items[0].strip():
+        return "[]"
+    out = []
+    for element in items:
+        element = element.strip()
+        if element[:1] in ("'", '"'):
+            out.append(re.sub(r"(?<!\\)\$\{", r"\\${", element))
+        else:
+            out.append(hydra_quote(element))
+    return "[" + ",".join(out) + "]"
+
+
+def escape_interpolation(text: str) -> str:
+    """Text OmegaConf reads back unchanged: `${` escaped, and backslashes right before it
+    doubled (OmegaConf reads `\\${` as a backslash and then an interpolation)."""
+    return re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", text)
+
+
+def hydra_quote(text: str) -> str:
+    """Any text as a quoted Hydra override value that composes back to exactly `text`."""
+    value = escape_interpolation(text)
+    # Hydra's quoted strings: a quote is escaped with a backslash, and backslashes right before
+    # a quote (or at the end) are doubled
+    value = re.sub(r"(\\*)'", lambda q: q.group(1) * 2 + "\\'", value)
+    value += "\\" * (len(value) - len(value.rstrip("\\")))
+    return f"'{value}'"
+
+
+def _escaped(value):
+    """A validated option's values made safe to store in OmegaConf again (strings escaped)."""
+    if isinstance(value, str):
+        return escape_interpolation(value)
+    if isinstance(value, dict):
+        return {k: _escaped(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_escaped(v) for v in value]
+    return value
 
 
 @contextmanager
@@ -123,18 +195,51 @@ def _hydra(config_module: str) -> Iterator[None]:
 def compose(overrides: Sequence[str] = (), config_name: str = "config",
             config_module: str = CONFIG_MODULE) -> DictConfig:
     """Hydra-compose `config_name` with overrides, then validate every group option."""
+    overrides = normalize_overrides(overrides)
+    _refuse_deleted_groups(overrides)
+    cfg = _hydra_compose(overrides, config_name, config_module)
+    _refuse_new_root_keys(cfg, overrides, config_name, config_module)
+    return validate(cfg)
+
+
+def _hydra_compose(overrides: Sequence[str], config_name: str, config_module: str) -> DictConfig:
     from hydra import compose as hydra_compose
 
-    overrides = normalize_overrides(overrides)
     try:
         with _hydra(config_module):
-            cfg = hydra_compose(config_name=config_name, overrides=with_searchpath(overrides))
+            return hydra_compose(config_name=config_name, overrides=with_searchpath(overrides))
     except SpecflowError:
         raise
     except Exception as exc:  # Hydra's and OmegaConf's composition errors
         raise ConfigError(_unknown_key_message(exc, overrides, config_name, config_module)
                           or one_line_hydra_error(exc)) from None
-    return validate(cfg)
+
+
+def _refuse_deleted_groups(overrides: Sequence[str]) -> None:
+    """`~model`, `~stop`, ...: a run needs every one of REQUIRED_GROUPS."""
+    for item in overrides:
+        m = re.match(r"^~(\w+)(=.*)?$", item)
+        if m and m.group(1) in REQUIRED_GROUPS:
+            group = m.group(1)
+            raise ConfigError(f"{item} deletes the {group} group, which every run needs; pick "
+                              f"another option with {group}=<option> instead")
+
+
+def _refuse_new_root_keys(cfg: DictConfig, overrides: Sequence[str], config_name: str,
+                          config_module: str) -> None:
+    """`+foo=1` adds a root key nothing reads: a typo that would otherwise pass silently."""
+    added = [item for item in overrides
+             if (m := re.match(r"^\+{1,2}(\w+)=", item)) and m.group(1) not in GROUPS
+             and m.group(1) != "hydra"]
+    if not added:
+        return
+    base = _hydra_compose([o for o in overrides if o not in added], config_name, config_module)
+    for item in added:
+        key = re.match(r"^\+{1,2}(\w+)=", item).group(1)
+        if key not in base:
+            keys = ", ".join(str(k) for k in base.keys())
+            raise ConfigError(f"unknown config key {key!r} (from {item}); the root config has: "
+                              f"{keys}")
 
 
 def _unknown_key_message(exc, overrides, config_name, config_module) -> str | None:
@@ -185,7 +290,9 @@ def _schema_node(kind: str, node: DictConfig, where: str):
         return node, node
     try:
         plain = OmegaConf.to_container(node, resolve=True)
-        typed = OmegaConf.merge(OmegaConf.structured(component.schema), plain)
+        _check_finite(plain, where, getattr(component.schema, "NEG_INF_OK", ()))
+        # resolved values: any `${` left in them is text, not an interpolation
+        typed = OmegaConf.merge(OmegaConf.structured(component.schema), _escaped(plain))
         obj = OmegaConf.to_object(typed)
     except ConfigError:
         raise
@@ -196,7 +303,29 @@ def _schema_node(kind: str, node: DictConfig, where: str):
         fix = "; give a value of that type" if "could not be converted" in msg else ""
         raise ConfigError(f"{where}{'.' + key if key else ''}: {msg}{fix} "
                           f"(valid keys: {valid})") from None
-    return OmegaConf.structured(obj) if is_dataclass(obj) else typed, obj
+    if not is_dataclass(obj):
+        return typed, obj
+    # the resolved values go back into a node: keep any `${` in them literal there
+    return OmegaConf.merge(OmegaConf.structured(type(obj)), _escaped(asdict(obj))), obj
+
+
+def _check_finite(value, where: str, neg_inf_ok: Sequence[str] = (), top: bool = True) -> None:
+    """Refuse NaN and infinite numbers anywhere in an option (fields in `neg_inf_ok` may be
+    -inf: a logit bias of -inf bans its token)."""
+    import math
+
+    if isinstance(value, dict):
+        for key, item in value.items():
+            inherited = ("*",) if top and key in neg_inf_ok else (() if top else neg_inf_ok)
+            _check_finite(item, f"{where}.{key}", inherited, top=False)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_finite(item, f"{where}[{i}]", neg_inf_ok, top=False)
+    elif isinstance(value, float) and not math.isfinite(value):
+        if value == float("-inf") and "*" in neg_inf_ok:
+            return
+        also = " or -inf (bans the token)" if "*" in neg_inf_ok else ""
+        raise ConfigError(f"{where}={value} is not a finite number; give a finite value{also}")
 
 
 def validate(cfg: DictConfig) -> DictConfig:
@@ -213,11 +342,36 @@ def validate(cfg: DictConfig) -> DictConfig:
     return cfg
 
 
+MAX_BATCH_SIZE = 4096         # running sequences; every slot reserves cache rows
+MAX_SEED = 2 ** 63 - 2 ** 32   # request i uses seed + i: leave room below torch's limit
+MAX_LOGPROBS = 1000
+
+
+def _root_int(cfg: DictConfig, key: str, lo: int, hi: int, fix: str, optional: bool = False
+              ) -> None:
+    if key not in cfg:
+        return
+    value = cfg[key]
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{key}={value!r} is not a whole number; {fix}")
+    if not lo <= value <= hi:
+        raise ConfigError(f"{key}={value} is out of range [{lo}, {hi}]; {fix}")
+
+
 def _check_root(cfg: DictConfig) -> None:
-    if cfg.get("max_new_tokens", 1) is not None and int(cfg.get("max_new_tokens", 1)) < 1:
-        raise ConfigError(f"max_new_tokens={cfg.max_new_tokens} must be >= 1")
-    if int(cfg.get("max_batch_size", 1)) < 1:
-        raise ConfigError(f"max_batch_size={cfg.max_batch_size} must be >= 1")
+    _root_int(cfg, "max_new_tokens", 1, 2 ** 31 - 1, "give the most tokens to generate per "
+              "prompt, e.g. max_new_tokens=64", optional=True)
+    _root_int(cfg, "max_batch_size", 1, MAX_BATCH_SIZE, "give how many sequences run at once, "
+              "e.g. max_batch_size=8")
+    _root_int(cfg, "seed", 0, MAX_SEED, "give a non-negative seed, e.g. seed=0")
+    _root_int(cfg, "logprobs", 0, MAX_LOGPROBS, "give null (off), 0 (the chosen tokens) or n "
+              "(also the top n)", optional=True)
+    if "show_progress" in cfg and not isinstance(cfg.show_progress, bool):
+        raise ConfigError(f"show_progress={cfg.show_progress!r} must be true or false")
+    if cfg.get("prompt") is not None and not isinstance(cfg.prompt, str):
+        raise ConfigError(f"prompt={cfg.prompt!r} must be text; quote it")
     device = str(cfg.get("device", "cpu"))
     if not DEVICES.match(device):
         raise ConfigError(f"device={device!r} is not a device; use cpu, cuda, cuda:N or auto")

@@ -86,6 +86,7 @@ class BadWordsConfig:
 
 @dataclass
 class LogitBiasConfig:
+    NEG_INF_OK = ("bias",)        # -inf bans a token (NaN and +inf are refused)
     name: str = "logit_bias"
     bias: dict[int, float] = field(default_factory=dict)    # token id -> added to its logit
 

@@ -7,16 +7,17 @@ import pytest
 
 from specflow import ConfigError, Pipeline
 from specflow.config import compose, normalize_overrides, option
+from specflow.models.hf import DEMO_DIR
 from specflow.plugins import get_registry
 
 CONF = pathlib.Path(__file__).resolve().parents[2] / "conf"
 # options that need a companion choice to build
 COMPANIONS = {
     ("model", "synthetic"): ["draft=synthetic"],
-    ("model", "hf"): ["model.path=${specflow_demo:target}"],
+    ("model", "hf"): [f"model.path={DEMO_DIR / 'target'}"],   # free text: never interpolated
     ("draft", "none"): ["proposer=ngram"],
     ("draft", "synthetic"): ["model=synthetic"],
-    ("draft", "hf"): ["draft.path=${specflow_demo:draft}"],
+    ("draft", "hf"): [f"draft.path={DEMO_DIR / 'draft'}"],
     ("constraint", "json_schema"): ["constraint.schema='{\"type\": \"boolean\"}'"],
     ("constraint", "regex"): ["constraint.pattern=abc"],
     ("policy", "oracle"): ["model=synthetic", "draft=synthetic"],

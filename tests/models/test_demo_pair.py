@@ -52,7 +52,7 @@ def test_greedy_speculation_equals_plain_on_code_prompts(plain, proposer):
 
 
 def test_draft_equal_to_target_is_always_accepted():
-    pipe = Pipeline.from_config(["draft=hf", "draft.path=${specflow_demo:target}"])
+    pipe = Pipeline.from_config(["draft=hf", f"draft.path={DEMO_DIR / 'target'}"])
     pipe.generate(PROMPTS[:3], max_new_tokens=30)
     assert pipe.last_stats["alpha"] == 1.0
 

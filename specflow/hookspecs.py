@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from specflow.state import DecodeBatch, Proposal, RoundResult, ShapingBatch, VerifyOutput
     from specflow.stages.stop import TrimResult
 
-HOOK_API_VERSION = "1.1"   # 1.1 added specflow_run_start / specflow_run_end
+HOOK_API_VERSION = "1.2"   # 1.1: run_start / run_end; 1.2: request_end "abort", masks first
 
 hookspec = pluggy.HookspecMarker("specflow")
 
@@ -91,7 +91,7 @@ def specflow_score(batch: "DecodeBatch", proposal: "Proposal") -> "torch.Tensor 
 
 @hookspec
 def specflow_process_logits(shaping: "ShapingBatch") -> None:
-    """Called by shape() for every draft step and for the target's K+1 positions.
+    """Called by shape() for every draft step and for the target's K+1 positions, after the masks.
 
     Edit ``shaping.logits`` [B, P, V] (replace or modify in place); position p of row b must be
     evaluated on ``shaping.prefix(b, p)``. Implementations run in config order (the pipeline
@@ -101,10 +101,12 @@ def specflow_process_logits(shaping: "ShapingBatch") -> None:
 
 @hookspec
 def specflow_mask_logits(shaping: "ShapingBatch") -> None:
-    """Called by shape() after every logit processor: grammar constraints set forbidden tokens to -inf.
+    """Called by shape() before the logit processors: grammar constraints set forbidden tokens to -inf.
 
     Same contract as specflow_process_logits; a constraint advances its state only tentatively over
-    drafts (committed state changes in specflow_sync_cache). Returns nothing; all run.
+    drafts (committed state changes in specflow_sync_cache). Masks run first (as in vLLM and
+    outlines), so top-k / top-p / min-p then truncate among the allowed tokens. Returns nothing;
+    all run.
     """
 
 
@@ -177,15 +179,21 @@ def specflow_run_end(pipeline: "Pipeline", results: list, stats: dict) -> None:
 def specflow_request_start(slot: int, request: "Request") -> None:
     """Called when a request takes a batch slot (before its first round; slots are reused).
 
-    ``request`` has request_id, prompt, prompt_ids, max_new_tokens, stop and seed. Stages with
-    per-sequence state reset the slot here (empty a draft cache, index the prompt).
+    ``request`` has request_id, prompt, prompt_ids, max_new_tokens, stop and seed. Per-request
+    state is keyed one way: by ``request.request_id`` (the request's index in its generate()
+    call, so ids repeat across calls), or by ``slot`` for what lives in a batch slot (cache
+    rows). A stage with such state (re)sets it here, never trusting what an earlier call left.
     Returns nothing; all run.
     """
 
 
 @hookspec
 def specflow_request_end(slot: int, request: "Request", finish_reason: str) -> None:
-    """Called when a request finishes and frees its slot. Returns nothing; all run."""
+    """Called when a request leaves its slot, on every exit path: ``finish_reason`` is "stop",
+    "eos" or "length" when it finished, and "abort" for every request still running when
+    generate() ends early (an error, a plugin raising, Ctrl-C). Release per-request state here.
+    Returns nothing; all run.
+    """
 
 
 @hookspec

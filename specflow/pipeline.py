@@ -7,7 +7,8 @@ continuous batching: up to `max_batch_size` run at once, a finished row's slot i
 queue at the next round, and every row has its own k, its own length and its own end.
 
 Host syncs: one per round, in the stop trimmer (`out_token_ids.tolist()`), because which rows finish
-and what is committed decide the next round's inputs; stage tensor work stays on the device.
+and what is committed decide the next round's inputs; stage tensor work stays on the device. The
+empty-row check reads one flag just before it (the trimmer waits for the same work anyway).
 """
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ from specflow.metrics import MetricsRecorder
 from specflow.models.base import Backend, SimClock
 from specflow.plugins import blame, check_hooks, get_registry, new_plugin_manager
 from specflow.stages.cache import TargetCacheSync
+from specflow.stages.empty_rows import EmptyDistributionError, EmptyRowLog, ShapeCall, describe, \
+    mark_empty
 from specflow.stages.logits import is_greedy
 from specflow.stages.score import TargetScorer
 from specflow.state import PAD, DecodeBatch, Proposal, RoundResult, ShapingBatch
@@ -108,6 +111,13 @@ def resolve_device(name: str) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"device={name} but this machine has no CUDA GPU; use device=cpu "
                           f"or device=auto")
+    if name.startswith("cuda:") and int(name[5:]) >= torch.cuda.device_count():
+        raise ConfigError(f"device={name} but this machine has {torch.cuda.device_count()} CUDA "
+                          f"GPU(s), numbered from 0; use device=cuda:0 or device=auto")
+    if name == "mps" and not (getattr(torch.backends, "mps", None)
+                              and torch.backends.mps.is_available()):
+        raise ConfigError("device=mps but this machine has no Apple GPU; use device=cpu or "
+                          "device=auto")
     return torch.device(name)
 
 
@@ -127,6 +137,7 @@ class Pipeline:
         self.hook = self.pm.hook
         self.greedy = is_greedy(cfg.get("logits"))
         self.clock = SimClock()
+        self.empty_rows = EmptyRowLog()     # this round's shape() calls, checked after verify
         ctx = BuildContext(cfg=cfg, slots=int(cfg.max_batch_size), clock=self.clock,
                            device=resolve_device(str(cfg.device)))
         ctx.target = self.target = self._build("model", ctx)
@@ -202,12 +213,48 @@ class Pipeline:
 
     def shape(self, logits: torch.Tensor, token_ids: list[list[int]], draft_token_ids: torch.Tensor,
               first_draft_index: int, request_ids: list[int], source: str) -> torch.Tensor:
-        """Logit processors in config order, then grammar masks: [B, P, V] -> [B, P, V] float32."""
+        """Grammar masks, then logit processors in config order: [B, P, V] -> [B, P, V] float32.
+
+        Masks come first (as in vLLM and outlines), so top-k / top-p / min-p truncate among the
+        tokens the grammar allows and never leave a row empty by themselves. A row that still
+        ends with no finite logit (or a NaN) is marked and replaced by zeros; the round's check
+        raises EmptyDistributionError if the round actually reached it (stages/empty_rows.py).
+        """
         shaping = ShapingBatch(logits.float(), token_ids, draft_token_ids, first_draft_index,
                                request_ids, source)
-        self.hook.specflow_process_logits(shaping=shaping)
         self.hook.specflow_mask_logits(shaping=shaping)
-        return shaping.logits
+        self.hook.specflow_process_logits(shaping=shaping)
+        shaped, unusable = mark_empty(shaping.logits)                               # [B, P, V]
+        self.empty_rows.add(ShapeCall(source, list(request_ids), token_ids, draft_token_ids,
+                                      first_draft_index, unusable,
+                                      logits if source == "target" else None))
+        return shaped
+
+    def _shaping_stages(self) -> list[tuple[str, Callable]]:
+        """The shaping hook implementations in the order shape() calls them (no wrappers)."""
+        stages = []
+        for hook in (self.hook.specflow_mask_logits, self.hook.specflow_process_logits):
+            for impl in reversed(hook.get_hookimpls()):     # pluggy calls the last one first
+                if not (impl.hookwrapper or getattr(impl, "wrapper", False)):
+                    stages.append((impl.plugin_name, impl.function))
+        return stages
+
+    def _check_empty_rows(self, batch: DecodeBatch, num_accepted: torch.Tensor) -> None:
+        """Raise for a shaped position with no usable token that this round reached."""
+        hit = self.empty_rows.first_counted(batch.request_ids, num_accepted)
+        if hit is None:
+            self.empty_rows.clear()
+            return
+        call, row, position = hit
+
+        def make_shaping(logits, call, row):
+            return ShapingBatch(logits, [call.token_ids[row]], call.draft_token_ids[row:row + 1],
+                                call.first_draft_index, [call.request_ids[row]], call.source)
+
+        prompt_len = batch.prompt_lens[batch.request_ids.index(call.request_ids[row])]
+        n_out = len(call.token_ids[row]) - prompt_len + call.first_draft_index + position
+        raise EmptyDistributionError(describe(call, row, position, self._shaping_stages(),
+                                              make_shaping, self.target.vocab_size, n_out))
 
     # --- generation --------------------------------------------------------------------------
 
@@ -215,20 +262,34 @@ class Pipeline:
                   indices=None) -> list[Request]:
         if isinstance(prompts, str):
             prompts = [prompts]
+        if isinstance(prompts, (bytes, dict)) or not hasattr(prompts, "__iter__"):
+            raise InputError(f"prompts={prompts!r} is not a prompt; pass a string or a list of "
+                             f"strings")
         prompts = list(prompts)
         if not prompts:
             raise InputError("no prompts given; pass at least one prompt")
-        max_new = int(self.cfg.max_new_tokens if max_new_tokens is None else max_new_tokens)
-        if max_new < 1:
-            raise InputError(f"max_new_tokens={max_new} must be >= 1")
+        for i, prompt in enumerate(prompts):
+            if not isinstance(prompt, str):
+                raise InputError(f"prompt {i} is of type {type(prompt).__name__}, not text; pass "
+                                 f"prompts as strings (decode token ids first)")
+        max_new = _whole(self.cfg.max_new_tokens if max_new_tokens is None else max_new_tokens,
+                         "max_new_tokens", 1, "give the most tokens to generate, e.g. 64")
         if stop is not None:
-            stop = [stop] if isinstance(stop, str) else list(stop)
+            stop = [stop] if isinstance(stop, str) else stop
+            if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+                raise InputError(f"stop={stop!r} must be a string or a list of strings")
+            stop = list(stop)
             if any(s == "" for s in stop):
                 raise InputError("a stop string is empty, which would stop at once; remove it")
-        base_seed = int(self.cfg.seed if seed is None else seed)
+        base_seed = _whole(self.cfg.seed if seed is None else seed, "seed", 0,
+                           "give a non-negative seed")
         logprobs = self.cfg.get("logprobs") if logprobs is None else logprobs
-        if logprobs is not None and int(logprobs) < 0:
-            raise InputError(f"logprobs={logprobs} must be >= 0 (0 = the chosen tokens only) or None")
+        if logprobs is not None:
+            logprobs = _whole(logprobs, "logprobs", 0, "use None (off), 0 (the chosen tokens "
+                              "only) or n (also the top n)")
+            if logprobs > self.target.vocab_size:
+                raise InputError(f"logprobs={logprobs} exceeds the vocabulary "
+                                 f"({self.target.vocab_size}); ask for fewer")
         limit = self.target.max_length
         if indices is None:
             indices = range(len(prompts))
@@ -241,7 +302,7 @@ class Pipeline:
                              f"({len(indices)} for {len(prompts)} prompts)")
         requests = []
         for i, prompt in zip(indices, prompts):
-            if not isinstance(prompt, str) or not prompt:
+            if not prompt:
                 raise InputError(f"prompt {i} is empty; every prompt needs at least one character")
             ids = list(self.tokenizer.encode(prompt))
             if not ids:
@@ -271,7 +332,8 @@ class Pipeline:
         not depend on the other requests).
         """
         requests = self._requests(prompts, max_new_tokens, stop, seed, logprobs, indices)
-        capacity = int(max_batch_size or self.cfg.max_batch_size)
+        capacity = _whole(self.cfg.max_batch_size if max_batch_size is None else max_batch_size,
+                          "max_batch_size", 1, "give how many sequences run at once, e.g. 8")
         if capacity > self.ctx.slots:
             raise InputError(f"max_batch_size={capacity} exceeds the pipeline's "
                              f"{self.ctx.slots} slots; set max_batch_size={capacity} in the config")
@@ -300,10 +362,33 @@ class Pipeline:
 
     def _loop(self, requests: list[Request], capacity: int, recorder: MetricsRecorder,
               on_result, bar) -> dict[int, GenerationResult]:
-        """Admit queued requests into free slots, run rounds, finish rows, until all are done."""
+        """Admit queued requests into free slots, run rounds, finish rows, until all are done.
+
+        Whatever ends the loop (an error, a plugin raising, Ctrl-C), every admitted row still
+        running gets specflow_request_end(finish_reason="abort"), so no stage keeps its state.
+        """
+        active: dict[int, _Row] = {}
+        try:
+            return self._rounds(requests, capacity, recorder, on_result, bar, active)
+        except BaseException:
+            self._abort(active)
+            raise
+
+    def _abort(self, active: dict[int, "_Row"]) -> None:
+        """End every running row with finish_reason="abort"; the error that got here wins, so a
+        stage raising while it releases its state is passed over (it is being torn down)."""
+        for slot, row in sorted(active.items()):
+            try:
+                self.hook.specflow_request_end(slot=slot, request=row.request,
+                                               finish_reason="abort")
+            except Exception:   # noqa: BLE001 - the original error is the one to report
+                pass
+        active.clear()
+
+    def _rounds(self, requests: list[Request], capacity: int, recorder: MetricsRecorder,
+                on_result, bar, active: dict[int, "_Row"]) -> dict[int, GenerationResult]:
         queue = deque(requests)
         free = list(range(capacity))
-        active: dict[int, _Row] = {}
         results: dict[int, GenerationResult] = {}
         round_index = 0
         while queue or active:
@@ -396,6 +481,7 @@ class Pipeline:
 
     def _round(self, batch: DecodeBatch, round_index: int):
         hook, seconds = self.hook, {}
+        self.empty_rows.clear()
         sim_before = dict(self.clock.by_source)
         t0 = time.perf_counter()
         k = hook.specflow_draft_length(batch=batch)
@@ -422,6 +508,7 @@ class Pipeline:
         # greedy verification reads only the argmax, which softmax does not change
         probs = shaped if batch.greedy else shaped.softmax(-1)
         verified = hook.specflow_verify(batch=batch, proposal=proposal, target_probs=probs)
+        self._check_empty_rows(batch, verified.num_accepted)
         t4 = time.perf_counter()
         trim = hook.specflow_trim(batch=batch, verified=verified)
         for ids, new in zip(batch.token_ids, trim.committed):
@@ -461,6 +548,21 @@ class Pipeline:
     def __repr__(self) -> str:
         names = [name for name, _ in self.pm.list_name_plugin()]
         return f"Pipeline(greedy={self.greedy}, stages={names})"
+
+
+def _whole(value, name: str, lo: int, fix: str) -> int:
+    """An int argument of generate(): a bool, a float or a string is refused, never truncated."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        try:
+            import numpy as np
+            ok = isinstance(value, np.integer)
+        except ImportError:      # pragma: no cover - numpy comes with torch
+            ok = False
+        if not ok:
+            raise InputError(f"{name}={value!r} is not a whole number; {fix}")
+    if int(value) < lo:
+        raise InputError(f"{name}={value} must be >= {lo}; {fix}")
+    return int(value)
 
 
 def _progress(total: int):

@@ -104,7 +104,7 @@ class Proposal:
 
 @dataclass
 class ShapingBatch:
-    """Logits on their way through `shape()`: processors, then grammar masks, edit `logits`.
+    """Logits on their way through `shape()`: grammar masks, then processors, edit `logits`.
 
     Position p of row b is evaluated on the prefix
         token_ids[b] + draft_token_ids[b, : first_draft_index + p]

@@ -85,5 +85,9 @@ class AdaptivePolicy:
                 self.acceptance[rid] = (1 - w) * old + w * self.cfg.initial_acceptance
 
     @hookimpl
+    def specflow_request_start(self, slot, request):
+        self.acceptance.pop(request.request_id, None)      # a fresh request never inherits state
+
+    @hookimpl
     def specflow_request_end(self, slot, request, finish_reason):
         self.acceptance.pop(request.request_id, None)

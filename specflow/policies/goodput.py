@@ -195,6 +195,10 @@ class GoodputPolicy:
             self.draft_fit.add(steps, sum(result.num_drafts), draft)
 
     @hookimpl
+    def specflow_request_start(self, slot, request):
+        self.counts.pop(request.request_id, None)      # a fresh request never inherits state
+
+    @hookimpl
     def specflow_request_end(self, slot, request, finish_reason):
         self.counts.pop(request.request_id, None)
 

@@ -46,5 +46,9 @@ class HeuristicPolicy:
             self.k[rid] = max(1, min(self.cfg.k_max, self.k.get(rid, self.cfg.k_start) + step))
 
     @hookimpl
+    def specflow_request_start(self, slot, request):
+        self.k.pop(request.request_id, None)      # a fresh request never inherits state
+
+    @hookimpl
     def specflow_request_end(self, slot, request, finish_reason):
         self.k.pop(request.request_id, None)

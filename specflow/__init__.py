@@ -1,18 +1,37 @@
-"""specflow: declarative, pipeline-driven speculative decoding (see DESIGN.md).
+"""specflow: declarative, pipeline-driven speculative decoding (docs/design.md).
 
     from specflow import Pipeline
     pipe = Pipeline.from_config(overrides=["proposer=ngram", "policy=adaptive"])
     results = pipe.generate(["def fib(n):"], max_new_tokens=64, stop=["\\n\\n"])
+
+Plugin authors import everything they need from here, never from specflow's internal modules:
+
+    from specflow import hookimpl, PAD, Proposal, ConfigError
 """
 from __future__ import annotations
 
-__version__ = "0.2.0"
+__version__ = "0.2.1"
 
 from specflow.errors import ConfigError, InputError, PluginError, SpecflowError
-from specflow.pipeline import GenerationResult, Pipeline
-from specflow.plugins import hookimpl
+from specflow.hookspecs import HOOK_API_VERSION
+from specflow.io import atomic_write_json, atomic_write_text
+from specflow.pipeline import GenerationResult, Pipeline, Request
+from specflow.plugins import Registry, hookimpl
+from specflow.plugins import reset as reset_plugins
+from specflow.stages.empty_rows import EmptyDistributionError
 from specflow.stages.proposers.ngram import ngram_draft
+from specflow.stages.stop import TrimResult
 from specflow.stages.verify import verify
+from specflow.state import PAD, DecodeBatch, Proposal, RoundResult, ShapingBatch, VerifyOutput
 
-__all__ = ["Pipeline", "GenerationResult", "hookimpl", "verify", "ngram_draft", "SpecflowError",
-           "ConfigError", "InputError", "PluginError", "__version__"]
+__all__ = [
+    # running
+    "Pipeline", "GenerationResult", "Request", "verify", "ngram_draft",
+    # writing plugins: the marker, the round's dataclasses, the registry, helpers
+    "hookimpl", "HOOK_API_VERSION", "PAD", "DecodeBatch", "Proposal", "ShapingBatch",
+    "VerifyOutput", "TrimResult", "RoundResult", "Registry", "reset_plugins",
+    "atomic_write_json", "atomic_write_text",
+    # errors (the CLI prints one line and exits 2 for any SpecflowError)
+    "SpecflowError", "ConfigError", "InputError", "PluginError", "EmptyDistributionError",
+    "__version__",
+]

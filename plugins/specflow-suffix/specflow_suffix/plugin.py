@@ -1,7 +1,7 @@
 """The entry point specflow loads (``[project.entry-points.specflow] suffix = ...``)."""
 from __future__ import annotations
 
-from specflow.plugins import hookimpl
+from specflow import hookimpl
 
 from specflow_suffix.proposer import SuffixProposer, SuffixProposerConfig
 

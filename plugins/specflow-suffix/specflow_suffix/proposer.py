@@ -23,10 +23,7 @@ from typing import Optional
 
 import torch
 
-from specflow.errors import ConfigError
-from specflow.io import atomic_write_text
-from specflow.plugins import hookimpl
-from specflow.state import PAD, Proposal
+from specflow import PAD, ConfigError, Proposal, atomic_write_text, hookimpl
 
 from specflow_suffix.tree import SuffixTree
 

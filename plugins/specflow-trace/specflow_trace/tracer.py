@@ -21,9 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
-from specflow import hookimpl
-from specflow.errors import ConfigError
-from specflow.io import atomic_write_json, atomic_write_text
+from specflow import ConfigError, atomic_write_json, atomic_write_text, hookimpl
 
 ROUNDS_TID, STAGES_TID, SLOT_TID0 = 1, 2, 100
 

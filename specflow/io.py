@@ -1,11 +1,20 @@
-"""Files that are either complete or absent: write to a temporary name, then rename."""
+"""Files that are either complete or absent (write to a temporary name, then rename), and run
+folders that belong to one process at a time."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
 import tempfile
-from typing import Any
+from typing import Any, Iterator
+
+from omegaconf import OmegaConf
+
+try:
+    import fcntl
+except ImportError:       # pragma: no cover - Windows: run folders are not locked
+    fcntl = None
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> pathlib.Path:
@@ -55,4 +64,121 @@ class JsonlWriter:
         self.fh.flush()
 
     def __exit__(self, *exc) -> None:
-        self.fh.close()
+        try:
+            self.fh.close()
+        except OSError:           # a full disk fails the flush again: keep the first error
+            if exc[0] is None:
+                raise
+
+
+# --- run folders ----------------------------------------------------------------------------------
+# A run folder (`hydra.run.dir`, an ab job's folder) belongs to one process at a time: it holds an
+# exclusive flock on LOCK_NAME for the whole run, and the kernel drops it when the process dies.
+# Default folders are unique (conf/config.yaml: `${now:%H-%M-%S}-${specflow_unique:}`), so two runs
+# started in the same second get two folders.
+
+LOCK_NAME = ".specflow.lock"
+
+
+def _unique() -> str:
+    """A suffix no other run shares: this process's id and a random part (the random part tells
+    two runs of one process, or processes of two machines on a shared disk, apart)."""
+    import secrets
+
+    return f"{os.getpid()}-{secrets.token_hex(2)}"
+
+
+# cached per config, like Hydra's own `now`, so every read of hydra.run.dir gives one folder (and
+# Hydra copies the cache into each multirun job's config)
+if not OmegaConf.has_resolver("specflow_unique"):
+    OmegaConf.register_new_resolver("specflow_unique", _unique, use_cache=True)
+
+
+def _os_reason(exc: OSError, path: pathlib.Path) -> str:
+    if path.exists() and not path.is_dir():
+        return "it is a file, not a folder"
+    if isinstance(exc, NotADirectoryError):
+        return "a part of that path is a file, not a folder"
+    return exc.strerror or str(exc)
+
+
+def writable_folder(folder: str | os.PathLike, setting: str = "hydra.run.dir") -> pathlib.Path:
+    """Create `folder` (and its parents) and check a file can be written in it; an InputError
+    naming the folder and `setting` (the option to change) when not."""
+    from specflow.errors import InputError
+
+    path = pathlib.Path(folder)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".specflow-probe.", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise InputError(f"cannot write to {setting}={folder}: {_os_reason(exc, path)}; "
+                         f"choose a folder you can write with {setting}=...") from None
+    return path
+
+
+@contextlib.contextmanager
+def folder_lock(folder: str | os.PathLike, what: str = "specflow run",
+                setting: str = "hydra.run.dir") -> Iterator[pathlib.Path]:
+    """Hold `folder` for this process (an exclusive flock on folder/.specflow.lock); an InputError
+    naming the folder, the process that holds it and the fix when another process does.
+    Released on exit, and by the kernel when the process dies (no stale lock after a crash)."""
+    from specflow.errors import InputError
+
+    path = writable_folder(folder, setting)
+    if fcntl is None:                 # no flock (Windows): run unlocked
+        yield path
+        return
+    lock = path / LOCK_NAME
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise InputError(f"cannot write to {setting}={folder}: {_os_reason(exc, lock)}; "
+                         f"choose a folder you can write with {setting}=...") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip()
+            by = f" (pid {holder})" if holder.isdigit() else ""
+            raise InputError(f"{folder} is in use by another {what}{by}; wait for it to finish, "
+                             f"or choose another {setting}=...") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield path
+    finally:
+        os.close(fd)                  # closing the descriptor releases the lock
+
+
+def check_folder_free(folder: str | os.PathLike, what: str = "specflow run",
+                      setting: str = "hydra.run.dir") -> None:
+    """Fail now, with folder_lock's line, when `folder` cannot be written or another process
+    holds it (before Hydra writes its .hydra/ files there); does not keep the lock."""
+    with folder_lock(folder, what, setting):
+        pass
+
+
+class RunFolderCheck:
+    """Hydra callback (conf/config.yaml `hydra.callbacks`): before Hydra creates the run folder and
+    writes into it, check it can be written and that no other process runs there; one line and
+    exit 2 otherwise (Hydra would print a traceback for an unwritable folder)."""
+
+    def on_run_start(self, config: Any, **kwargs: Any) -> None:
+        from specflow.errors import SpecflowError
+
+        folder = OmegaConf.select(config, "hydra.run.dir")
+        if folder is None:
+            return
+        try:
+            check_folder_free(str(folder),
+                              f"specflow {OmegaConf.select(config, 'hydra.job.name') or 'run'}")
+        except SpecflowError as exc:
+            from specflow.cli import fail
+            raise SystemExit(fail(str(exc))) from None
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("on_"):    # Hydra's other callback hooks: nothing to do
+            return lambda *args, **kwargs: None
+        raise AttributeError(name)

@@ -104,11 +104,13 @@ def merged_stats(earlier: Sequence[dict], now: dict) -> dict:
     return out
 
 
-def run_resumable(pipe, prompts: Sequence[str], out: str | os.PathLike, progress: bool
-                  ) -> tuple[list[dict], dict, int]:
+def run_resumable(pipe, prompts: Sequence[str], out: str | os.PathLike, progress: bool,
+                  rerun: str = "rerun into the same folder") -> tuple[list[dict], dict, int]:
     """Generate what is not yet in out/requests.jsonl (appending as requests finish).
 
     Returns (every request's record in prompt order, the aggregate stats, how many were resumed).
+    A write that fails (a full disk) raises an InputError naming the file: the records written
+    before it are kept, and `rerun` (how to resume, for the message) generates the rest.
     """
     from specflow.io import JsonlWriter
 
@@ -121,9 +123,27 @@ def run_resumable(pipe, prompts: Sequence[str], out: str | os.PathLike, progress
         stats = merged_stats(list(done.values()), Counters().as_dict())
         stats["sessions"] -= 1          # nothing ran in this one
         return [done[i] for i in range(len(prompts))], stats, len(done)
-    with JsonlWriter(path, append=bool(done)) as sink:
-        results = pipe.generate([prompts[i] for i in todo], indices=todo, progress=progress,
-                                on_result=lambda r: sink.write(tag(r)))
+    written = 0
+
+    def failed(exc: OSError) -> InputError:
+        return InputError(f"cannot write {path} ({exc.strerror or exc}); the {len(done) + written} "
+                          f"requests finished before that are kept there: free some space, then "
+                          f"{rerun} to resume")
+
+    def write(result) -> None:
+        nonlocal written
+        try:
+            sink.write(tag(result))
+        except OSError as exc:          # passes through generate() as a SpecflowError
+            raise failed(exc) from None
+        written += 1
+
+    try:
+        with JsonlWriter(path, append=bool(done)) as sink:
+            results = pipe.generate([prompts[i] for i in todo], indices=todo, progress=progress,
+                                    on_result=write)
+    except OSError as exc:              # opening or closing the file
+        raise failed(exc) from None
     rows = dict(done)
     rows.update({r.index: r.to_json() for r in results})
     stats = (merged_stats(list(done.values()), pipe.last_stats) if done

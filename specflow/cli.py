@@ -18,7 +18,7 @@ USAGE = """usage: specflow <command> [overrides...]
 commands:
   run       generate from prompts (prompt=..., prompt=- for stdin, or workload=...)
             e.g. specflow run proposer=ngram policy=adaptive prompt="def fib(n):"
-  sim       the seed articles' formula tables on the synthetic pair (JSON + PNG + tables);
+  sim       the articles' formula tables on the synthetic pair (JSON + PNG + tables);
             studies=[policy_mix]: the policies on an interleaved code/chat mix
   calibrate load sweep with speculation on and off; writes policy/calibrated.yaml + a PNG
   ab        an A/B experiment as a Hydra multirun: specflow ab experiment=demo_proposers
@@ -118,39 +118,52 @@ def read_prompts(cfg) -> list[str]:
     try:
         return component.factory(workload, None).prompts()
     except Exception as exc:      # a plugin's workload: name the plugin and its package
-        raise blame(exc, f"reading workload={workload.name}",
-                    getattr(component.factory, "__module__", None), component.plugin) or exc
+        blamed = blame(exc, f"reading workload={workload.name}",
+                       getattr(component.factory, "__module__", None), component.plugin)
+        if blamed is None:
+            raise
+        raise blamed from exc
 
 
 def run_task(cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from specflow.console import console, metrics_table, print_results
+    from specflow.errors import InputError
     from specflow.experiments.workloads import apply_chat_template
-    from specflow.io import atomic_write_json
+    from specflow.io import atomic_write_json, folder_lock
     from specflow.pipeline import GenerationResult, Pipeline
     from specflow.resume import run_resumable
 
     out = HydraConfig.get().runtime.output_dir
     quiet = os.environ.get("SPECFLOW_QUIET") == "1"
     try:
-        prompts = read_prompts(cfg)
-        pipe = Pipeline(cfg)
-        prompts = apply_chat_template(prompts, pipe.tokenizer, chat_mode(cfg))
-        if os.path.exists(f"{out}/metrics.json"):   # a finished run here: this one replaces it
-            for name in ("requests.jsonl", "metrics.json"):
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(f"{out}/{name}")
-        # one line per finished request; a rerun into this folder generates only the rest
-        with interrupt_message(out):
-            rows, stats, resumed = run_resumable(
-                pipe, prompts, out, progress=bool(cfg.show_progress) and console.is_terminal
-                and not quiet)
+        # this process owns the folder until metrics.json is written: a second run into it is
+        # refused instead of interleaving its records with this one's
+        with folder_lock(out, "specflow run"):
+            prompts = read_prompts(cfg)
+            pipe = Pipeline(cfg)
+            prompts = apply_chat_template(prompts, pipe.tokenizer, chat_mode(cfg))
+            if os.path.exists(f"{out}/metrics.json"):   # a finished run here: this one replaces it
+                for name in ("requests.jsonl", "metrics.json"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(f"{out}/{name}")
+            # one line per finished request; a rerun into this folder generates only the rest
+            with interrupt_message(out):
+                rows, stats, resumed = run_resumable(
+                    pipe, prompts, out, progress=bool(cfg.show_progress) and console.is_terminal
+                    and not quiet, rerun=f"rerun the same command with hydra.run.dir={out}")
+            try:
+                atomic_write_json(f"{out}/metrics.json", {
+                    "aggregate": stats, "greedy": pipe.greedy, "resumed_requests": resumed,
+                    "requests": [r["stats"] for r in rows]})
+            except OSError as exc:      # a full disk: the requests are kept, metrics come later
+                raise InputError(f"cannot write {out}/metrics.json ({exc.strerror or exc}); all "
+                                 f"{len(rows)} requests are kept in {out}/requests.jsonl: free "
+                                 f"some space, then rerun the same command with "
+                                 f"hydra.run.dir={out} to finish") from None
     except SpecflowError as exc:
-        raise SystemExit(fail(str(exc)))
-    atomic_write_json(f"{out}/metrics.json", {"aggregate": stats, "greedy": pipe.greedy,
-                                              "resumed_requests": resumed,
-                                              "requests": [r["stats"] for r in rows]})
+        raise SystemExit(fail(str(exc))) from None
     if not quiet:
         print_results([GenerationResult.from_json(r) for r in rows])
         console.print(metrics_table(stats))
@@ -259,6 +272,7 @@ def calibrate_task(cfg) -> None:
     from specflow.experiments import calibrate, plots
     from specflow.io import atomic_write_json
 
+    refused = None
     try:
         cfg = validate(cfg)
         prompts = read_prompts(cfg)
@@ -268,19 +282,30 @@ def calibrate_task(cfg) -> None:
             raise SpecflowError("calibrate.batch_sizes must be >= 1 and calibrate.margin in [0, 1)")
         with Progress(console=console, transient=True,
                       disable=os.environ.get("SPECFLOW_QUIET") == "1") as bar:
-            task = bar.add_task("load sweep (batch sizes x on/off)", total=len(sizes))
-            rows = calibrate.run_calibration(cfg, prompts, sizes, int(cal.new_tokens),
-                                             lambda: bar.advance(task))
+            task = bar.add_task("load sweep (batch sizes x on/off x repetitions)", total=len(sizes))
+            rows = calibrate.run_calibration(
+                cfg, prompts, sizes, int(cal.new_tokens), lambda: bar.advance(task),
+                repetitions=int(cal.get("repetitions", 3)),
+                min_requests=int(cal.get("min_requests", 4)), warmup=int(cal.get("warmup", 1)))
         k = int(cfg.policy.get("k", cfg.policy.get("k_max", cfg.proposer.k)))
         source = f"{cfg.model.name} {cfg.model.get('path', '')}, proposer={cfg.proposer.name}"
-        result = calibrate.write_calibrated(calibrate.calibrated_path(cal.output), rows, k,
-                                            float(cal.margin), source)
+        try:
+            result = calibrate.write_calibrated(calibrate.calibrated_path(cal.output), rows, k,
+                                                float(cal.margin), source,
+                                                float(cal.get("tolerance", 0.05)))
+        except calibrate.NoisyCalibration as exc:   # still show and keep what was measured
+            refused = exc
+            result = {"crossover": None, "crossover_from_medians": calibrate.crossover(rows),
+                      "ranges": None, "path": None, "refused": str(exc)}
     except SpecflowError as exc:
-        raise SystemExit(fail(str(exc)))
+        raise SystemExit(fail(str(exc))) from None
     out = pathlib.Path(HydraConfig.get().runtime.output_dir)
     atomic_write_json(out / "calibration.json", {"rows": rows, **result})
     png = plots.plot_calibration(rows, result["crossover"], out / "calibration.png")
     console.print(calibrate_table(rows, result))
+    if refused is not None:
+        console.print(f"[dim]wrote {out}/calibration.json, {png}; no policy written[/]")
+        raise SystemExit(fail(str(refused)))
     console.print(f"[dim]wrote {result['path']} (use policy=calibrated), {out}/calibration.json, "
                   f"{png}[/]")
 
@@ -294,11 +319,13 @@ def cmd_ab(args: list[str]) -> int:
     from specflow.config import compose, normalize_overrides, with_searchpath
     from specflow.console import console
     from specflow.experiments import ab as ab_mod
+    from specflow.io import folder_lock
 
     quiet = "--quiet" in args
     args = normalize_overrides([a for a in args if a != "--quiet"])
     overrides, _ = _overrides_only(args)
-    ab = ab_mod.check_experiment(compose(overrides))
+    cfg = compose(overrides)
+    ab = ab_mod.check_experiment(cfg)
     if quiet:
         os.environ[ab_mod.QUIET_ENV] = "1"
     sweep_dir = next((a.split("=", 1)[1] for a in args if a.startswith("hydra.sweep.dir=")),
@@ -309,12 +336,21 @@ def cmd_ab(args: list[str]) -> int:
     quiet_logs = ["hydra/job_logging=disabled", "hydra/hydra_logging=disabled"] if quiet else []
     sys.argv = ["specflow ab", "-m", *with_searchpath(argv), *ab_mod.sweep_overrides(ab),
                 "hydra.job.name=ab", *quiet_logs]
-    if not quiet:
-        console.print(f"A/B {ab.name}: arms {', '.join(ab.arms)} x {ab.repetitions} "
-                      f"repetition(s), baseline {ab.baseline} -> {sweep_dir}/")
-    main = hydra.main(version_base="1.3", config_path="pkg://specflow.conf",
-                      config_name="config")(ab_mod.run_job)
-    main()
+    # this command owns the sweep folder until every job is done (another `specflow ab` on it is
+    # refused), and nothing runs when a job folder holds results of other overrides; each job
+    # also holds its own folder (parallel launchers). A folder Hydra computes (${...}) is left to
+    # the jobs.
+    held = (contextlib.nullcontext() if "${" in sweep_dir
+            else folder_lock(sweep_dir, "specflow ab", "hydra.sweep.dir"))
+    with held:
+        if "${" not in sweep_dir:
+            ab_mod.check_sweep(cfg, overrides, sweep_dir)
+        if not quiet:
+            console.print(f"A/B {ab.name}: arms {', '.join(ab.arms)} x {ab.repetitions} "
+                          f"repetition(s), baseline {ab.baseline} -> {sweep_dir}/")
+        main = hydra.main(version_base="1.3", config_path="pkg://specflow.conf",
+                          config_name="config")(ab_mod.run_job)
+        main()
     if not quiet:
         console.print(f"done: specflow report {sweep_dir}")
     return 0

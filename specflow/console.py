@@ -29,7 +29,8 @@ def print_results(results) -> None:
 
 def metrics_table(stats: dict, title: str = "metrics (formulas: specflow/metrics.py)") -> Table:
     t = Table(title=title, show_header=True)
-    t.add_column("metric"); t.add_column("value", justify="right")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
     rows = [
         ("committed tokens", stats["num_committed_tokens"]),
         ("target passes (rounds)", stats["num_target_passes"]),
@@ -96,17 +97,35 @@ def sim_policy_table(rows: list[dict], title: str) -> Table:
 
 
 def calibrate_table(rows: list[dict], result: dict) -> Table:
+    """The sweep: per batch size each arm's throughput (median, min - max over repetitions), the
+    speedup on / off (median [interval over repetitions]) and whether it clearly pays."""
     cross = result["crossover"]
     unit = rows[0]["none"]["unit"] if rows else "s"
-    t = Table(title=f"load sweep: crossover at {'-' if cross is None else f'{cross:.1f}'} running "
-                    f"sequences; schedule {result['ranges']}")
-    for col in ("batch", f"tokens/{unit} off", f"tokens/{unit} on", "on / off",
+    if result.get("refused"):
+        title = ("load sweep: crossover undetermined (noise exceeds the effect where it is "
+                 "decided); schedule NOT WRITTEN")
+    else:
+        title = (f"load sweep: crossover at {'-' if cross is None else f'{cross:.1f}'} running "
+                 f"sequences; schedule {result['ranges']}")
+    t = Table(title=title)
+    for col in ("batch", "requests x reps", f"tokens/{unit} off (min-max)",
+                f"tokens/{unit} on (min-max)", "on / off [interval]", "verdict",
                 f"latency p50 off / on ({unit}/token)", "latency p95 off / on", "α"):
         t.add_column(col, justify="right")
+    from specflow.experiments.calibrate import classify
+
+    def spread(a: dict) -> str:
+        if "throughput_min" not in a:
+            return _f(a["throughput"], 1)
+        return f"{a['throughput']:.1f} ({a['throughput_min']:.1f}-{a['throughput_max']:.1f})"
+
+    verdict = {"pays": "pays", "loses": "loses", "unclear": "[yellow]unclear[/]"}
     for r in rows:
         off, on = r["none"], r["spec"]
-        t.add_row(str(r["batch"]), _f(off["throughput"], 1), _f(on["throughput"], 1),
-                  _f(on["throughput"] / off["throughput"], 2),
+        sp = r.get("speedup") or {"median": on["throughput"] / off["throughput"]}
+        interval = f" [{sp['lo']:.2f}-{sp['hi']:.2f}]" if "lo" in sp else ""
+        t.add_row(str(r["batch"]), f"{r.get('requests', r['batch'])} x {r.get('repetitions', 1)}",
+                  spread(off), spread(on), f"{sp['median']:.2f}{interval}", verdict[classify(r)],
                   f"{off['latency_p50']:.4f} / {on['latency_p50']:.4f}",
                   f"{off['latency_p95']:.4f} / {on['latency_p95']:.4f}", _f(on["alpha"], 2))
     return t

@@ -17,27 +17,34 @@ def _save(fig, path: pathlib.Path) -> pathlib.Path:
 
 
 def plot_k_sweep(rows: list[dict], path: pathlib.Path) -> pathlib.Path:
-    """Figure 1 of seeds/001, corrected: acceptance two ways, and tau against both formulas."""
+    """Figure 1 of article B, corrected: acceptance two ways, and tau against both formulas."""
     ks = [r["k"] for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     ax1.plot(ks, [r["alpha"] for r in rows], "o-", label="α = accepted / examined")
     ax1.plot(ks, [r["acceptance_rate"] for r in rows], "s--", label="accepted / proposed")
-    ax1.set_xlabel("draft length k"); ax1.set_ylabel("acceptance"); ax1.set_ylim(0, 1.05)
-    ax1.set_title(f"Acceptance vs k (draft noise {rows[0]['noise']})"); ax1.legend()
-    ax1.set_xscale("log", base=2); ax1.set_xticks(ks, [str(k) for k in ks])
+    ax1.set_xlabel("draft length k")
+    ax1.set_ylabel("acceptance")
+    ax1.set_ylim(0, 1.05)
+    ax1.set_title(f"Acceptance vs k (draft noise {rows[0]['noise']})")
+    ax1.legend()
+    ax1.set_xscale("log", base=2)
+    ax1.set_xticks(ks, [str(k) for k in ks])
     ax2.errorbar(ks, [r["tau"] for r in rows], yerr=[3 * r["tau_se"] for r in rows], fmt="D",
                  color="green", label="measured (±3 SE)")
     ax2.plot(ks, [r["formula_alpha"] for r in rows], "-", color="tab:blue", label="formula with α")
     ax2.plot(ks, [r["formula_acceptance_rate"] for r in rows], "--", color="orange",
              label="formula with accepted / proposed")
-    ax2.set_xlabel("draft length k"); ax2.set_ylabel("tokens per target pass (τ)")
-    ax2.set_xscale("log", base=2); ax2.set_xticks(ks, [str(k) for k in ks])
-    ax2.set_title("τ: measured vs (1 - a^(k+1)) / (1 - a)"); ax2.legend()
+    ax2.set_xlabel("draft length k")
+    ax2.set_ylabel("tokens per target pass (τ)")
+    ax2.set_xscale("log", base=2)
+    ax2.set_xticks(ks, [str(k) for k in ks])
+    ax2.set_title("τ: measured vs (1 - a^(k+1)) / (1 - a)")
+    ax2.legend()
     return _save(fig, path)
 
 
 def plot_histograms(hists: list[dict], path: pathlib.Path) -> pathlib.Path:
-    """Figure 2 of seeds/001: tokens committed per round at three noise levels."""
+    """Figure 2 of article B: tokens committed per round at three noise levels."""
     fig, axes = plt.subplots(1, len(hists), figsize=(4 * len(hists), 3.6), sharey=True)
     for ax, h in zip(axes, hists):
         k = h["k"]
@@ -62,7 +69,8 @@ def plot_best_k(best: list[dict], path: pathlib.Path) -> pathlib.Path:
         ax.errorbar(ks, [a["speedup"] for a in row["arms"]],
                     yerr=[3 * a["speedup_se"] for a in row["arms"]], fmt="o", color=color, ms=4)
         ax.plot([row["formula_best_k"]], [row["formula_best_speedup"]], "*", color=color, ms=14)
-    ax.set_xlabel("draft length k"); ax.set_ylabel("speedup over plain decoding")
+    ax.set_xlabel("draft length k")
+    ax.set_ylabel("speedup over plain decoding")
     ax.set_title(f"Speedup vs k at c = {best[0]['c']} (dots: measured ±3 SE, ★: best k)")
     ax.legend(fontsize=8, ncol=2)
     return _save(fig, path)
@@ -92,7 +100,14 @@ def plot_calibration(rows: list[dict], crossover: float | None, path: pathlib.Pa
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for arm, label, style, color in (("none", "speculation off", "o-", "tab:blue"),
                                      ("spec", "speculation on", "s-", "tab:orange")):
-        ax1.plot(bs, [r[arm]["throughput"] for r in rows], style, color=color, label=label)
+        thr = [r[arm]["throughput"] for r in rows]
+        if rows and all("throughput_min" in r[arm] for r in rows):   # min - max over repetitions
+            err = [[t - r[arm]["throughput_min"] for t, r in zip(thr, rows, strict=True)],
+                   [r[arm]["throughput_max"] - t for t, r in zip(thr, rows, strict=True)]]
+            ax1.errorbar(bs, thr, yerr=err, fmt=style, color=color, capsize=3,
+                         label=f"{label} (median, min-max over repetitions)")
+        else:
+            ax1.plot(bs, thr, style, color=color, label=label)
         ax2.plot(bs, [r[arm]["latency_p50"] for r in rows], style, color=color, label=f"{label}, p50")
         ax2.plot(bs, [r[arm]["latency_p95"] for r in rows], style.replace("-", ":"), color=color,
                  label=f"{label}, p95", alpha=0.6)
@@ -112,7 +127,7 @@ def plot_calibration(rows: list[dict], crossover: float | None, path: pathlib.Pa
 
 def plot_ab(summary: dict, folder: pathlib.Path) -> list[pathlib.Path]:
     """The A/B report's figures: speedup with intervals, acceptance per position,
-    tokens per round (Figure 2 of seeds/001) and τ against k (Figure 1)."""
+    tokens per round (Figure 2 of article B) and τ against k (Figure 1)."""
     arms = summary["arms"]
     names = list(arms)
     written = []
@@ -133,7 +148,9 @@ def plot_ab(summary: dict, folder: pathlib.Path) -> list[pathlib.Path]:
     for n in drafting:
         acc = arms[n]["acceptance_per_position"]
         ax.plot(range(1, len(acc) + 1), acc, "o-", label=f"{n} (α {arms[n]['alpha']:.2f})")
-    ax.set_xlabel("draft position"); ax.set_ylabel("P(accepted | reached)"); ax.set_ylim(0, 1.05)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("P(accepted | reached)")
+    ax.set_ylim(0, 1.05)
     ax.set_title("Acceptance per position")
     if drafting:
         ax.legend()
@@ -158,7 +175,8 @@ def plot_ab(summary: dict, folder: pathlib.Path) -> list[pathlib.Path]:
         curve = [(k_ + 1) if a >= 1 else (1 - a ** (k_ + 1)) / (1 - a) for k_ in ks]
         ax.plot(ks, curve, "-", color=f"C{i}", alpha=0.6, label=f"formula at α={a:.2f}")
         ax.plot([k], [arms[n]["tau"]], "D", color=f"C{i}", ms=9, label=f"{n} measured")
-    ax.set_xlabel("mean draft length k"); ax.set_ylabel("tokens per target pass τ")
+    ax.set_xlabel("mean draft length k")
+    ax.set_ylabel("tokens per target pass τ")
     ax.set_title("τ against k: measured and (1 - α^(k+1)) / (1 - α)")
     if drafting:
         ax.legend(fontsize=8)

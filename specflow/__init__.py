@@ -10,8 +10,6 @@ Plugin authors import everything they need from here, never from specflow's inte
 """
 from __future__ import annotations
 
-__version__ = "0.2.1"
-
 from specflow.errors import ConfigError, InputError, PluginError, SpecflowError
 from specflow.hookspecs import HOOK_API_VERSION
 from specflow.io import atomic_write_json, atomic_write_text
@@ -23,6 +21,7 @@ from specflow.stages.proposers.ngram import ngram_draft
 from specflow.stages.stop import TrimResult
 from specflow.stages.verify import verify
 from specflow.state import PAD, DecodeBatch, Proposal, RoundResult, ShapingBatch, VerifyOutput
+from specflow.version import __version__
 
 __all__ = [
     # running

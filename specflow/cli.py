@@ -84,103 +84,67 @@ def _hydra_app(task: Callable, config_name: str, command: str, args: list[str]) 
     return 0
 
 
-# --- run -----------------------------------------------------------------------------------------
+class RunFolderCheck:
+    """Hydra callback (conf/config.yaml `hydra.callbacks`): before Hydra creates the run folder and
+    writes into it, check it can be written and that no other process runs there; one line and
+    exit 2 otherwise (Hydra would print a traceback for an unwritable folder)."""
 
-def chat_mode(cfg) -> str:
-    """The workload's chat-template setting, or off for an explicit prompt."""
-    if cfg.get("prompt") is not None or cfg.get("workload") is None:
-        return "off"
-    return str(cfg.workload.get("chat", "off"))
+    def on_run_start(self, config, **kwargs) -> None:
+        from omegaconf import OmegaConf
 
+        from specflow.io import check_folder_free
 
-def read_prompts(cfg) -> list[str]:
-    from specflow.config import option
-    from specflow.errors import InputError
-    from specflow.plugins import get_registry
-
-    prompt = cfg.get("prompt")
-    if prompt == "-":
-        data = sys.stdin.buffer.read()
+        folder = OmegaConf.select(config, "hydra.run.dir")
+        if folder is None:
+            return
         try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise InputError(f"stdin is not UTF-8 (bad byte at offset {exc.start}); "
-                             f"re-encode the prompt as UTF-8") from None
-        if not text.strip():
-            raise InputError("prompt=- but stdin is empty; pipe a prompt in")
-        return [text]
-    if prompt is not None:
-        return [str(prompt)]
-    from specflow.plugins import blame
+            check_folder_free(str(folder),
+                              f"specflow {OmegaConf.select(config, 'hydra.job.name') or 'run'}")
+        except SpecflowError as exc:
+            raise SystemExit(fail(str(exc))) from None
 
-    workload = option(cfg, "workload")
-    component = get_registry().get("workload", workload.name)
-    try:
-        return component.factory(workload, None).prompts()
-    except Exception as exc:      # a plugin's workload: name the plugin and its package
-        blamed = blame(exc, f"reading workload={workload.name}",
-                       getattr(component.factory, "__module__", None), component.plugin)
-        if blamed is None:
-            raise
-        raise blamed from exc
+    def __getattr__(self, name: str):
+        if name.startswith("on_"):    # Hydra's other callback hooks: nothing to do
+            return lambda *args, **kwargs: None
+        raise AttributeError(name)
 
+
+# --- run -----------------------------------------------------------------------------------------
 
 def run_task(cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
 
+    from specflow.app.folder_run import run_into
     from specflow.console import console, metrics_table, print_results
-    from specflow.errors import InputError
-    from specflow.experiments.workloads import apply_chat_template
-    from specflow.io import atomic_write_json, folder_lock
-    from specflow.pipeline import GenerationResult, Pipeline
-    from specflow.resume import run_resumable
+    from specflow.pipeline import GenerationResult
 
     out = HydraConfig.get().runtime.output_dir
     quiet = os.environ.get("SPECFLOW_QUIET") == "1"
+    rerun = f"rerun the same command with hydra.run.dir={out}"
     try:
-        # this process owns the folder until metrics.json is written: a second run into it is
-        # refused instead of interleaving its records with this one's
-        with folder_lock(out, "specflow run"):
-            prompts = read_prompts(cfg)
-            pipe = Pipeline(cfg)
-            prompts = apply_chat_template(prompts, pipe.tokenizer, chat_mode(cfg))
-            if os.path.exists(f"{out}/metrics.json"):   # a finished run here: this one replaces it
-                for name in ("requests.jsonl", "metrics.json"):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.remove(f"{out}/{name}")
-            # one line per finished request; a rerun into this folder generates only the rest
-            with interrupt_message(out):
-                rows, stats, resumed = run_resumable(
-                    pipe, prompts, out, progress=bool(cfg.show_progress) and console.is_terminal
-                    and not quiet, rerun=f"rerun the same command with hydra.run.dir={out}")
-            try:
-                atomic_write_json(f"{out}/metrics.json", {
-                    "aggregate": stats, "greedy": pipe.greedy, "resumed_requests": resumed,
-                    "requests": [r["stats"] for r in rows]})
-            except OSError as exc:      # a full disk: the requests are kept, metrics come later
-                raise InputError(f"cannot write {out}/metrics.json ({exc.strerror or exc}); all "
-                                 f"{len(rows)} requests are kept in {out}/requests.jsonl: free "
-                                 f"some space, then rerun the same command with "
-                                 f"hydra.run.dir={out} to finish") from None
+        with interrupt_message(out, rerun):
+            run = run_into(cfg, out, owner="specflow run", setting="hydra.run.dir", rerun=rerun,
+                           progress=bool(cfg.show_progress) and console.is_terminal and not quiet,
+                           replace_finished=True)
     except SpecflowError as exc:
         raise SystemExit(fail(str(exc))) from None
     if not quiet:
-        print_results([GenerationResult.from_json(r) for r in rows])
-        console.print(metrics_table(stats))
-    if resumed:
-        console.print(f"[dim]resumed: {resumed} requests came from the interrupted run[/]")
+        print_results([GenerationResult.from_json(r) for r in run.rows])
+        console.print(metrics_table(run.stats))
+    if run.resumed:
+        console.print(f"[dim]resumed: {run.resumed} requests came from the interrupted run[/]")
     console.print(f"[dim]wrote {out}/requests.jsonl and {out}/metrics.json[/]")
 
 
 @contextlib.contextmanager
-def interrupt_message(out: str, rerun: str = "rerun the same command with hydra.run.dir={out}"):
+def interrupt_message(out: str, rerun: str):
     """Ctrl-C: say where the finished requests are and how to resume, then exit 130."""
     try:
         yield
     except KeyboardInterrupt:
         from specflow.console import err_console
         err_console.print(f"specflow: interrupted; every finished request is kept in "
-                          f"{out}/requests.jsonl: {rerun.format(out=out)} to resume",
+                          f"{out}/requests.jsonl: {rerun} to resume",
                           markup=False, highlight=False, soft_wrap=True)
         raise SystemExit(130) from None
 
@@ -200,44 +164,14 @@ def sim_task(cfg) -> None:
 
     out = pathlib.Path(HydraConfig.get().runtime.output_dir)
     c = OmegaConf.to_container(cfg, resolve=True)
-    model = c["model"]
-    studies = set(c["studies"])
-    n_arms = (len(c["k_sweep"]["ks"]) * ("k_sweep" in studies)
-              + len(c["noise_sweep"]["noises"]) * ("noise_sweep" in studies)
-              + len(c["best_k"]["alphas"]) * len(c["best_k"]["ks"]) * ("best_k" in studies)
-              + len(c["histogram"]["noises"]) * ("histogram" in studies)
-              + (len(c["policy_mix"]["static_ks"]) + len(c["policy_mix"]["arms"]))
-              * len(c["policy_mix"]["regimes"]) * ("policy_mix" in studies))
-    rows, tokens, seed = c["rows"], c["tokens"], c["seed"]
-    report: dict = {"config": c}
-    with Progress(console=console, transient=True,
-                  disable=os.environ.get("SPECFLOW_QUIET") == "1") as bar:
-        task = bar.add_task("simulating arms", total=n_arms)
-        step = lambda: bar.advance(task)  # noqa: E731
-        if "k_sweep" in studies:
-            ks = c["k_sweep"]
-            report["k_sweep"] = sim.k_sweep(ks["noise"], ks["ks"], rows, tokens, seed, model, step)
-        if "noise_sweep" in studies:
-            ns = c["noise_sweep"]
-            report["noise_sweep"] = sim.noise_sweep(ns["k"], ns["noises"], rows, tokens, seed,
-                                                    model, step)
-        if "best_k" in studies:
-            bk = c["best_k"]
-            report["best_k"] = sim.best_k_sweep(bk["alphas"], bk["ks"], bk["c"], rows, tokens, seed,
-                                                {**model, "concentration": bk["concentration"]},
-                                                step)
-        if "histogram" in studies:
-            h = c["histogram"]
-            report["histogram"] = sim.histograms(h["k"], h["noises"], rows, tokens, seed, model,
-                                                 step)
-        if "policy_mix" in studies:
-            pm = c["policy_mix"]
-            arms = {f"static k={k}": ["policy=static", f"policy.k={k}"] for k in pm["static_ks"]}
-            arms.update({name: list(o) for name, o in pm["arms"].items()})
-            report["policy_mix"] = {
-                regime: sim.policy_mix(arms, pm["mix"], pm["requests"], pm["tokens"], pm["rows"],
-                                       seed, model, costs, step)
-                for regime, costs in pm["regimes"].items()}
+    rows, tokens = c["rows"], c["tokens"]
+    try:
+        with Progress(console=console, transient=True,
+                      disable=os.environ.get("SPECFLOW_QUIET") == "1") as bar:
+            task = bar.add_task("simulating arms", total=sim.count_arms(c))
+            report = sim.run_studies(c, lambda: bar.advance(task))
+    except SpecflowError as exc:
+        raise SystemExit(fail(str(exc))) from None
     atomic_write_json(out / "sim.json", report)
     written = [out / "sim.json"]
     if "k_sweep" in report:
@@ -267,6 +201,7 @@ def calibrate_task(cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
     from rich.progress import Progress
 
+    from specflow.app.prompts import read_prompts
     from specflow.config import validate
     from specflow.console import calibrate_table, console
     from specflow.experiments import calibrate, plots
@@ -349,11 +284,45 @@ def cmd_ab(args: list[str]) -> int:
             console.print(f"A/B {ab.name}: arms {', '.join(ab.arms)} x {ab.repetitions} "
                           f"repetition(s), baseline {ab.baseline} -> {sweep_dir}/")
         main = hydra.main(version_base="1.3", config_path="pkg://specflow.conf",
-                          config_name="config")(ab_mod.run_job)
+                          config_name="config")(ab_job_task)
         main()
     if not quiet:
         console.print(f"done: specflow report {sweep_dir}")
     return 0
+
+
+def ab_job_task(cfg) -> None:
+    """One (repetition, arm) job inside the Hydra multirun; a user error ends the sweep with one
+    line and exit status 2 (not Hydra's multirun traceback)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from specflow.console import console
+    from specflow.experiments import ab as ab_mod
+
+    hc = HydraConfig.get()
+    out = hc.runtime.output_dir
+    label = f"{cfg.ab.name}: arm {cfg.ab.arm}, repetition {cfg.ab.rep}"
+    quiet = os.environ.get(ab_mod.QUIET_ENV) == "1"
+
+    def on_start(n_prompts: int) -> None:
+        if not quiet:
+            console.print(f"{label}: {n_prompts} prompts")
+
+    try:
+        with interrupt_message(out, "rerun the same command"):
+            run = ab_mod.run_job(cfg, list(hc.overrides.task), out, on_start=on_start,
+                                 progress=not quiet and console.is_terminal)
+    except SpecflowError as exc:
+        raise SystemExit(fail(f"{cfg.ab.name}, arm {cfg.ab.arm}, repetition {cfg.ab.rep}: "
+                              f"{exc}")) from None
+    if quiet:
+        return
+    if run.skipped:
+        console.print(f"[dim]{label}: finished earlier, skipped[/]")
+    else:
+        s = run.stats
+        console.print(f"[dim]{label}: {s['num_committed_tokens']} tokens, "
+                      f"{s['tokens_per_second']:.1f} tokens/s, α {s['alpha']:.3f}[/]")
 
 
 def cmd_report(args: list[str]) -> int:

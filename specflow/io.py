@@ -158,27 +158,3 @@ def check_folder_free(folder: str | os.PathLike, what: str = "specflow run",
     holds it (before Hydra writes its .hydra/ files there); does not keep the lock."""
     with folder_lock(folder, what, setting):
         pass
-
-
-class RunFolderCheck:
-    """Hydra callback (conf/config.yaml `hydra.callbacks`): before Hydra creates the run folder and
-    writes into it, check it can be written and that no other process runs there; one line and
-    exit 2 otherwise (Hydra would print a traceback for an unwritable folder)."""
-
-    def on_run_start(self, config: Any, **kwargs: Any) -> None:
-        from specflow.errors import SpecflowError
-
-        folder = OmegaConf.select(config, "hydra.run.dir")
-        if folder is None:
-            return
-        try:
-            check_folder_free(str(folder),
-                              f"specflow {OmegaConf.select(config, 'hydra.job.name') or 'run'}")
-        except SpecflowError as exc:
-            from specflow.cli import fail
-            raise SystemExit(fail(str(exc))) from None
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("on_"):    # Hydra's other callback hooks: nothing to do
-            return lambda *args, **kwargs: None
-        raise AttributeError(name)

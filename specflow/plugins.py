@@ -222,7 +222,7 @@ def plugin_distributions() -> list[dict[str, Any]]:
         if dist is not None:
             package, version = dist.metadata["name"], dist.version
         else:
-            from specflow import __version__
+            from specflow.version import __version__
             package, version = "specflow (built-in)", __version__
         components = [f"{c.kind}={c.name}" for c in get_registry().all() if c.plugin == name]
         rows.append({"name": name, "package": package, "version": version, "hooks": hooks,
@@ -257,14 +257,6 @@ def distribution_of(module: str) -> str | None:
     return None
 
 
-def _multicall_code():
-    try:
-        from pluggy._callers import _multicall
-    except ImportError:   # pragma: no cover - a later pluggy layout
-        from pluggy._execution import _multicall   # type: ignore[no-redef]
-    return _multicall.__code__
-
-
 def _frames(exc: BaseException) -> list:
     """The traceback's frames, outermost first."""
     out, tb = [], exc.__traceback__
@@ -274,26 +266,30 @@ def _frames(exc: BaseException) -> list:
     return out
 
 
-def _raising_hook_impl(exc: BaseException):
-    """(hook name, HookImpl) whose function (or wrapper teardown) the exception came out of.
-
-    Among the innermost specflow hook call in the traceback, the implementation is the one whose
-    code object has a frame further in (a wrapper's generator frame has its function's code).
-    """
-    code = _multicall_code()
-    frames = _frames(exc)
-    found = None
-    for i, frame in enumerate(frames):
-        if frame.f_code is not code or not str(frame.f_locals.get("hook_name", "")).startswith(
-                "specflow_"):
+def _hook_impls(pm) -> dict:
+    """code object -> (hook name, HookImpl) for every specflow hook implementation in `pm`."""
+    out = {}
+    for hook_name in dir(pm.hook):
+        if not hook_name.startswith("specflow_"):
             continue
-        impls = {impl.function.__code__: impl
-                 for impl in frame.f_locals.get("hook_impls", ())
-                 if hasattr(impl.function, "__code__")}
-        for inner in frames[i + 1:]:
-            if inner.f_code in impls:
-                found = (frame.f_locals["hook_name"], impls[inner.f_code], inner)
-                break
+        for impl in getattr(pm.hook, hook_name).get_hookimpls():
+            code = getattr(impl.function, "__code__", None)
+            if code is not None:
+                out[code] = (hook_name, impl)
+    return out
+
+
+def _raising_hook_impl(exc: BaseException, pm):
+    """(hook name, HookImpl, frame) of the innermost hook implementation in the traceback.
+
+    Read from the traceback alone: a frame whose code object is an implementation's function (a
+    wrapper's teardown runs in its generator's frame, which has the function's code).
+    """
+    impls = _hook_impls(pm)
+    found = None
+    for frame in _frames(exc):
+        if frame.f_code in impls:
+            found = (*impls[frame.f_code], frame)
     return found
 
 
@@ -312,12 +308,20 @@ def _innermost_owner(frames: list, plugin_top: str) -> str | None:
     return None
 
 
-# resource errors are not a plugin's bug: callers that back off on them must still see them
-_NOT_BLAMED = ("OutOfMemoryError", "MemoryError")
+def _resource_errors() -> tuple[type, ...]:
+    """Out-of-memory, by type: not a plugin's bug, and callers that back off on it must see it."""
+    import torch
+
+    types: list[type] = [MemoryError]
+    for owner in (torch, getattr(torch, "cuda", None)):
+        oom = getattr(owner, "OutOfMemoryError", None)
+        if isinstance(oom, type):
+            types.append(oom)
+    return tuple(types)
 
 
 def blame(exc: BaseException, where: str | None = None, module: str | None = None,
-          name: str | None = None) -> PluginError | None:
+          name: str | None = None, pm=None) -> PluginError | None:
     """A PluginError naming the third-party plugin (and its package) an exception came from.
 
     The plugin is the hook implementation whose code the exception came out of, or, for a
@@ -327,11 +331,11 @@ def blame(exc: BaseException, where: str | None = None, module: str | None = Non
     Never raises: a failure to attribute returns None and the original exception stands.
     """
     if isinstance(exc, SpecflowError) or not isinstance(exc, Exception) or \
-            type(exc).__name__ in _NOT_BLAMED:
+            isinstance(exc, _resource_errors()):
         return None
     try:
         frames = _frames(exc)
-        found = _raising_hook_impl(exc)
+        found = _raising_hook_impl(exc, pm) if pm is not None else None
         if found is not None:
             hook_name, impl, frame = found
             module = str(frame.f_globals.get("__name__", "")) or type(impl.plugin).__module__

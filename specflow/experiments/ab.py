@@ -4,12 +4,12 @@ The sweep is `ab.rep=0..R-1 ab.arm=<arms>` with the arm varying fastest, so with
 each arm runs once, in turn: machine drift hits every arm alike. Every job composes the experiment
 plus its arm's overrides, decodes the same prompts in the same order (seed + 1000 x rep, the same
 for every arm), and writes into ab/<name>/<arm>/rep<r>/: the arm's composed config, one JSON line
-per finished request (flushed as it finishes) and metrics.json, written last and atomically: a
-job whose metrics.json exists is finished and is skipped when the command is run again, and an
-interrupted job generates only the requests its requests.jsonl lacks (specflow/resume.py). Both
-record the fingerprint of the arm's config, so a rerun with other overrides is refused instead
-of skipping (or mixing in) results of another configuration; a job folder is held by one process
-at a time (specflow.io.folder_lock).
+per finished request (flushed as it finishes) and metrics.json, written last and atomically: a job
+whose metrics.json exists is finished and is skipped when the command is run again, and an
+interrupted job generates only the requests its requests.jsonl lacks (specflow/app/folder_run.py
+and specflow/resume.py). Both record the fingerprint of the arm's config, so a rerun with other
+overrides is refused instead of skipping (or mixing in) results of another configuration; a job
+folder is held by one process at a time (specflow.io.folder_lock).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import os
 import pathlib
 import re
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from specflow.errors import ConfigError, InputError
 
@@ -114,65 +114,21 @@ def check_sweep(cfg: DictConfig, task_overrides: list[str], sweep_dir: str) -> N
                 raise InputError(f"{ab.name}, arm {arm}, repetition {rep}: {exc}") from None
 
 
-def run_job(cfg: DictConfig) -> None:
-    """One (repetition, arm) job inside the Hydra multirun; a user error ends the sweep with one
-    line and exit status 2 (not Hydra's multirun traceback)."""
-    from specflow.cli import fail
-    from specflow.errors import SpecflowError
-
-    try:
-        _run_job(cfg)
-    except SpecflowError as exc:
-        raise SystemExit(fail(f"{cfg.ab.name}, arm {cfg.ab.arm}, repetition {cfg.ab.rep}: {exc}")) from None
-
-
-def _run_job(cfg: DictConfig) -> None:
-    from hydra.core.hydra_config import HydraConfig
-
-    from specflow.cli import chat_mode, interrupt_message, read_prompts
+def run_job(cfg: DictConfig, task_overrides: list[str], out: str | os.PathLike, *,
+            on_start=None, progress: bool = False):
+    """One (repetition, arm) job into its folder: the arm's config composed from the command's
+    overrides, refused when the folder holds results of other overrides, skipped when finished.
+    Returns the app layer's FolderRun; raises SpecflowError and never prints."""
+    from specflow.app.folder_run import run_into
     from specflow.config import compose
-    from specflow.console import console
-    from specflow.experiments.workloads import apply_chat_template
-    from specflow.io import atomic_write_json, atomic_write_text, folder_lock
-    from specflow.pipeline import Pipeline
-    from specflow.resume import config_fingerprint, run_resumable
+    from specflow.resume import config_fingerprint
 
-    hc = HydraConfig.get()
-    out = pathlib.Path(hc.runtime.output_dir)
-    label = f"{cfg.ab.name}: arm {cfg.ab.arm}, repetition {cfg.ab.rep}"
-    quiet = os.environ.get(QUIET_ENV) == "1"
-    with folder_lock(out, "specflow ab", "hydra.sweep.dir"):
-        arm_cfg = compose(job_overrides(list(hc.overrides.task), cfg))
-        config = config_fingerprint(arm_cfg)
-        check_rerun(out, config)
-        if (out / "metrics.json").exists():
-            if not quiet:
-                console.print(f"[dim]{label}: finished earlier, skipped[/]")
-            return
-        pipe = Pipeline(arm_cfg)
-        prompts = apply_chat_template(read_prompts(arm_cfg), pipe.tokenizer, chat_mode(arm_cfg))
-        _write(out / "arm_config.yaml", atomic_write_text, OmegaConf.to_yaml(pipe.cfg))
-        if not quiet:
-            console.print(f"{label}: {len(prompts)} prompts")
-        with interrupt_message(str(out), "rerun the same command"):
-            rows, stats, resumed = run_resumable(pipe, prompts, out,
-                                                 progress=not quiet and console.is_terminal,
-                                                 rerun="rerun the same command")
-        _write(out / "metrics.json", atomic_write_json, {
-            "experiment": str(cfg.ab.name), "arm": str(cfg.ab.arm), "rep": int(cfg.ab.rep),
-            "arms": [str(a) for a in cfg.ab.arms], "baseline": str(cfg.ab.baseline),
-            "config": config, "greedy": pipe.greedy, "aggregate": stats,
-            "resumed_requests": resumed, "requests": [r["stats"] for r in rows]})
-    if not quiet:
-        s = stats
-        console.print(f"[dim]{label}: {s['num_committed_tokens']} tokens, "
-                      f"{s['tokens_per_second']:.1f} tokens/s, α {s['alpha']:.3f}[/]")
-
-
-def _write(path: pathlib.Path, writer, content) -> None:
-    try:
-        writer(path, content)
-    except OSError as exc:              # a full disk: the finished requests stay where they are
-        raise InputError(f"cannot write {path} ({exc.strerror or exc}); the requests finished so "
-                         f"far are kept in {path.parent}/requests.jsonl: free some space, then "
-                         f"rerun the same command to resume") from None
+    arm_cfg = compose(job_overrides(task_overrides, cfg))
+    return run_into(
+        arm_cfg, out, owner="specflow ab", setting="hydra.sweep.dir",
+        rerun="rerun the same command", progress=progress, replace_finished=False,
+        before_run=lambda c: check_rerun(pathlib.Path(out), config_fingerprint(c)),
+        on_start=on_start, write_config=True,
+        metrics_extra={"experiment": str(cfg.ab.name), "arm": str(cfg.ab.arm),
+                       "rep": int(cfg.ab.rep), "arms": [str(a) for a in cfg.ab.arms],
+                       "baseline": str(cfg.ab.baseline)})

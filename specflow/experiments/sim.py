@@ -1,14 +1,14 @@
-"""`specflow sim`: the formula tables of the seed articles, measured through the real pipeline.
+"""`specflow sim`: the formula tables of articles A and B (docs/design.md §6), measured through the real pipeline.
 
 Every arm runs Pipeline on the synthetic pair (sampling at temperature 1, static k), so the
 verifier, the draft proposer and the metrics are the ones users run. Three studies:
 
-- K sweep and noise sweep (seeds/001): acceptance_rate (accepted / proposed, the article's figure)
+- K sweep and noise sweep (article B, docs/design.md §6): acceptance_rate (accepted / proposed, the article's figure)
   and alpha (accepted / examined) beside the formula (1 - a^(k+1)) / (1 - a). With alpha the measured
   tau matches at every k; with the article's figure it falls apart at large k (the article's
   "measured beats theory at K=16" is this counting artefact, not clustering of acceptances).
-- best k per alpha at c = 0.1 (seeds/000): measured speedup in simulated time against speedup(a,k,c).
-- tokens-per-round histograms at three noise levels (seeds/001, Figure 2).
+- best k per alpha at c = 0.1 (article A, docs/design.md §6): measured speedup in simulated time against speedup(a,k,c).
+- tokens-per-round histograms at three noise levels (article B, Figure 2).
 
 "Within sampling error" = |z| < 3 with z = (measured - formula) / standard error of the measured mean.
 """
@@ -19,14 +19,14 @@ from dataclasses import dataclass
 from typing import Callable
 
 from specflow.config import compose
-from specflow.metrics import predicted_speedup
+from specflow.metrics import expected_tokens, predicted_speedup
 from specflow.models.synthetic import base_distribution, noise_for_acceptance
 from specflow.pipeline import Pipeline
 
 
 def formula_tokens(a: float, k: int) -> float:
-    """Expected tokens per target pass: (1 - a^(k+1)) / (1 - a)."""
-    return k + 1.0 if a >= 1.0 else (1 - a ** (k + 1)) / (1 - a)
+    """Expected tokens per target pass: (1 - a^(k+1)) / (1 - a) (specflow.metrics)."""
+    return expected_tokens(a, k)
 
 
 @dataclass
@@ -166,3 +166,50 @@ def policy_mix(arms: dict[str, list[str]], mix: dict[str, float], requests: int,
         r["vs_best_static"] = r["throughput"] / best["throughput"] if best else None
         r["vs_oracle"] = r["throughput"] / oracle["throughput"] if oracle else None
     return out
+
+
+STUDIES = ("k_sweep", "noise_sweep", "best_k", "histogram", "policy_mix")
+
+
+def count_arms(c: dict) -> int:
+    """How many pipeline runs the selected studies make (for a progress bar)."""
+    studies = set(c["studies"])
+    return (len(c["k_sweep"]["ks"]) * ("k_sweep" in studies)
+            + len(c["noise_sweep"]["noises"]) * ("noise_sweep" in studies)
+            + len(c["best_k"]["alphas"]) * len(c["best_k"]["ks"]) * ("best_k" in studies)
+            + len(c["histogram"]["noises"]) * ("histogram" in studies)
+            + (len(c["policy_mix"]["static_ks"]) + len(c["policy_mix"]["arms"]))
+            * len(c["policy_mix"]["regimes"]) * ("policy_mix" in studies))
+
+
+def run_studies(c: dict, step: Callable[[], None] = lambda: None) -> dict:
+    """Every study `c["studies"]` names, from the resolved sim config `c`; `step` after each arm.
+
+    Returns the report: {"config": c, <study>: rows, ...} (what sim.json holds).
+    """
+    model = c["model"]
+    studies = set(c["studies"])
+    rows, tokens, seed = c["rows"], c["tokens"], c["seed"]
+    report: dict = {"config": c}
+    if "k_sweep" in studies:
+        ks = c["k_sweep"]
+        report["k_sweep"] = k_sweep(ks["noise"], ks["ks"], rows, tokens, seed, model, step)
+    if "noise_sweep" in studies:
+        ns = c["noise_sweep"]
+        report["noise_sweep"] = noise_sweep(ns["k"], ns["noises"], rows, tokens, seed, model, step)
+    if "best_k" in studies:
+        bk = c["best_k"]
+        report["best_k"] = best_k_sweep(bk["alphas"], bk["ks"], bk["c"], rows, tokens, seed,
+                                        {**model, "concentration": bk["concentration"]}, step)
+    if "histogram" in studies:
+        h = c["histogram"]
+        report["histogram"] = histograms(h["k"], h["noises"], rows, tokens, seed, model, step)
+    if "policy_mix" in studies:
+        pm = c["policy_mix"]
+        arms = {f"static k={k}": ["policy=static", f"policy.k={k}"] for k in pm["static_ks"]}
+        arms.update({name: list(o) for name, o in pm["arms"].items()})
+        report["policy_mix"] = {
+            regime: policy_mix(arms, pm["mix"], pm["requests"], pm["tokens"], pm["rows"], seed,
+                               model, costs, step)
+            for regime, costs in pm["regimes"].items()}
+    return report

@@ -1,0 +1,91 @@
+"""Running a config into a folder: the one writer of requests.jsonl and metrics.json.
+
+The folder is owned by this process for the whole run (a lock; a second process is refused), a
+finished run there is replaced or kept as asked, an interrupted one is resumed (only the missing
+requests are generated, with the same per-request seeds), and metrics.json is written last and
+atomically: it marks a finished run. `specflow run` and every `specflow ab` job call `run_into`.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from omegaconf import DictConfig
+
+from specflow.errors import InputError
+
+
+@dataclass
+class FolderRun:
+    """What a run into a folder produced."""
+
+    folder: pathlib.Path
+    rows: list[dict] = field(default_factory=list)   # every request's record, in prompt order
+    stats: dict[str, Any] = field(default_factory=dict)   # the aggregate (metrics.json)
+    resumed: int = 0                  # requests that came from an interrupted earlier run
+    greedy: bool = True
+    skipped: bool = False             # a finished run was found and kept (nothing ran)
+    config: str | None = None         # the config fingerprint the records carry
+
+
+def run_into(cfg: DictConfig, folder: str | os.PathLike, *, owner: str, setting: str,
+             rerun: str, progress: bool, replace_finished: bool,
+             metrics_extra: dict[str, Any] | None = None,
+             before_run: Callable[[DictConfig], None] | None = None,
+             on_start: Callable[[int], None] | None = None,
+             write_config: bool = False) -> FolderRun:
+    """Generate the config's prompts into `folder` (requests.jsonl, then metrics.json).
+
+    owner / setting: who holds the folder and the option that moves it (for the refusal line);
+    rerun: how to resume, for messages (`rerun the same command ...`); replace_finished: a
+    finished run in the folder is replaced (run) or kept and reported as skipped (ab);
+    before_run(cfg): a check inside the lock before anything is generated (ab: same overrides);
+    on_start(n): called with the number of prompts once the pipeline is built.
+    """
+    from omegaconf import OmegaConf
+
+    from specflow.app.prompts import chat_mode, read_prompts
+    from specflow.experiments.workloads import apply_chat_template
+    from specflow.io import atomic_write_json, atomic_write_text, folder_lock
+    from specflow.pipeline import Pipeline
+    from specflow.resume import config_fingerprint, run_resumable
+
+    out = pathlib.Path(folder)
+    # this process owns the folder until metrics.json is written: a second run into it is
+    # refused instead of interleaving its records with this one's
+    with folder_lock(out, owner, setting):
+        config = config_fingerprint(cfg)
+        if before_run is not None:
+            before_run(cfg)
+        finished = (out / "metrics.json").exists()
+        if finished and not replace_finished:
+            return FolderRun(out, skipped=True, config=config)
+        pipe = Pipeline(cfg)
+        prompts = apply_chat_template(read_prompts(cfg), pipe.tokenizer, chat_mode(cfg))
+        if finished:                        # a finished run here: this one replaces it
+            for name in ("requests.jsonl", "metrics.json"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(out / name)
+        if write_config:
+            _write(out / "arm_config.yaml", atomic_write_text, OmegaConf.to_yaml(pipe.cfg), rerun)
+        if on_start is not None:
+            on_start(len(prompts))
+        rows, stats, resumed = run_resumable(pipe, prompts, out, progress=progress, rerun=rerun)
+        _write(out / "metrics.json", atomic_write_json, {
+            **(metrics_extra or {}), "config": config, "greedy": pipe.greedy, "aggregate": stats,
+            "resumed_requests": resumed, "requests": [r["stats"] for r in rows]}, rerun, len(rows))
+    return FolderRun(out, rows, stats, resumed, pipe.greedy, False, config)
+
+
+def _write(path: pathlib.Path, writer, content, rerun: str, kept: int | None = None) -> None:
+    try:
+        writer(path, content)
+    except OSError as exc:              # a full disk: the finished requests stay where they are
+        kept_text = (f"all {kept} requests are kept" if kept is not None
+                     else "the requests finished so far are kept")
+        raise InputError(f"cannot write {path} ({exc.strerror or exc}); {kept_text} in "
+                         f"{path.parent}/requests.jsonl: free some space, then {rerun} to "
+                         f"finish") from None

@@ -2,7 +2,7 @@
 
 Stage hooks are called by a pipeline through its own PluginManager (two pipelines never share
 state); discovery hooks are called once on the global manager; lifecycle hooks let observers (a
-tracing plugin, a metrics exporter) follow a pipeline. Shapes use DESIGN.md's letters: B running
+tracing plugin, a metrics exporter) follow a pipeline. Shapes use docs/design.md's letters: B running
 rows, K max draft length this round, V vocabulary, P positions being shaped.
 
 Hook API version: see `HOOK_API_VERSION`. Adding a hook or an optional keyword is a minor change;
@@ -170,7 +170,7 @@ def specflow_run_end(pipeline: "Pipeline", results: list, stats: dict) -> None:
     """Called once a ``Pipeline.generate`` call has finished every request (not after an error).
 
     ``results`` are the GenerationResults in prompt order and ``stats`` the aggregate metrics
-    (DESIGN.md section 7 names). Observers write their files here (a Chrome trace, a table);
+    (docs/design.md §3 names). Observers write their files here (a Chrome trace, a table);
     stages with state worth keeping across runs save it. Returns nothing; all run.
     """
 

@@ -1,6 +1,6 @@
-"""Counters and derived figures (DESIGN.md section 7), per request and for a whole run.
+"""Counters and derived figures (docs/design.md §3), per request and for a whole run.
 
-Formulas, published with the numbers (PITFALLS 15, 24):
+Formulas, published with the numbers (pitfalls 15 and 24 in docs/design.md):
     acceptance_rate        = accepted / proposed draft tokens                       (vLLM's)
     alpha                  = accepted / examined draft tokens; a draft is examined when every
                              draft before it was accepted (never-examined drafts are not "rejected")
@@ -20,11 +20,17 @@ from specflow.plugins import hookimpl
 STAGES = ("prefill", "policy", "propose", "target", "verify", "trim", "sync")
 
 
+def expected_tokens(alpha: float, k: float) -> float:
+    """Expected tokens committed per target pass with k drafts accepted i.i.d. with probability
+    alpha: (1 - alpha^(k+1)) / (1 - alpha), k + 1 at alpha = 1. The one copy of the formula."""
+    return k + 1.0 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
 def predicted_speedup(alpha: float, k: float, c: float, drafting: float = 1.0) -> float:
     """The formula, for a share `drafting` of rounds with k drafts and the rest plain."""
     if k <= 0 or drafting <= 0:
         return 1.0
-    tokens = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    tokens = expected_tokens(alpha, k)
     return (drafting * tokens + (1 - drafting)) / (drafting * k * c + 1)
 
 

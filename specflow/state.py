@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 if TYPE_CHECKING:
-    from specflow.stages.stop import StopState
+    pass
 
 PAD = -1  # placeholder for a token slot a ragged row does not use
 

@@ -1,4 +1,4 @@
-"""Metric definitions (DESIGN.md section 7): examined, not proposed, is what alpha divides by."""
+"""Metric definitions (docs/design.md §3): examined, not proposed, is what alpha divides by."""
 from __future__ import annotations
 
 import pytest

@@ -2,11 +2,11 @@
 
 Each request keeps only its committed DFA state. A shaped position's state is reached by walking
 the drafts it sees from the committed state, so drafting never moves the committed state and a
-rejection needs no undo (PITFALLS 3); the committed state advances in specflow_sync_cache over the
+rejection needs no undo (pitfall 3 in docs/design.md); the committed state advances in specflow_sync_cache over the
 tokens actually committed. A draft the grammar forbids (an n-gram proposal, say) leaves a dead
 state: the target's mask gives it probability 0, so the verifier rejects it and the positions
-after it are never used (PITFALLS 1). The draft model is masked by this same stage, so it never
-proposes what the target cannot accept (PITFALLS 4). EOS is allowed only where the grammar can end;
+after it are never used (pitfall 1 in docs/design.md). The draft model is masked by this same stage, so it never
+proposes what the target cannot accept (pitfall 4 in docs/design.md). EOS is allowed only where the grammar can end;
 an EOS accepted mid-window ends the request through the stop trimmer.
 """
 from __future__ import annotations

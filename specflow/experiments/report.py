@@ -14,7 +14,7 @@ and a damaged metrics.json or requests.jsonl is refused with its name, one line 
 
 `--baseline old/report.json --max-acceptance-drop 0.05` exits 1 when any arm's α fell by more than
 that: a draft that drifted after a target update still gives correct output, and only acceptance
-shows it (seeds/000).
+shows it (article A, docs/design.md §6).
 """
 from __future__ import annotations
 
@@ -209,6 +209,21 @@ def bootstrap_ratio(tok_a, sec_a, tok_b, sec_b, n: int, seed: int = 0) -> tuple[
     return float(np.percentile(ratios, 2.5)), float(np.percentile(ratios, 97.5))
 
 
+
+def _measured_c(aggregates) -> float | None:
+    """c over several jobs, the way metrics.json computes it (simulated time on synthetic arms,
+    wall seconds otherwise): one definition, specflow.metrics.Counters.measured_c."""
+    from specflow.metrics import Counters
+
+    total = Counters()
+    for aggregate in aggregates:
+        job = Counters.from_dict(aggregate)
+        total.add_counts(job)
+        total.add_seconds(job.seconds)
+        for source, value in job.sim_time.items():
+            total.sim_time[source] = total.sim_time.get(source, 0.0) + value
+    return total.measured_c()
+
 def _aggregate(reps: dict) -> dict:
     agg = {c: 0 for c in COUNTERS}
     acc_pos, exam_pos, hist, secs = Counter(), Counter(), Counter(), Counter()
@@ -227,9 +242,7 @@ def _aggregate(reps: dict) -> dict:
     exam = agg["num_examined_draft_tokens"]
     alpha = agg["num_accepted_tokens"] / exam if exam else 0.0
     mean_k = agg["num_draft_tokens"] / agg["num_drafts"] if agg["num_drafts"] else 0.0
-    c = None
-    if agg["num_draft_tokens"] and secs["target"]:
-        c = (secs["propose"] / agg["num_draft_tokens"]) / (secs["target"] / agg["num_target_passes"])
+    c = _measured_c(job["metrics"]["aggregate"] for job in reps.values())
     return {
         **agg, "alpha": alpha,
         "acceptance_rate": (agg["num_accepted_tokens"] / agg["num_draft_tokens"]

@@ -1,4 +1,4 @@
-"""A table-driven language model with a simulated clock (the simulator of seeds/001, context-dependent).
+"""A table-driven language model with a simulated clock (article B's simulator, context-dependent).
 
 The target's next-token distribution depends on the last two tokens: a fixed hash maps them to one
 of `contexts` rows, and row c is a fixed base distribution (Dirichlet(concentration) over V, as in
@@ -15,7 +15,7 @@ call `step_cost` (the measured c of a real pair goes here).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch

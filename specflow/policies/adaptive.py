@@ -1,4 +1,4 @@
-"""`policy=adaptive`: the DraftLengthController of seeds/000, per sequence, with hysteresis on load.
+"""`policy=adaptive`: the DraftLengthController of article A (docs/design.md §6), per sequence, with hysteresis on load.
 
 Each request keeps an EWMA of its acceptance (accepted / examined drafts). Its k maximises the
 expected speedup (1 - a^(k+1)) / ((1 - a)(k c + 1)) over 0..k_max, with c the draft cost relative
@@ -12,13 +12,13 @@ from dataclasses import dataclass
 import torch
 
 from specflow.errors import ConfigError
+from specflow.metrics import expected_tokens
 from specflow.plugins import hookimpl
 
 
 def expected_speedup(a: float, k: int, c: float) -> float:
-    """Tokens per round over round cost, relative to plain decoding (seeds/000 `speedup`)."""
-    tokens = k + 1.0 if a >= 1.0 else (1 - a ** (k + 1)) / (1 - a)
-    return tokens / (k * c + 1)
+    """Tokens per round over round cost, relative to plain decoding (article A's `speedup`, docs/design.md §6)."""
+    return expected_tokens(a, k) / (k * c + 1)
 
 
 def best_k(a: float, k_max: int, c: float) -> int:

@@ -1,8 +1,8 @@
 """Logit processors that read the prefix: penalties, min_new_tokens, no_repeat_ngram, bad_words, bias.
 
 Each shaped position sees its own prefix, committed tokens plus the drafts before it
-(ShapingBatch.prefix), so draft and target evaluate exactly what plain decoding would (PITFALLS
-10-12). Token counts are kept per request for the committed tokens (updated in
+(ShapingBatch.prefix), so draft and target evaluate exactly what plain decoding would (pitfalls
+10-12 in docs/design.md). Token counts are kept per request for the committed tokens (updated in
 specflow_sync_cache with every committed token, not one per round) and the drafts visible to each
 position are added with one scatter over [B, P, D].
 """

@@ -63,7 +63,7 @@ def test_regex_and_choice_are_exact_under_speculation(constraint, proposer):
     expected = pipe("proposer=none", *constraint).generate(prompts, max_new_tokens=40)
     got = pipe(f"proposer={proposer}", *constraint).generate(prompts, max_new_tokens=40)
     assert [r.token_ids for r in got] == [r.token_ids for r in expected]
-    for r in got:    # every choice completes (no stall at the first free choice, PITFALLS 2)
+    for r in got:    # every choice completes (no stall at the first free choice, pitfall 2 in docs/design.md)
         assert r.finish_reason == "eos"
         if "choice" in constraint[0]:
             assert r.text in ("yes", "no", "maybe", "not sure")
@@ -112,12 +112,12 @@ def test_draft_model_never_proposes_what_the_grammar_forbids_and_state_rolls_bac
     p.register(probe)
     p.generate(PROMPTS[:16], max_new_tokens=120, seed=1)
     assert probe.drafts_checked > 200 and probe.states_checked > 50
-    assert probe.illegal_drafts == 0                        # the draft is masked (PITFALLS 4)
+    assert probe.illegal_drafts == 0                        # the draft is masked (pitfall 4 in docs/design.md)
     assert p.last_stats["alpha"] < 1                        # rejections happened and rolled back
 
 
 def test_ngram_drafts_the_grammar_forbids_are_rejected_without_a_crash():
-    # the prompt is full of text the JSON grammar forbids: n-gram lookup proposes it (PITFALLS 1)
+    # the prompt is full of text the JSON grammar forbids: n-gram lookup proposes it (pitfall 1 in docs/design.md)
     p = pipe("proposer=ngram", *JSON)
     probe = GrammarProbe(p)
     p.register(probe)

@@ -17,7 +17,7 @@ def test_static_gives_every_row_the_same_k():
 
 
 @pytest.mark.parametrize("a,c,k_max,expected", [
-    # the seed's sweep (seeds/000): best k at c = 0.1 over 1..10
+    # the seed's sweep (article A, docs/design.md §6): best k at c = 0.1 over 1..10
     (0.5, 0.1, 10, 2), (0.6, 0.1, 10, 3), (0.7, 0.1, 10, 4), (0.8, 0.1, 10, 6), (0.9, 0.1, 10, 10),
     (0.9, 0.1, 4, 4),          # capped by k_max
     (0.1, 0.5, 8, 0),          # drafting cannot pay: plain decoding

@@ -1,4 +1,4 @@
-"""The stop trimmer: nothing after a stop, in any round, inside any chunk (PITFALLS 5-9)."""
+"""The stop trimmer: nothing after a stop, in any round, inside any chunk (pitfalls 5-9 in docs/design.md)."""
 from __future__ import annotations
 
 from types import SimpleNamespace

@@ -11,7 +11,7 @@ from specflow.state import PAD
 
 
 def reference_verify(draft_tokens, q_probs, p_probs, rng):
-    """One sequence, the seed article's loop (seeds/000): the rule in its plainest form."""
+    """One sequence, article A's loop (docs/design.md §6): the rule in its plainest form."""
     out = []
     for i, tok in enumerate(draft_tokens):
         p, q = p_probs[i][tok], q_probs[i][tok]

@@ -1,6 +1,6 @@
 """`proposer=ngram`: prompt lookup over each row's prompt and generated tokens (no model).
 
-Rule (DESIGN.md section 6): the longest n in [min_n, max_n] whose last-n suffix occurs earlier in
+Rule (docs/design.md §1): the longest n in [min_n, max_n] whose last-n suffix occurs earlier in
 the sequence; take its most recent earlier occurrence; propose up to k tokens that followed it.
 """
 from __future__ import annotations

@@ -26,6 +26,7 @@ $(VENV)/.plugins: $(VENV)/.installed $(addsuffix /pyproject.toml,$(PLUGINS))
 	touch $@
 
 test: $(VENV)/.installed $(VENV)/.plugins
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest $(PYTEST_ARGS)
 	$(PY) -m pytest $(PYTEST_ARGS) $(addsuffix /tests,$(PLUGINS))
 

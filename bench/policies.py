@@ -8,7 +8,6 @@ Writes bench/results/policies.{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import statistics
 import sys

@@ -12,7 +12,6 @@ Runs on CUDA when one is present (device=auto).
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import platform
 import re
@@ -102,7 +101,7 @@ def main() -> None:
     for n in (2, 3, 4, 5, 6, 8):
         kw = dict(assistant_model=draft, num_assistant_tokens=n, assistant_confidence_threshold=0.0,
                   num_assistant_tokens_schedule="constant")
-        runs = [timed(lambda p=p: hf_arm(**kw)(p), device) for p in prompts[-2:]]
+        runs = [timed(lambda p=p, kw=kw: hf_arm(**kw)(p), device) for p in prompts[-2:]]
         tuning[n] = sum(len(o) for o, _ in runs) / sum(t for _, t in runs)
     best_n = max(tuning, key=tuning.get)
     console.print(f"HF assisted tuning (tokens/s by num_assistant_tokens): "
@@ -128,7 +127,7 @@ def main() -> None:
     speeds = {name: [] for name in arms}
     for i, prompt in enumerate(prompts):
         for name, fn in arms.items():
-            out, secs = timed(lambda: fn(prompt), device)
+            out, secs = timed(lambda fn=fn, prompt=prompt: fn(prompt), device)
             outputs[name].append(out)
             speeds[name].append(len(out) / secs)
         console.print(f"[dim]prompt {i + 1}/{len(prompts)} done[/]")
@@ -173,8 +172,8 @@ def main() -> None:
     batch_prompts = (prompts * 2)[:16]
     for name, pipe in pipes.items():
         for b in (1, 4, 16):
-            res, secs = timed(lambda: pipe.generate(batch_prompts, max_new_tokens=N,
-                                                    max_batch_size=b), device)
+            res, secs = timed(lambda pipe=pipe, b=b: pipe.generate(batch_prompts, max_new_tokens=N,
+                                                                   max_batch_size=b), device)
             tokens = sum(len(r.token_ids) for r in res)
             prefill = pipe.last_stats["seconds"]["prefill"]
             batch_rows.append({"arm": name, "batch": b, "tokens_per_s": tokens / secs,

@@ -101,14 +101,16 @@ def heldout_loss(model, data: torch.Tensor, seq: int, n: int = 16) -> float:
 @torch.no_grad()
 def greedy_agreement(target, draft, data: torch.Tensor, seq: int, n: int = 16) -> float:
     """Teacher-forced argmax agreement of draft and target on held-out text (a proxy for greedy α)."""
-    target.eval(); draft.eval()
+    target.eval()
+    draft.eval()
     agree = total = 0
     for i in range(n):
         s = i * (data.numel() - seq - 1) // n
         ids = data[s:s + seq][None]
         a = target(ids).logits.argmax(-1)
         b = draft(ids).logits.argmax(-1)
-        agree += (a == b).sum().item(); total += a.numel()
+        agree += (a == b).sum().item()
+        total += a.numel()
     draft.train()
     return agree / total
 
@@ -133,7 +135,8 @@ def train(model, data, heldout, *, steps, batch, seq, lr, seed, teacher=None, lo
                 loss = 0.3 * loss + 0.7 * kl
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step(); opt.zero_grad(set_to_none=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
         if step % 50 == 0 or step == steps - 1:
             elapsed = time.perf_counter() - t0
             print(f"[{name}] step {step}/{steps} loss {loss.item():.3f} {elapsed:.0f}s", flush=True)
@@ -228,7 +231,8 @@ def main() -> None:
     def encode_all(docs: list[str]) -> torch.Tensor:
         ids: list[int] = []
         for doc in docs:
-            ids.extend(tokenizer(doc)["input_ids"]); ids.append(eos_id)
+            ids.extend(tokenizer(doc)["input_ids"])
+            ids.append(eos_id)
         return torch.tensor(ids, dtype=torch.long)
 
     data = encode_all(train_texts)

@@ -1,4 +1,4 @@
-"""The round loop (DESIGN.md section 2). Nothing here is model- or proposer-specific.
+"""The round loop (docs/design.md §2). Nothing here is model- or proposer-specific.
 
     policy -> k [B] -> propose -> score (target pass) -> shape -> verify -> trim -> sync -> observe
 
@@ -51,7 +51,7 @@ class GenerationResult:
     text: str                    # never includes a stop string (unless stop.include_stop_str)
     token_ids: list[int]         # generated tokens only; never after EOS or a stop
     finish_reason: str           # "stop" | "eos" | "length"
-    stats: dict[str, Any] = field(default_factory=dict)   # DESIGN.md section 7 names
+    stats: dict[str, Any] = field(default_factory=dict)   # docs/design.md §3 names
     logprobs: list[float] | None = None          # target logprob of each returned token
     top_logprobs: list[dict[int, float]] | None = None   # the top-n alternatives per position
 
@@ -128,7 +128,10 @@ class Pipeline:
         try:
             self._construct(cfg, plugins)
         except Exception as exc:
-            raise blame(exc, "while the pipeline was built") or exc
+            blamed = blame(exc, "while the pipeline was built", pm=getattr(self, "pm", None))
+            if blamed is None:
+                raise
+            raise blamed from exc
 
     def _construct(self, cfg: DictConfig, plugins: Iterable[object]) -> None:
         self.cfg = validate(cfg)
@@ -198,7 +201,10 @@ class Pipeline:
             return component.factory(obj, ctx)
         except Exception as exc:   # a plugin's factory: name the plugin and its package
             module = getattr(component.factory, "__module__", None)
-            raise blame(exc, f"building {kind}={node.name}", module, component.plugin) or exc
+            blamed = blame(exc, f"building {kind}={node.name}", module, component.plugin)
+            if blamed is None:
+                raise
+            raise blamed from exc
 
     def _register(self, stage, name: str) -> None:
         if stage is not None:
@@ -346,7 +352,10 @@ class Pipeline:
             ordered = [results[r.request_id] for r in requests]
             self.hook.specflow_run_end(pipeline=self, results=ordered, stats=self.last_stats)
         except Exception as exc:   # a plugin raising inside a hook is named with its package
-            raise blame(exc) or exc
+            blamed = blame(exc, pm=self.pm)
+            if blamed is None:
+                raise
+            raise blamed from exc
         finally:
             self.pm.unregister(recorder)
         return ordered

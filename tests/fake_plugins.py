@@ -27,3 +27,40 @@ def install_fake_plugin(root: pathlib.Path, module: str, source: str, extra_conf
         (pkg / "conf" / "__init__.py").write_text("")
         (pkg / "conf" / group / f"{name}.yaml").write_text(f"name: {name}\nk: 2\n")
     return root
+
+
+def leak_draft_cache(monkeypatch) -> None:
+    """Fault injection: the draft proposer's cache never rolls back, so it keeps conditioning on
+    rejected drafts. Output stays exact; only acceptance drops (pitfall 21). Applies to pipelines
+    built after the call."""
+    from specflow import hookimpl
+    from specflow.stages.proposers.draft import DraftModelProposer
+
+    @hookimpl
+    def specflow_sync_cache(self, batch, result):
+        return None
+
+    monkeypatch.setattr(DraftModelProposer, "specflow_sync_cache", specflow_sync_cache)
+
+
+# the same fault as an installed plugin, for subprocess tests: proposer=leaky_draft
+LEAKY_DRAFT_PLUGIN = '''
+from specflow import hookimpl
+from specflow.stages.proposers.draft import DraftModelProposer, DraftProposerConfig
+
+
+class LeakyDraft(DraftModelProposer):
+    @hookimpl
+    def specflow_sync_cache(self, batch, result):
+        return None
+
+
+@hookimpl
+def specflow_register(registry):
+    registry.add("proposer", "leaky_draft", LeakyDraft, DraftProposerConfig)
+
+
+@hookimpl
+def specflow_config_searchpath():
+    return "pkg://{module}.conf"
+'''

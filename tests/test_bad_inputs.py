@@ -81,6 +81,8 @@ def _install_raising_plugin(tmp: pathlib.Path) -> pathlib.Path:
 def _files(tmp: pathlib.Path) -> None:
     (tmp / "empty.txt").write_text("\n\n")
     (tmp / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))
+    (tmp / "null.jsonl").write_text('{"prompt": "def f():"}\n{"prompt": null}\n')
+    (tmp / "empty-model").mkdir(exist_ok=True)
 
 
 # (input, CLI arguments, what the API call is, message on the CLI, message on the API)
@@ -111,6 +113,39 @@ ROWS = [
     ("missing model path", ["model=hf", "model.path={tmp}/no-model", "proposer=ngram"], "build",
      "is not a directory; set model.path", None),
     ("CUDA without a GPU", [*SYN, "device=cuda"], "build", "has no CUDA GPU", None),
+    ("model folder that cannot load", ["model=hf", "model.path={tmp}/empty-model",
+                                       "proposer=ngram"], "build",
+     "is an empty folder; point model.path at a folder that", None),
+    ("hub id not in the local cache", ["model=hf", "model.path=nosuchorg/nosuchmodel",
+                                       "proposer=ngram"], "build",
+     "not in the local Hugging Face cache", None),
+    ("prompt line of the wrong type", [*SYN, "workload=file", "workload.path={tmp}/null.jsonl"],
+     "prompt_file:{tmp}/null.jsonl", "null.jsonl:2: field 'prompt' is a JSON null, not a string",
+     None),
+    ("class_path that is not a LogitsProcessor", [*SYN, "logits=[hf]",
+                                                  "logits.hf.class_path=os:system"], "build",
+     "is the function system, not a subclass of transformers.LogitsProcessor", None),
+    ("non-finite number", [*SYN, "logits=[temperature]", "logits.temperature.value=inf"],
+     "compose", "logits.temperature.value=inf is not a finite number; give a finite value", None),
+    ("NaN or +inf logit bias", [*SYN, "logits=[logit_bias]", "logits.logit_bias.bias={0: nan}"],
+     "compose", "logits.logit_bias.bias.0=nan is not a finite number; give a finite value or -inf",
+     None),
+    ("root value of the wrong type", [*SYN, "seed=abc"],
+     "generate_kw:{'max_new_tokens': 2.5}", "seed='abc' is not a whole number",
+     "max_new_tokens=2.5 is not a whole number"),
+    ("root value out of range", [*SYN, "max_batch_size=100000"],
+     "generate_kw:{'max_batch_size': -1}", "max_batch_size=100000 is out of range [1, 4096]",
+     "max_batch_size=-1 must be >= 1"),
+    ("a deleted group", [*SYN, "~stop"], "compose",
+     "~stop deletes the stop group, which every run needs", None),
+    ("unknown root key", [*SYN, "+max_new_token=5"], "compose",
+     "unknown config key 'max_new_token' (from +max_new_token=5); the root config has:", None),
+    ("unknown device", [*SYN, "device=tpu"], "compose", "device='tpu' is not a device", None),
+    ("settings that leave no token", ["proposer=none", "constraint=choice",
+                                      "constraint.choices=[yes,no]", "logits=[min_new_tokens]",
+                                      "logits.min_new_tokens.min_tokens=6", "prompt=def f(x):"],
+     "generate:['def f(x):']", "constraint.choice allows only 1 token(s) here and "
+     "logits.min_new_tokens forbids all of them", None),
     ("a plugin that raises", [*SYN, "proposer=boom"], "plugin",
      "plugin proposer.boom (fake-specflow-boom 1.2.0) raised ZeroDivisionError: table is empty "
      "in hook specflow_propose", None),
@@ -175,6 +210,9 @@ def test_api(tmp_path, request, name, args, api, cli_msg, api_msg):
         elif api == "plugin":
             request.getfixturevalue("raising_plugin")
             Pipeline.from_config(args).generate(["abc"], max_new_tokens=8)
+        elif api.startswith("generate_kw:"):     # a bad generate() argument, on a good pipeline
+            kwargs = eval(api.split(":", 1)[1])      # noqa: S307 - literals from the table above
+            Pipeline.from_config(SYN).generate(["abc"], **{"max_new_tokens": 8, **kwargs})
         else:
             kind, value = api.split(":", 1)
             prompts = eval(value)       # noqa: S307 - literals from the table above
@@ -191,9 +229,25 @@ def test_api(tmp_path, request, name, args, api, cli_msg, api_msg):
 def test_the_readme_table_is_this_table():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     section = readme.split("## Bad input", 1)[1].split("\n## ", 1)[0]
+    section = section.split("### Output folders and sweeps", 1)[0]
     rows = [line for line in section.splitlines() if line.startswith("| ")][1:]   # no header
     assert len(rows) == len(ROWS)
-    for line, (name, *_rest, cli_msg, api_msg) in zip(rows, ROWS):
+    for line, (name, *_rest, cli_msg, _api_msg) in zip(rows, ROWS):
         cells = [c.strip() for c in line.strip("|").split("|")]
         assert cells[0] == name, (cells[0], name)
         assert cli_msg in line.replace("\\|", "|"), (name, cli_msg)
+
+
+# the second table, "Output folders and sweeps": rows that are about files and folders, each
+# tested where its setting lives (the file named in the row's last cell)
+def test_the_readme_folder_table_is_tested_where_it_says():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Bad input", 1)[1].split("\n## ", 1)[0]
+    table = section.split("### Output folders and sweeps", 1)[1]
+    rows = [line for line in table.splitlines() if line.startswith("| ")][1:]
+    assert len(rows) >= 8
+    for line in rows:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        message, test_file = cells[2].strip("`"), cells[3].strip("`")
+        source = (ROOT / test_file).read_text(encoding="utf-8")
+        assert message in source, (cells[0], message, test_file)

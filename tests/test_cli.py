@@ -100,7 +100,7 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, message):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["constraint=regex", "constraint.pattern=[一-鿿]{3}"], "tokens do not spell"),
+    (["constraint=regex", "constraint.pattern=[一-鿿]{3"], "is not a regex the constraint engine accepts"),
 ])
 def test_bad_constraint_exits_2_on_the_demo_pair(tmp_path, args, message):
     out = specflow("run", *args, f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)

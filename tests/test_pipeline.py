@@ -78,11 +78,14 @@ def test_draft_identical_to_target_is_always_accepted(make_pipeline):
     assert pipe.last_stats["num_accepted_tokens"] == pipe.last_stats["num_examined_draft_tokens"] > 0
 
 
-def test_desynchronised_draft_cache_lowers_acceptance(make_pipeline):
+def test_desynchronised_draft_cache_lowers_acceptance(make_pipeline, monkeypatch):
+    from fake_plugins import leak_draft_cache
+
     alphas = {}
     for fault in (False, True):
-        pipe = make_pipeline("proposer=draft", "draft.noise=0.3", "logits=[temperature]",
-                             f"proposer.fault_keep_rejected={fault}")
+        if fault:
+            leak_draft_cache(monkeypatch)
+        pipe = make_pipeline("proposer=draft", "draft.noise=0.3", "logits=[temperature]")
         pipe.generate(PROMPTS, max_new_tokens=100)
         alphas[fault] = pipe.last_stats["alpha"]
     assert alphas[False] == pytest.approx(0.86, abs=0.03)      # the pair's true acceptance

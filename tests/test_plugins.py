@@ -147,7 +147,8 @@ def test_plugin_option_colliding_with_a_builtin_is_refused(plugin_env):
         plugins.get_registry()
 
 
-RAISING_SOURCE = PLUGIN_SOURCE.replace('''        last = batch.last_tokens()''', '''        if batch.num_generated(0) >= 3:
+RAISING_SOURCE = PLUGIN_SOURCE.replace('''        last = batch.last_tokens()''',
+                                       '''        if batch.num_generated(0) >= 3:
             raise ZeroDivisionError("draft table empty")
         last = batch.last_tokens()''')
 

@@ -388,5 +388,10 @@ def option(cfg: DictConfig, kind: str):
     return _schema_node(kind, node, kind)[1]
 
 
+def resolved_copy(cfg: DictConfig) -> DictConfig:
+    """A copy with every interpolation resolved; any `${` left in the values is text."""
+    return OmegaConf.create(_escaped(OmegaConf.to_container(cfg, resolve=True)))
+
+
 def to_plain(obj) -> dict:
     return asdict(obj) if is_dataclass(obj) else OmegaConf.to_container(obj, resolve=True)

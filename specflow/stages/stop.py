@@ -108,7 +108,8 @@ class StopTrimmer:
         result = TrimResult([], [], [])
         for rid, chunk in zip(batch.request_ids, chunks):
             tokens, reason, retract = self.trim_row(self.rows[rid], [t for t in chunk if t != PAD])
-            result.committed.append(tokens); result.finish_reasons.append(reason)
+            result.committed.append(tokens)
+            result.finish_reasons.append(reason)
             result.retract.append(retract)
         return result
 

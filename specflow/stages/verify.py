@@ -1,4 +1,4 @@
-"""The verifier: which draft tokens the target keeps (DESIGN.md sections 1 and 6).
+"""The verifier: which draft tokens the target keeps (docs/design.md §1).
 
 Glossary (Leviathan et al. 2023, Chen et al. 2023), per row, with p the target's shaped
 distributions at the K+1 positions and q the proposer's at the K drafted ones:
@@ -107,10 +107,8 @@ def verify(draft_token_ids: torch.Tensor, target_probs: torch.Tensor,
     if greedy:
         final = p_final.argmax(-1)                                             # [B]
     else:
-        q_pos = final_pos.clamp(max=max(K - 1, 0))                            # [B]
-        if K == 0:
-            q_final = torch.zeros_like(p_final)
-        elif draft_probs is None:
+        q_pos = final_pos.clamp(max=K - 1)                                     # [B] (K >= 1 here)
+        if draft_probs is None:
             q_final = torch.zeros_like(p_final)
             q_final[rows, safe_ids[rows, q_pos]] = 1.0                         # one-hot on x_j
         else:

@@ -82,7 +82,7 @@ def test_unknown_key_names_the_keys_that_exist():
     ("logits.top_p.p=0", "top_p.p=0.0 must be in (0, 1]"),
     ("logits.top_p.p=1.5", "top_p.p=1.5 must be in (0, 1]"),
     ("logits.top_k.k=0", "top_k.k=0 must be >= 1"),
-    ("max_new_tokens=0", "max_new_tokens=0 must be >= 1"),
+    ("max_new_tokens=0", "max_new_tokens=0 is out of range [1, "),
     ("device=gpu", "device='gpu' is not a device"),
     ("policy=adaptive", None),
     ("policy.on_below_batch=60", "thresholds must be ordered"),

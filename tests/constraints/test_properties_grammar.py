@@ -110,7 +110,7 @@ def run_rounds(ctx, cfg, data) -> None:
                                  dtype=torch.long).view(len(rows), K)
         token_ids = [tokens[rid] for rid in rows]
 
-        def expected_mask(b: int, n_drafts: int) -> torch.Tensor | None:
+        def expected_mask(b: int, n_drafts: int, rows=rows, drafts=drafts) -> torch.Tensor | None:
             """The grammar's mask after the row's committed tokens and its first n drafts."""
             rid = rows[b]
             state = fresh_state(g, tokens[rid][len(prompts[rid]):] + drafts[b][:n_drafts])

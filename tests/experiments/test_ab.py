@@ -99,11 +99,17 @@ def test_rerun_skips_finished_jobs_and_redoes_an_unfinished_one(healthy, tmp_pat
 
 
 def test_broken_draft_cache_lowers_alpha_and_trips_the_drift_check(healthy, tmp_path):
+    from fake_plugins import LEAKY_DRAFT_PLUGIN, install_fake_plugin
+
     assert specflow("report", str(healthy), "--quiet", cwd=tmp_path).returncode == 0
     broken = tmp_path / "broken"
-    out = specflow("ab", *SMALL, f"hydra.sweep.dir={broken}",
-                   'ab.arms.draft=["proposer=draft","proposer.fault_keep_rejected=true"]',
-                   cwd=tmp_path)
+    site = install_fake_plugin(tmp_path / "site", "fake_specflow_leaky", LEAKY_DRAFT_PLUGIN,
+                               option=("proposer", "leaky_draft"))
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    env.pop("SPECFLOW_DISABLE_PLUGIN_AUTOLOAD", None)
+    out = subprocess.run([SPECFLOW, "ab", *SMALL, f"hydra.sweep.dir={broken}",
+                          'ab.arms.draft=["proposer=leaky_draft","proposer.k=4"]'],
+                         cwd=tmp_path, capture_output=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr.decode()
     out = specflow("report", str(broken), "--baseline", str(healthy / "report.json"),
                    "--max-acceptance-drop", "0.05", cwd=tmp_path)

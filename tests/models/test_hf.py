@@ -45,7 +45,8 @@ def test_lean_forward_matches_transformers(hf_models, arch):
     lens = torch.tensor([6, 4])
     outs = []
     for b in backends:
-        b.reset(0); b.reset(1)
+        b.reset(0)
+        b.reset(1)
         first = b.forward(torch.tensor([0, 1]), ids, lens)
         b.truncate(torch.tensor([0, 1]), [3, 4])                       # roll back row 0
         second = b.forward(torch.tensor([0, 1]), torch.tensor([[1, 2], [3, -1]]), torch.tensor([2, 1]))
@@ -128,10 +129,14 @@ def test_draft_identical_to_target_accepts_every_draft(hf_models):
     assert s["alpha"] == 1.0 and s["num_examined_draft_tokens"] > 100
 
 
-def test_draft_cache_that_keeps_rejected_tokens_lowers_acceptance(hf_models):
+def test_draft_cache_that_keeps_rejected_tokens_lowers_acceptance(hf_models, monkeypatch):
+    from fake_plugins import leak_draft_cache
+
     alphas = []
     for fault in (False, True):
-        pipe = pipeline(hf_models, "proposer=draft", f"proposer.fault_keep_rejected={fault}")
+        if fault:
+            leak_draft_cache(monkeypatch)
+        pipe = pipeline(hf_models, "proposer=draft")
         pipe.generate(PROMPTS, max_new_tokens=48)
         alphas.append(pipe.last_stats["alpha"])
     assert 0.3 < alphas[0] < 1.0

@@ -30,7 +30,8 @@ def test_noise_for_acceptance_inverts_acceptance_for_noise():
 
 def test_logits_depend_on_context_and_truncate_rolls_back():
     m = SyntheticBackend(SyntheticModelConfig(), slots=2)
-    m.reset(0); m.reset(1)
+    m.reset(0)
+    m.reset(1)
     a = m.forward(torch.tensor([0, 1]), torch.tensor([[1, 2, 3], [1, 2, 3]]), torch.tensor([3, 3]))
     assert torch.equal(a[0], a[1])                                # same context, same logits
     assert not torch.equal(a[0, 0], a[0, 1])                      # different contexts
@@ -42,7 +43,8 @@ def test_logits_depend_on_context_and_truncate_rolls_back():
 
 def test_ragged_inputs_write_only_each_rows_tokens():
     m = SyntheticBackend(SyntheticModelConfig(), slots=2)
-    m.reset(0); m.reset(1)
+    m.reset(0)
+    m.reset(1)
     m.forward(torch.tensor([0, 1]), torch.tensor([[1, 2, 3], [4, -1, -1]]), torch.tensor([3, 1]))
     assert m.tokens(0) == [1, 2, 3] and m.tokens(1) == [4]
 

@@ -1,7 +1,7 @@
 """Prefix-reading processors, position by position, against transformers' own processors.
 
 Each shaped position must see its own prefix (committed tokens + the drafts before it): a version
-that used the committed prefix for every position (PITFALLS 12) fails these tests.
+that used the committed prefix for every position (pitfall 12 in docs/design.md) fails these tests.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def shaping(first_draft_index: int, positions: int, seed: int = 0):
 
 
 def run(processor, batch, prompts):
-    for rid, (ids, prompt) in enumerate(zip(batch.token_ids, prompts)):
+    for rid, (_ids, prompt) in enumerate(zip(batch.token_ids, prompts)):
         req = SimpleNamespace(request_id=rid, prompt_ids=prompt)
         if hasattr(processor, "specflow_request_start"):
             processor.specflow_request_start(slot=rid, request=req)

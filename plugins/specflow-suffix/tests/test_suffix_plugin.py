@@ -43,7 +43,8 @@ def test_the_entry_point_is_listed_with_its_package_and_version():
 def test_proposer_suffix_composes_with_its_defaults_and_the_static_policy_reads_k():
     cfg = compose(["proposer=suffix", "proposer.min_token_prob=0.2"])
     assert cfg.proposer.name == "suffix" and cfg.proposer.k == 12 and cfg.policy.k == 12
-    assert cfg.proposer.max_depth == 24 and cfg.proposer.max_cached_requests == 200 and cfg.proposer.min_token_prob == 0.2
+    assert cfg.proposer.max_depth == 24 and cfg.proposer.max_cached_requests == 200
+    assert cfg.proposer.min_token_prob == 0.2
     assert cfg.proposer.cache_path is None and cfg.proposer.use_global is True
 
 

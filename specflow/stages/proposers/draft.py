@@ -21,7 +21,6 @@ from specflow.state import PAD, Proposal
 class DraftProposerConfig:
     name: str = "draft"
     k: int = 4                 # most tokens drafted per round
-    fault_keep_rejected: bool = False  # test-only fault: never roll the draft cache back
 
     def __post_init__(self) -> None:
         if self.k < 0:
@@ -30,8 +29,8 @@ class DraftProposerConfig:
 
 def pending_inputs(token_ids: list[list[int]], cached: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's committed tokens not yet in a cache, right-padded: ([B, T] long, lens [B] long)."""
-    # a cache is never ahead of the committed tokens, except under the test-only fault, where it
-    # still has to be fed the last committed token
+    # a cache is never ahead of the committed tokens; one that was never rolled back (the fault
+    # the tests inject) still has to be fed the last committed token
     pending = [ids[min(n, len(ids) - 1):] for ids, n in zip(token_ids, cached)]
     lens = torch.tensor([len(p) for p in pending], dtype=torch.long)       # [B]
     out = torch.full((len(pending), int(lens.max())), PAD, dtype=torch.long)
@@ -129,7 +128,5 @@ class DraftModelProposer:
 
     @hookimpl
     def specflow_sync_cache(self, batch, result):
-        if self.cfg.fault_keep_rejected:
-            return
         keep = [len(ids) - 1 for ids in batch.token_ids]
         self.model.truncate(batch.slots, keep)

@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 PLUGINS := plugins/specflow-suffix plugins/specflow-trace
 
 # the example plugins' tests run in their own pytest session (autoload on)
-.PHONY: demo test test-fast bench bench-policies sim calibrate wheel-check clean
+.PHONY: demo test test-slow test-all bench bench-policies sim calibrate wheel-check clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,14 +25,17 @@ $(VENV)/.plugins: $(VENV)/.installed $(addsuffix /pyproject.toml,$(PLUGINS))
 	$(PY) -m pip install -q $(foreach p,$(PLUGINS),-e $(p))
 	touch $@
 
+# make test: lint, then every test but the long statistical ones (marked slow); CI runs those too
 test: $(VENV)/.installed $(VENV)/.plugins
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest $(PYTEST_ARGS)
-	$(PY) -m pytest $(PYTEST_ARGS) $(addsuffix /tests,$(PLUGINS))
-
-test-fast: $(VENV)/.installed $(VENV)/.plugins
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS) $(addsuffix /tests,$(PLUGINS))
+
+test-slow: $(VENV)/.installed $(VENV)/.plugins
+	$(PY) -m pytest -m slow $(PYTEST_ARGS)
+	$(PY) -m pytest -m slow $(PYTEST_ARGS) $(addsuffix /tests,$(PLUGINS)) || test $$? -eq 5
+
+test-all: test test-slow
 
 bench: $(VENV)/.installed
 	$(PY) bench/run.py

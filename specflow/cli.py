@@ -342,7 +342,22 @@ def cmd_report(args: list[str]) -> int:
         opts = ap.parse_args(args)
     except SystemExit as exc:
         return 0 if exc.code == 0 else 2
-    return report.main(opts)
+    from specflow.console import console, err_console
+
+    try:
+        summary, drifted = report.write_report(opts.folder, opts.baseline, opts.bootstrap,
+                                               opts.max_acceptance_drop)
+    except SpecflowError as exc:
+        return fail(str(exc))
+    if not opts.quiet:
+        console.print(report.table(summary))
+        if report.repetition_table(summary) is not None:
+            console.print(report.repetition_table(summary))
+        console.print(f"[dim]wrote {opts.folder}/report.md, report.json and plots[/]")
+    for line in drifted:
+        err_console.print(f"specflow: drift: {line}", markup=False, highlight=False,
+                          soft_wrap=True)
+    return 1 if drifted else 0
 
 
 # --- plugins -------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from omegaconf import DictConfig
 
+from specflow import groups
 from specflow.config import compose, option, validate
 from specflow.errors import ConfigError, InputError, PluginError
 from specflow.metrics import MetricsRecorder
@@ -154,7 +155,7 @@ class Pipeline:
         self.no_speculation_reason = f"proposer={cfg.proposer.name}"
         self._register(TargetScorer(self.target), "score.target")
         self._register(TargetCacheSync(self.target), "cache.target")
-        for kind in ("proposer", "verifier", "stop", "policy", "constraint"):
+        for kind in groups.STAGES:
             if cfg.get(kind) is not None:
                 self._register(self._build(kind, ctx), f"{kind}.{cfg[kind].name}")
         # pluggy calls the last registered first: register in reverse so config order holds

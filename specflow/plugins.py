@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import pluggy
 
-from specflow import hookspecs
+from specflow import groups, hookspecs
 from specflow.errors import PluginError, SpecflowError
 
 PROJECT = "specflow"
@@ -26,8 +26,7 @@ DEFAULT_PLUGINS = ("specflow.builtins",)
 
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
-KINDS = ("model", "draft", "proposer", "logits", "constraint", "verifier", "stop", "policy",
-         "workload", "observer")
+KINDS = groups.KINDS
 
 
 @dataclass(frozen=True)

@@ -15,20 +15,20 @@ from typing import Iterator, Sequence
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
+from specflow import groups
 from specflow.errors import ConfigError, SpecflowError
 
 CONFIG_MODULE = "specflow.conf"
-SINGLE_GROUPS = ("model", "draft", "proposer", "constraint", "verifier", "stop", "policy", "workload")
-MULTI_GROUPS = ("logits", "observer")
-GROUPS = SINGLE_GROUPS + MULTI_GROUPS + ("experiment",)
+SINGLE_GROUPS = groups.SINGLE
+MULTI_GROUPS = groups.MULTI
+GROUPS = groups.KINDS + groups.OVERLAYS
 # keys whose values are free text (JSON, regexes, code): quoted for Hydra when given bare, and
 # `${` kept literal (never an interpolation: a prompt may hold shell or JS templates)
 FREE_TEXT_KEYS = ("prompt", "constraint.schema", "constraint.pattern", "constraint.model",
                   "workload.path", "model.path", "draft.path", "calibrate.output")
 # lists of free text, in Hydra's list syntax: `${` in them is kept literal
 FREE_TEXT_LIST_KEYS = ("constraint.choices", "stop.strings", "logits.bad_words.words")
-# groups a run cannot do without: `~model` and the like are refused at compose time
-REQUIRED_GROUPS = ("model", "proposer", "verifier", "stop", "policy", "workload")
+REQUIRED_GROUPS = groups.REQUIRED       # `~model` and the like are refused at compose time
 DEVICES = re.compile(r"^(cpu|auto|cuda(:\d+)?|mps)$")
 DTYPES = ("float32", "float16", "bfloat16", "auto")
 
@@ -248,7 +248,7 @@ def _unknown_key_message(exc, overrides, config_name, config_module) -> str | No
     if not m:
         return None
     key = m.group(1)
-    parent, _, leaf = key.rpartition(".")
+    parent = key.rpartition(".")[0]
     rest = [o for o in overrides if not o.lstrip("+~").startswith(key + "=")]
     try:
         cfg = compose(rest, config_name, config_module)
@@ -391,7 +391,3 @@ def option(cfg: DictConfig, kind: str):
 def resolved_copy(cfg: DictConfig) -> DictConfig:
     """A copy with every interpolation resolved; any `${` left in the values is text."""
     return OmegaConf.create(_escaped(OmegaConf.to_container(cfg, resolve=True)))
-
-
-def to_plain(obj) -> dict:
-    return asdict(obj) if is_dataclass(obj) else OmegaConf.to_container(obj, resolve=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pathlib
 import re
 from collections import Counter
@@ -452,42 +453,25 @@ def read_baseline(path: str) -> dict:
     return old
 
 
-def main(opts) -> int:
-    from specflow.console import console, err_console
-    from specflow.errors import SpecflowError
+def write_report(folder: str | os.PathLike, baseline: str | None = None, n_boot: int = 2000,
+                 max_acceptance_drop: float = 0.05) -> tuple[dict, list[str]]:
+    """Summarize the sweep in `folder`, write report.json, report.md and the plots there, and
+    check acceptance drift against an earlier report.json. Returns (summary, drift findings);
+    raises SpecflowError (a damaged or unfinished sweep, an unreadable baseline, a folder that
+    cannot be written) and never prints."""
     from specflow.experiments import plots
     from specflow.io import atomic_write_json, atomic_write_text
 
-    def error(message) -> int:
-        err_console.print(f"specflow: error: {message}", markup=False, highlight=False,
-                          soft_wrap=True)
-        return 2
-
-    folder = pathlib.Path(opts.folder)
-    try:
-        old = read_baseline(opts.baseline) if opts.baseline else None
-        arms, unfinished = load_sweep(folder)
-        summary = summarize(arms, opts.bootstrap)
-    except SpecflowError as exc:
-        return error(exc)
+    folder = pathlib.Path(folder)
+    old = read_baseline(baseline) if baseline else None
+    arms, unfinished = load_sweep(folder)
+    summary = summarize(arms, n_boot)
     summary["unfinished"] = unfinished
     try:
         atomic_write_json(folder / "report.json", summary)
         atomic_write_text(folder / "report.md", markdown(summary))
         plots.plot_ab(summary, folder)
     except OSError as exc:
-        return error(f"cannot write the report into {str(folder)!r}: {exc.strerror}; make the "
-                     f"folder writable")
-    if not opts.quiet:
-        console.print(table(summary))
-        if repetition_table(summary) is not None:
-            console.print(repetition_table(summary))
-        console.print(f"[dim]wrote {folder}/report.md, report.json and plots[/]")
-    if old is not None:
-        found = drift(summary, old, opts.max_acceptance_drop)
-        for line in found:
-            err_console.print(f"specflow: drift: {line}", markup=False, highlight=False,
-                              soft_wrap=True)
-        if found:
-            return 1
-    return 0
+        raise InputError(f"cannot write the report into {str(folder)!r}: {exc.strerror}; make "
+                         f"the folder writable") from None
+    return summary, ([] if old is None else drift(summary, old, max_acceptance_drop))

@@ -168,9 +168,6 @@ def policy_mix(arms: dict[str, list[str]], mix: dict[str, float], requests: int,
     return out
 
 
-STUDIES = ("k_sweep", "noise_sweep", "best_k", "histogram", "policy_mix")
-
-
 def count_arms(c: dict) -> int:
     """How many pipeline runs the selected studies make (for a progress bar)."""
     studies = set(c["studies"])

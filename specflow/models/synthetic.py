@@ -72,6 +72,10 @@ class SyntheticModelConfig:
             raise ConfigError(f"model.concentration={self.concentration} must be > 0")
         if self.step_cost < 0 or self.token_cost < 0:
             raise ConfigError("model.step_cost and model.token_cost must be >= 0")
+        if not 0 <= self.seed < 2 ** 32:
+            raise ConfigError(f"model.seed={self.seed} must be in [0, 2^32) (numpy's seed range)")
+        if self.max_length < 2:
+            raise ConfigError(f"model.max_length={self.max_length} must be >= 2")
         if self.eos_token_id is not None and not 0 <= self.eos_token_id < self.vocab_size:
             raise ConfigError(f"model.eos_token_id={self.eos_token_id} is outside the vocabulary "
                               f"[0, {self.vocab_size}); use null for no EOS")

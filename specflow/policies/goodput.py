@@ -48,6 +48,12 @@ class GoodputPolicyConfig:
                 raise ConfigError(f"policy.{name}={getattr(self, name)} must be in (0, 1]")
         if not 0 <= self.prior_acceptance <= 1:
             raise ConfigError(f"policy.prior_acceptance={self.prior_acceptance} must be in [0, 1]")
+        if self.prior_draft_cost < 0:
+            raise ConfigError(f"policy.prior_draft_cost={self.prior_draft_cost} must be >= 0")
+        if self.explore_every < 1:
+            raise ConfigError(f"policy.explore_every={self.explore_every} must be >= 1 (rounds)")
+        if self.optimism < 0:
+            raise ConfigError(f"policy.optimism={self.optimism} must be >= 0 (standard errors)")
 
 
 class LinearFit:

@@ -158,3 +158,31 @@ def check_folder_free(folder: str | os.PathLike, what: str = "specflow run",
     holds it (before Hydra writes its .hydra/ files there); does not keep the lock."""
     with folder_lock(folder, what, setting):
         pass
+
+
+def json_type(value) -> str:
+    """The JSON name of a parsed value's type (for messages: `a JSON array`, not `list`)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    return {str: "string", list: "array", dict: "object"}.get(type(value), type(value).__name__)
+
+
+def read_json(path: str | os.PathLike, name: str, fix: str, error: type = None) -> Any:
+    """A JSON file's value, or one line naming `name`, what is wrong and `fix` (raised as `error`,
+    default InputError): unreadable, not UTF-8, or not JSON."""
+    from specflow.errors import InputError
+
+    error = error or InputError
+    try:
+        return json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise error(f"cannot read {name}: {exc.strerror}; {fix}") from None
+    except UnicodeDecodeError as exc:
+        raise error(f"{name} is not UTF-8 text (bad byte at offset {exc.start}); {fix}") from None
+    except json.JSONDecodeError as exc:
+        raise error(f"{name} is not valid JSON ({exc.msg}: line {exc.lineno} column "
+                    f"{exc.colno}); {fix}") from None

@@ -28,7 +28,7 @@ from collections import Counter
 import numpy as np
 
 from specflow.errors import InputError, SpecflowError
-from specflow.experiments.workloads import json_type
+from specflow.io import json_type, read_json
 from specflow.metrics import predicted_speedup
 
 COUNTERS = ("num_target_passes", "num_drafts", "num_draft_tokens", "num_examined_draft_tokens",
@@ -432,18 +432,7 @@ def table(summary: dict):
 def read_baseline(path: str) -> dict:
     """An earlier report.json for the drift check: an object with an `arms` object whose rows
     carry a numeric `alpha`."""
-    try:
-        old = json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise InputError(f"cannot read --baseline {path!r}: {exc.strerror}; give the report.json "
-                         f"of an earlier sweep") from None
-    except UnicodeDecodeError as exc:
-        raise InputError(f"--baseline {path!r} is not UTF-8 (bad byte at offset {exc.start}); "
-                         f"give the report.json of an earlier sweep") from None
-    except json.JSONDecodeError as exc:
-        raise InputError(f"--baseline {path!r} is not valid JSON ({exc.msg}: line "
-                         f"{exc.lineno} column {exc.colno}); give the report.json of an "
-                         f"earlier sweep") from None
+    old = read_json(path, f"--baseline {path!r}", "give the report.json of an earlier sweep")
     rows = old.get("arms") if isinstance(old, dict) else None
     if not isinstance(rows, dict) or not all(
             isinstance(r, dict) and _is(r.get("alpha"), (int, float)) for r in rows.values()):

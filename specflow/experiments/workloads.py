@@ -6,6 +6,7 @@ import pathlib
 from dataclasses import dataclass, field
 
 from specflow.errors import ConfigError, InputError
+from specflow.io import json_type
 
 
 @dataclass
@@ -61,17 +62,6 @@ def apply_chat_template(prompts: list[str], tokenizer, mode: str) -> list[str]:
                           "workload.chat=auto or off")
     return [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                     add_generation_prompt=True) for p in prompts]
-
-
-def json_type(value) -> str:
-    """The JSON name of a parsed value's type (for messages: `a JSON array`, not `list`)."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, (int, float)):
-        return "number"
-    return {str: "string", list: "array", dict: "object"}.get(type(value), type(value).__name__)
 
 
 def _shown(value, width: int = 40) -> str:

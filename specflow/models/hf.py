@@ -109,7 +109,6 @@ def _brief(exc: BaseException) -> str:
 def check_model_dir(path: str, name: str, role: str = "model") -> None:
     """Refuse a folder from_pretrained cannot load, naming the file: no config.json, a config
     that is not JSON or has no model_type, a damaged safetensors file (header check only)."""
-    import json
 
     folder = pathlib.Path(path)
     what = f"{role}.path={name!r}"
@@ -126,20 +125,13 @@ def check_model_dir(path: str, name: str, role: str = "model") -> None:
         raise ConfigError(f"{what} has no config.json, so it is not a saved model; point "
                           f"{role}.path at a folder that save_pretrained wrote (config.json, "
                           f"weights, tokenizer)")
-    try:
-        parsed = json.loads(config.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{what}: config.json is not UTF-8 text (bad byte at offset "
-                          f"{exc.start}); restore config.json from the model's source") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{what}: config.json is not valid JSON ({exc.msg}: line "
-                          f"{exc.lineno} column {exc.colno}); restore config.json from the "
-                          f"model's source") from None
+    from specflow.io import json_type, read_json
+
+    parsed = read_json(config, f"{what}: config.json", "restore config.json from the model's "
+                       "source", ConfigError)
     if not isinstance(parsed, dict):
-        kind = {list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
-            type(parsed), "number")
-        raise ConfigError(f"{what}: config.json holds a JSON {kind}, not an object; restore "
-                          f"config.json from the model's source")
+        raise ConfigError(f"{what}: config.json holds a JSON {json_type(parsed)}, not an object; "
+                          f"restore config.json from the model's source")
     if not parsed.get("model_type") or not isinstance(parsed["model_type"], str):
         raise ConfigError(f"{what}: config.json has no model_type string, so transformers "
                           f"cannot tell the architecture; restore config.json from the model's "

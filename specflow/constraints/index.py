@@ -185,8 +185,16 @@ def load_schema(schema: str | None, model: str | None) -> str:
         from specflow.stages.hf_processor import import_object
 
         cls = import_object(model)
-        if not hasattr(cls, "model_json_schema"):
-            raise ConfigError(f"constraint.model={model!r} is not a pydantic model class")
+        try:
+            import pydantic
+            is_model = isinstance(cls, type) and issubclass(cls, pydantic.BaseModel)
+        except ImportError:
+            raise ConfigError("constraint.model needs pydantic; pip install pydantic, or give "
+                              "the JSON Schema as constraint.schema") from None
+        if not is_model:
+            raise ConfigError(f"constraint.model={model!r} is not a pydantic model class (a "
+                              f"subclass of pydantic.BaseModel); give one, or the JSON Schema as "
+                              f"constraint.schema")
         return json.dumps(cls.model_json_schema())
     if not schema:
         raise ConfigError("constraint=json_schema needs constraint.schema (inline JSON or a .json "

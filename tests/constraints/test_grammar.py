@@ -183,3 +183,9 @@ def test_index_cache_is_keyed_by_the_vocabulary_not_the_object_id():
     a, b = Tok({"a": 0, "b": 1}), Tok({"a": 0, "c": 1})
     assert index.vocab_key(a, 2) != index.vocab_key(b, 2)
     assert index.vocab_key(a, 2) == index.vocab_key(Tok({"b": 1, "a": 0}), 2)
+
+
+@pytest.mark.parametrize("path", ["json:loads", "os:getcwd", "collections:OrderedDict"])
+def test_constraint_model_must_be_a_pydantic_model(path):
+    with pytest.raises(ConfigError, match="is not a pydantic model class"):
+        Pipeline.from_config(["proposer=ngram", "constraint=json_schema", f"constraint.model={path}"])

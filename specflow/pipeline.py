@@ -229,12 +229,16 @@ class Pipeline:
         """
         shaping = ShapingBatch(logits.float(), token_ids, draft_token_ids, first_draft_index,
                                request_ids, source)
+        if source == "target":     # the model's own verdict, before a stage may edit in place
+            raw_unusable = ~torch.isfinite(shaping.logits.amax(-1))                   # [B, P]
         self.hook.specflow_mask_logits(shaping=shaping)
         self.hook.specflow_process_logits(shaping=shaping)
         shaped, unusable = mark_empty(shaping.logits)                               # [B, P, V]
-        self.empty_rows.add(ShapeCall(source, list(request_ids), token_ids, draft_token_ids,
-                                      first_draft_index, unusable,
-                                      logits if source == "target" else None))
+        if source == "target":
+            # a draft row is never an error by itself: its stand-in q is exact (the draft is
+            # sampled from it), and the target's row at the same prefix decides
+            self.empty_rows.add(ShapeCall(source, list(request_ids), token_ids, draft_token_ids,
+                                          first_draft_index, unusable, raw_unusable))
         return shaped
 
     def _shaping_stages(self) -> list[tuple[str, Callable]]:
@@ -246,11 +250,12 @@ class Pipeline:
                     stages.append((impl.plugin_name, impl.function))
         return stages
 
-    def _check_empty_rows(self, batch: DecodeBatch, num_accepted: torch.Tensor) -> None:
-        """Raise for a shaped position with no usable token that this round reached."""
-        hit = self.empty_rows.first_counted(batch.request_ids, num_accepted)
+    def _check_empty_rows(self, batch: DecodeBatch, consumed: list[int]) -> None:
+        """Raise for a shaped position with no usable token that plain decoding would have
+        sampled from: position p of row b counts when p < consumed[b] (accepted drafts plus the
+        recovered or bonus token, cut after an EOS or stop)."""
+        hit = self.empty_rows.first_counted(batch.request_ids, consumed)
         if hit is None:
-            self.empty_rows.clear()
             return
         call, row, position = hit
 
@@ -490,8 +495,14 @@ class Pipeline:
                                   f"configured one from {owner}) {problem}: fix the proposer")
 
     def _round(self, batch: DecodeBatch, round_index: int):
-        hook, seconds = self.hook, {}
         self.empty_rows.clear()
+        try:
+            return self._round_stages(batch, round_index)
+        finally:        # nothing recorded outlives its round (an error, Ctrl-C included)
+            self.empty_rows.clear()
+
+    def _round_stages(self, batch: DecodeBatch, round_index: int):
+        hook, seconds = self.hook, {}
         sim_before = dict(self.clock.by_source)
         t0 = time.perf_counter()
         k = hook.specflow_draft_length(batch=batch)
@@ -518,9 +529,11 @@ class Pipeline:
         # greedy verification reads only the argmax, which softmax does not change
         probs = shaped if batch.greedy else shaped.softmax(-1)
         verified = hook.specflow_verify(batch=batch, proposal=proposal, target_probs=probs)
-        self._check_empty_rows(batch, verified.num_accepted)
         t4 = time.perf_counter()
         trim = hook.specflow_trim(batch=batch, verified=verified)
+        # before the committed tokens join the prefixes the shape calls recorded
+        self._check_empty_rows(batch, trim.consumed if trim.consumed is not None
+                               else (verified.num_accepted + 1).tolist())
         for ids, new in zip(batch.token_ids, trim.committed):
             ids.extend(new)
         t5 = time.perf_counter()

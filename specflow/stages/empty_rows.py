@@ -6,15 +6,17 @@ from such a row would pick an arbitrary token, usually id 0, silently. So:
 
 - shape() marks such rows and hands on a harmless stand-in (all zeros: uniform), so the verifier
   and a draft's sampler never see NaN;
-- after verification, a marked position counts only if the round reached it: position p of a
-  call whose first draft index is f sits at depth d = f + p, and depth d is examined iff the row
-  accepted at least d drafts. Positions past a rejection are never used (plain decoding need not
-  pass there), so they raise nothing: speculation changes no outcome, errors included;
+- after the stop trimmer, a marked target position p counts only if plain decoding would have
+  sampled from it: p < consumed, the accepted drafts plus the recovered or bonus token, cut after
+  the EOS or stop that ended the row. Positions past a rejection or past the end raise nothing:
+  speculation changes no outcome, errors included;
 - a counted position is an `EmptyDistributionError` whose one line names the request, the token,
   and the cause, found by replaying the shaping stages one by one on that row.
 
-The stand-in is exact: where a draft's row was replaced, q is uniform and the draft is sampled from
-that same q, so the verifier still sees the distribution the draft came from.
+A draft's rows are marked and replaced too but never raise: the draft is sampled from the
+stand-in q and the verifier gets that same q, so the round stays exact, and the target's row at
+the same prefix (same masks, same processors) decides whether settings conflict. A draft model
+whose own logits are NaN shows as low acceptance, not as an error.
 """
 from __future__ import annotations
 
@@ -49,8 +51,9 @@ class ShapeCall:
     token_ids: list[list[int]]       # [B'][L] committed tokens (live lists, checked before trim)
     draft_token_ids: torch.Tensor    # [B', D]
     first_draft_index: int
-    unusable: torch.Tensor           # [B', P] bool
-    raw: torch.Tensor | None         # [B', P, V] the logits before shaping (target only)
+    unusable: torch.Tensor           # [B', P] bool, after shaping
+    raw_unusable: torch.Tensor | None = None   # [B', P] bool, the model's own logits (before
+                                     # shaping: a stage may edit them in place afterwards)
 
 
 class EmptyRowLog:
@@ -65,29 +68,29 @@ class EmptyRowLog:
     def add(self, call: ShapeCall) -> None:
         self.calls.append(call)
 
-    def first_counted(self, request_ids: list[int], num_accepted: torch.Tensor
+    def first_counted(self, request_ids: list[int], consumed: list[int]
                       ) -> tuple[ShapeCall, int, int] | None:
-        """The first (call, row, position) marked unusable at a depth its row reached, or None.
+        """The first (call, row, position) marked unusable that plain decoding would have
+        sampled from, or None.
 
-        num_accepted: [B] accepted drafts per row of the round batch (request_ids order).
-        One host read for the whole round, and none when nothing was marked.
+        consumed: [B] per row of the round batch (request_ids order), the positions sampled from
+        this round. One host read for the whole round.
         """
         if not self.calls:
             return None
         where = {rid: b for b, rid in enumerate(request_ids)}
         counted = []
         for call in self.calls:
-            rows = torch.tensor([where[r] for r in call.request_ids], device=num_accepted.device)
+            device = call.unusable.device
+            limit = torch.tensor([consumed[where[r]] for r in call.request_ids], device=device)
             P = call.unusable.shape[1]
-            depth = call.first_draft_index + torch.arange(P, device=num_accepted.device)   # [P]
-            reached = depth[None, :] <= num_accepted[rows][:, None]                       # [B', P]
-            counted.append(call.unusable.to(reached.device) & reached)
+            depth = call.first_draft_index + torch.arange(P, device=device)              # [P]
+            reached = depth[None, :] < limit[:, None]                                   # [B', P]
+            counted.append(call.unusable & reached)
         flags = torch.stack([c.any() for c in counted])                       # [calls]
         if not bool(flags.any()):
             return None
-        # the target's view first: a draft marked at a depth is usually the same cause
-        order = sorted(range(len(self.calls)), key=lambda i: self.calls[i].source != "target")
-        for i in order:
+        for i in range(len(self.calls)):
             hits = counted[i].nonzero()
             if len(hits):
                 b, p = hits[0].tolist()
@@ -108,14 +111,13 @@ def diagnose(call: ShapeCall, row: int, position: int, stages: list[StageFn], ma
     uniform logits, which finds every cause but the draft model's own numbers.
     """
     P = call.unusable.shape[1]
-    if call.raw is not None:
-        logits = call.raw[row:row + 1].float().clone()                         # [1, P, V]
-        if _broken(logits[0, position]):
-            return (f"the {call.source} model's logits are NaN or infinite here (a numerical "
-                    f"fault in the model or its weights; dtype=float32 avoids half-precision "
-                    f"overflow)")
-    else:
-        logits = torch.zeros(1, P, vocab_size)                                 # [1, P, V]
+    if call.raw_unusable is not None and bool(call.raw_unusable[row, position]):
+        return (f"the {call.source} model's logits are NaN, infinite or all -inf here (a "
+                f"numerical fault in the model or its weights; dtype=float32 avoids "
+                f"half-precision overflow)")
+    # the masks and processors, replayed on uniform logits: they depend on the prefix, not on
+    # the values (the model's own logits were fine, and are not kept)
+    logits = torch.zeros(1, P, vocab_size)                                     # [1, P, V]
     before, narrowed = _allowed(logits[0, position]), None
     for name, fn in stages:
         shaping = make_shaping(logits, call, row)
@@ -133,9 +135,9 @@ def diagnose(call: ShapeCall, row: int, position: int, stages: list[StageFn], ma
         if allowed < before:
             narrowed = (name, allowed)
         before = allowed
-    return (f"the {call.source} model's logits are NaN or -inf wherever the shaping stages "
-            f"allow a token (a numerical fault in the model, or a draft vocabulary that lacks "
-            f"the allowed tokens)")
+    return ("a shaping stage that depends on the logits' values turned them into NaN or "
+            "removed every token (a temperature so small it overflows, say); check the "
+            "logits settings")
 
 
 def _broken(row: torch.Tensor) -> bool:

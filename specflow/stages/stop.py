@@ -70,6 +70,7 @@ class RowStop:
     stop_ids: frozenset[int]
     text: IncrementalText | None  # only when stop strings are set
     generated: int = 0
+    consumed: int = 0             # last round: chunk tokens sampled up to and including the end
 
 
 @dataclass
@@ -78,6 +79,8 @@ class TrimResult:
     finish_reasons: list[str | None]    # [B] "stop" | "eos" | "length" | None
     retract: list[int] = field(default_factory=list)  # [B] earlier-committed tokens to take back:
                                         # a stop string that began in a previous round
+    consumed: list[int] | None = None   # [B] chunk tokens plain decoding would have sampled this
+                                        # round: up to and including the one that ended the row
 
 
 class StopTrimmer:
@@ -105,23 +108,26 @@ class StopTrimmer:
     @hookimpl
     def specflow_trim(self, batch, verified):
         chunks = verified.out_token_ids.tolist()   # the round's one host sync: stop checks need ids
-        result = TrimResult([], [], [])
+        result = TrimResult([], [], [], [])
         for rid, chunk in zip(batch.request_ids, chunks):
             tokens, reason, retract = self.trim_row(self.rows[rid], [t for t in chunk if t != PAD])
             result.committed.append(tokens)
             result.finish_reasons.append(reason)
             result.retract.append(retract)
+            result.consumed.append(self.rows[rid].consumed)
         return result
 
     def trim_row(self, row: RowStop, chunk: list[int]):
         """-> (tokens to commit, finish_reason, earlier-committed tokens to take back)"""
         allowed = row.max_new_tokens - row.generated
         capped = chunk[:allowed]
+        row.consumed = len(capped)
         # earliest stop token id (completes at its own index)
         cut, reason = len(capped), None
         for i, t in enumerate(capped):
             if t in row.stop_ids:
                 cut, reason = i, ("eos" if t in self.eos_ids else "stop")
+                row.consumed = i + 1
                 break
         keep, retract = capped[:cut], 0
         if row.text is not None:
@@ -142,6 +148,7 @@ class StopTrimmer:
             if hit is None:
                 continue
             start, _ = hit
+            row.consumed = i + 1
             if self.cfg.include_stop_str:
                 return tokens[:i + 1], "stop", 0
             # keep the tokens whose text ends at or before the stop string's start; the string

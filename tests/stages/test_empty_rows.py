@@ -30,18 +30,19 @@ def _call(source, rids, first, unusable):
                      u, None)
 
 
-def test_only_positions_the_round_reached_count():
+def test_only_positions_plain_decoding_samples_from_count():
     log = EmptyRowLog()
-    # target positions 0..3 of rows 7 and 8; row 7 has position 2 empty
+    # target positions 0..3 of rows 7 and 8; row 7 has position 2 empty. consumed = positions
+    # sampled from: accepted drafts + 1, cut after an EOS or stop
     log.add(_call("target", [7, 8], 0, [[False, False, True, False], [False] * 4]))
-    assert log.first_counted([7, 8], torch.tensor([1, 3])) is None     # rejected at draft 2
-    call, row, pos = log.first_counted([7, 8], torch.tensor([2, 0]))   # reached
+    assert log.first_counted([7, 8], [2, 4]) is None       # draft 2 rejected, or a stop at 1
+    call, row, pos = log.first_counted([7, 8], [3, 1])    # reached
     assert (call.source, row, pos) == ("target", 0, 2)
-    # a draft step (first draft index 1) of row 8 only: depth 1
+    # a call whose first draft index is 1, row 8 only: its position 0 sits at depth 1
     log.clear()
-    log.add(_call("draft", [8], 1, [[True]]))
-    assert log.first_counted([7, 8], torch.tensor([3, 0])) is None
-    assert log.first_counted([7, 8], torch.tensor([0, 1]))[1:] == (0, 0)
+    log.add(_call("target", [8], 1, [[True]]))
+    assert log.first_counted([7, 8], [4, 1]) is None
+    assert log.first_counted([7, 8], [1, 2])[1:] == (0, 0)
 
 
 CHOICE = ["constraint=choice", "constraint.choices=[yes,no]"]
@@ -83,7 +84,7 @@ def test_nan_target_logits_are_an_error_naming_the_model(proposer):
     with pytest.raises(SpecflowError) as info:
         pipe.generate(["ab", "cd"], max_new_tokens=20)
     assert "request 1, output token" in str(info.value)
-    assert "the target model's logits are NaN or infinite" in str(info.value)
+    assert "the target model's logits are NaN, infinite or all -inf" in str(info.value)
 
 
 class NanProcessor:
@@ -141,3 +142,84 @@ def test_unreached_empty_positions_raise_nothing_and_change_nothing(sampling):
     assert all(BANNED not in r.token_ids for r in got)
     if not sampling:
         assert [r.token_ids for r in got] == [r.token_ids for r in expected]
+
+
+FIRST = 31     # the only token allowed first; a stop token, after which nothing is allowed
+
+
+class OnlyFirstThenNothing:
+    """A request must start with token 31 (a stop token), and nothing may follow it. Plain
+    decoding samples 31 and stops; it never shapes the position after it."""
+
+    def __init__(self, prompt_len):
+        self.prompt_len = prompt_len
+
+    @hookimpl
+    def specflow_process_logits(self, shaping):
+        logits = shaping.logits.clone()
+        for b in range(logits.shape[0]):
+            for p in range(logits.shape[1]):
+                prefix = shaping.prefix(b, p)
+                if len(prefix) == self.prompt_len:
+                    keep = logits[b, p, FIRST].clone()
+                    logits[b, p] = -INF
+                    logits[b, p, FIRST] = keep
+                elif prefix[-1] == FIRST:
+                    logits[b, p] = -INF
+        shaping.logits = logits
+
+
+class ProposeFirstTwice:
+    @hookimpl
+    def specflow_propose(self, batch, k):
+        ks = k.clamp(max=2)
+        ids = torch.full((batch.size, 2), FIRST, dtype=torch.long)
+        return Proposal(torch.where(torch.arange(2)[None, :] < ks[:, None], ids, PAD))
+
+
+def test_positions_after_an_accepted_stop_raise_nothing():
+    common = ["model=synthetic", "draft=synthetic", f"stop.token_ids=[{FIRST}]"]
+    plain = Pipeline.from_config([*common, "proposer=none"])
+    plain.register(OnlyFirstThenNothing(2), name="logits.first")
+    expected = plain.generate(["ab"], max_new_tokens=8)
+    assert expected[0].finish_reason == "stop"
+    spec = Pipeline.from_config([*common, "proposer=ngram", "proposer.k=2"],
+                                plugins=[ProposeFirstTwice()])
+    spec.register(OnlyFirstThenNothing(2), name="logits.first")
+    got = spec.generate(["ab"], max_new_tokens=8)
+    assert spec.last_stats["num_accepted_tokens"] == 1      # the stop token was a draft
+    assert [(r.token_ids, r.finish_reason) for r in got] == \
+        [(r.token_ids, r.finish_reason) for r in expected]
+
+
+class NanOnTheDraftOnly:
+    """Stands for a draft model whose logits overflow (a processor never branches on source)."""
+
+    @hookimpl
+    def specflow_process_logits(self, shaping):
+        if shaping.source == "draft":
+            shaping.logits = shaping.logits * float("nan")
+
+
+def test_a_broken_draft_alone_is_no_error_and_changes_nothing():
+    common = ["model=synthetic", "draft=synthetic"]
+    expected = Pipeline.from_config([*common, "proposer=none"]).generate(["ab", "cd"],
+                                                                         max_new_tokens=16)
+    spec = Pipeline.from_config([*common, "proposer=draft"])
+    spec.register(NanOnTheDraftOnly(), name="logits.draft_nan")
+    got = spec.generate(["ab", "cd"], max_new_tokens=16)
+    assert [r.token_ids for r in got] == [r.token_ids for r in expected]
+    assert spec.last_stats["num_draft_tokens"] > 0
+
+
+class NanInPlace:
+    @hookimpl
+    def specflow_process_logits(self, shaping):
+        shaping.logits.mul_(float("nan"))
+
+
+def test_a_stage_editing_logits_in_place_is_still_named():
+    pipe = Pipeline.from_config(["model=synthetic", "draft=synthetic", "proposer=none"])
+    pipe.register(NanInPlace(), name="logits.in_place")
+    with pytest.raises(EmptyDistributionError, match="logits.in_place turned the logits into NaN"):
+        pipe.generate(["ab"], max_new_tokens=4)

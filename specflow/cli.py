@@ -212,9 +212,8 @@ def calibrate_task(cfg) -> None:
         cfg = validate(cfg)
         prompts = read_prompts(cfg)
         cal = cfg.calibrate
+        calibrate.check_settings(cal)
         sizes = sorted(int(b) for b in cal.batch_sizes)
-        if not sizes or sizes[0] < 1 or not 0 <= float(cal.margin) < 1:
-            raise SpecflowError("calibrate.batch_sizes must be >= 1 and calibrate.margin in [0, 1)")
         with Progress(console=console, transient=True,
                       disable=os.environ.get("SPECFLOW_QUIET") == "1") as bar:
             task = bar.add_task("load sweep (batch sizes x on/off x repetitions)", total=len(sizes))

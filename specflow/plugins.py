@@ -266,15 +266,16 @@ def _frames(exc: BaseException) -> list:
 
 
 def _hook_impls(pm) -> dict:
-    """code object -> (hook name, HookImpl) for every specflow hook implementation in `pm`."""
-    out = {}
+    """code object -> [(hook name, HookImpl)] for every specflow hook implementation in `pm`
+    (several when instances of one class, or subclasses, share the function)."""
+    out: dict = {}
     for hook_name in dir(pm.hook):
         if not hook_name.startswith("specflow_"):
             continue
         for impl in getattr(pm.hook, hook_name).get_hookimpls():
             code = getattr(impl.function, "__code__", None)
             if code is not None:
-                out[code] = (hook_name, impl)
+                out.setdefault(code, []).append((hook_name, impl))
     return out
 
 
@@ -287,8 +288,10 @@ def _raising_hook_impl(exc: BaseException, pm):
     impls = _hook_impls(pm)
     found = None
     for frame in _frames(exc):
-        if frame.f_code in impls:
-            found = (*impls[frame.f_code], frame)
+        candidates = impls.get(frame.f_code)
+        if candidates:      # the instance whose method this frame runs, when there are several
+            own = [c for c in candidates if c[1].plugin is frame.f_locals.get("self")]
+            found = (*(own or candidates)[0], frame)
     return found
 
 

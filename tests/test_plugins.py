@@ -281,3 +281,23 @@ def test_a_search_path_in_hydras_slash_form_works_and_a_broken_one_names_the_plu
     with pytest.raises(PluginError, match=r"plugin fake_specflow_nopkg \(fake-specflow-nopkg "
                                           r"0\.3\.1\) gives config search path"):
         plugins.config_searchpath()
+
+
+def test_blame_names_the_instance_that_raised_among_instances_of_one_class():
+    from specflow import Pipeline
+
+    class Obs:
+        def __init__(self, bad):
+            self.bad = bad
+
+        @hookimpl
+        def specflow_observe(self, result):
+            if self.bad:
+                raise KeyError("broken observer")
+
+    pipe = Pipeline.from_config(["model=synthetic", "draft=synthetic"])
+    pipe.register(Obs(False), name="observer.good")
+    pipe.register(Obs(True), name="observer.bad")
+    pipe.register(Obs(False), name="observer.also_good")
+    with pytest.raises(PluginError, match=r"plugin observer\.bad "):
+        pipe.generate(["ab"], max_new_tokens=4)

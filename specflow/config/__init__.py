@@ -26,6 +26,10 @@ GROUPS = groups.KINDS + groups.OVERLAYS
 # `${` kept literal (never an interpolation: a prompt may hold shell or JS templates)
 FREE_TEXT_KEYS = ("prompt", "constraint.schema", "constraint.pattern", "constraint.model",
                   "workload.path", "model.path", "draft.path", "calibrate.output")
+# maps whose keys are the user's (token ids, kwargs, fields): `key={...}` may add keys, which
+# Hydra's struct mode refuses for a plain override, so it is given as `++key={...}` (a merge)
+FREE_DICT_KEYS = ("logits.logit_bias.bias", "logits.hf.kwargs", "workload.where",
+                  "draft.noise_by_prefix")
 # lists of free text, in Hydra's list syntax: `${` in them is kept literal
 FREE_TEXT_LIST_KEYS = ("constraint.choices", "stop.strings", "logits.bad_words.words")
 REQUIRED_GROUPS = groups.REQUIRED       # `~model` and the like are refused at compose time
@@ -101,8 +105,15 @@ def normalize_overrides(overrides: Sequence[str]) -> list[str]:
             item = f"{m.group(1)}={m.group(2)}"
         m = re.match(r"^(\+{0,2}(?:%s))=(.*)$" % "|".join(map(re.escape, FREE_TEXT_KEYS)), item,
                      flags=re.S)
-        if m and m.group(2) and m.group(2)[0] not in "'\"" and m.group(2) not in ("null", "-"):
-            item = f"{m.group(1)}={hydra_quote(m.group(2))}"
+        if m and m.group(2) and m.group(2) not in ("null", "-"):
+            value = m.group(2)
+            if QUOTED.match(value):     # quoted Hydra's way: Hydra unquotes, `${` stays text
+                item = f"{m.group(1)}=" + re.sub(r"(?<!\\)\$\{", r"\\${", value)
+            else:
+                item = f"{m.group(1)}={hydra_quote(value)}"
+        m = re.match(r"^(?:%s)=\{.*\}$" % "|".join(map(re.escape, FREE_DICT_KEYS)), item, flags=re.S)
+        if m:
+            item = "++" + item
         m = re.match(r"^(\+{0,2}(?:%s))=(\[.*)$" % "|".join(map(re.escape, FREE_TEXT_LIST_KEYS)),
                      item, flags=re.S)
         if m:
@@ -146,6 +157,10 @@ def _quote_list(value: str) -> str:
         else:
             out.append(hydra_quote(element))
     return "[" + ",".join(out) + "]"
+
+
+# one whole quoted Hydra string: 'it\'s' or "say \"hi\"" (not `"Hello," she said`)
+QUOTED = re.compile(r"""^(['"])(?:(?!\1)[^\\]|\\.)*\1$""", flags=re.S)
 
 
 def escape_interpolation(text: str) -> str:
@@ -199,7 +214,10 @@ def compose(overrides: Sequence[str] = (), config_name: str = "config",
     _refuse_deleted_groups(overrides)
     cfg = _hydra_compose(overrides, config_name, config_module)
     _refuse_new_root_keys(cfg, overrides, config_name, config_module)
-    return validate(cfg)
+    try:
+        return validate(cfg)
+    except OmegaConfBaseException as exc:    # an interpolation in a value, say
+        raise ConfigError(one_line_hydra_error(exc)) from None
 
 
 def _hydra_compose(overrides: Sequence[str], config_name: str, config_module: str) -> DictConfig:
@@ -229,13 +247,13 @@ def _refuse_new_root_keys(cfg: DictConfig, overrides: Sequence[str], config_name
                           config_module: str) -> None:
     """`+foo=1` adds a root key nothing reads: a typo that would otherwise pass silently."""
     added = [item for item in overrides
-             if (m := re.match(r"^\+{1,2}(\w+)=", item)) and m.group(1) not in GROUPS
+             if (m := re.match(r"^\+{1,2}(\w+)[.=]", item)) and m.group(1) not in GROUPS
              and m.group(1) != "hydra"]
     if not added:
         return
     base = _hydra_compose([o for o in overrides if o not in added], config_name, config_module)
     for item in added:
-        key = re.match(r"^\+{1,2}(\w+)=", item).group(1)
+        key = re.match(r"^\+{1,2}(\w+)[.=]", item).group(1)
         if key not in base:
             keys = ", ".join(str(k) for k in base.keys())
             raise ConfigError(f"unknown config key {key!r} (from {item}); the root config has: "
@@ -299,6 +317,8 @@ def _schema_node(kind: str, node: DictConfig, where: str):
     except OmegaConfBaseException as exc:
         msg = str(exc).splitlines()[0]
         key = getattr(exc, "full_key", None) or ""
+        if key == where or key.startswith(where + "."):     # OmegaConf may give the full path
+            key = key[len(where) + 1:]
         valid = ", ".join(f.name for f in component.schema.__dataclass_fields__.values())
         fix = "; give a value of that type" if "could not be converted" in msg else ""
         raise ConfigError(f"{where}{'.' + key if key else ''}: {msg}{fix} "

@@ -45,8 +45,9 @@ def check_experiment(cfg: DictConfig) -> DictConfig:
     if ab.baseline not in arms:
         raise ConfigError(f"ab.baseline={ab.baseline!r} is not one of the arms "
                           f"({', '.join(arms)})")
-    if int(ab.repetitions) < 1:
-        raise ConfigError(f"ab.repetitions={ab.repetitions} must be >= 1")
+    reps = ab.repetitions
+    if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
+        raise ConfigError(f"ab.repetitions={reps!r} must be a whole number >= 1")
     return ab
 
 

@@ -54,6 +54,27 @@ class NoisyCalibration(ConfigError):
     quieter machine."""
 
 
+def check_settings(cal) -> None:
+    """The calibrate section's values: whole numbers where counts are meant, finite fractions."""
+    import math
+
+    def whole(key, lo):
+        value = cal.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+            raise ConfigError(f"calibrate.{key}={value!r} must be a whole number >= {lo}")
+
+    for key, lo in (("new_tokens", 1), ("repetitions", 1), ("min_requests", 1), ("warmup", 0)):
+        whole(key, lo)
+    sizes = list(cal.get("batch_sizes") or [])
+    if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes):
+        raise ConfigError(f"calibrate.batch_sizes={sizes!r} must be a list of whole numbers >= 1")
+    for key, lo, hi in (("margin", 0.0, 1.0), ("tolerance", 0.0, 1.0)):
+        value = cal.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                not math.isfinite(value) or not lo <= value < hi:
+            raise ConfigError(f"calibrate.{key}={value!r} must be a number in [{lo}, {hi})")
+
+
 def calibrated_path(output: str | None) -> pathlib.Path:
     """Where policy/calibrated.yaml goes: an explicit path, $SPECFLOW_CONFIG_PATH, or the package's
     own conf folder (both are on the config search path, so `policy=calibrated` finds it)."""

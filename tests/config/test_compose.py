@@ -156,3 +156,28 @@ def test_every_numeric_policy_field_is_range_checked(override, needle):
 def test_synthetic_model_fields_are_range_checked(override, needle):
     with pytest.raises(ConfigError, match=re.escape(needle)):
         compose(["model=synthetic", "draft=synthetic", override])
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["+foo.bar=1"], "unknown config key 'foo' (from +foo.bar=1)"),
+    (["proposer=ngram", "proposer.k=${oops}"], "proposer.k: Interpolation key 'oops' not found"),
+    (["experiment=demo_proposers", "ab.repetitions=nan"], "ab.repetitions=nan must be a whole number"),
+])
+def test_more_bad_values_are_one_line(overrides, needle):
+    from specflow.experiments.ab import check_experiment
+
+    with pytest.raises(ConfigError) as info:
+        check_experiment(compose(overrides))
+    assert needle in str(info.value) and "proposer.proposer" not in str(info.value)
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("calibrate.repetitions=nan", "calibrate.repetitions=nan must be a whole number >= 1"),
+    ("calibrate.batch_sizes=[1,0]", "calibrate.batch_sizes=[1, 0] must be a list"),
+    ("calibrate.margin=inf", "calibrate.margin=inf must be a number in [0.0, 1.0)"),
+])
+def test_calibrate_settings_are_checked(override, needle):
+    from specflow.experiments.calibrate import check_settings
+
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        check_settings(compose([override], config_name="calibrate").calibrate)

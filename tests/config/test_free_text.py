@@ -85,3 +85,24 @@ def test_the_cli_keeps_a_prompt_with_dollar_braces(tmp_path):
     assert out.returncode == 0, out.stderr.decode()
     rows = [json.loads(line) for line in (tmp_path / "run/requests.jsonl").read_text().splitlines()]
     assert [r["prompt"] for r in rows] == [prompt]
+
+
+@pytest.mark.parametrize("value,expected", [
+    ('"Hello," she said', '"Hello," she said'),     # starts with a quote, is not one string
+    ("'quoted' text", "'quoted' text"),
+    ("'${x}'", "${x}"),                              # quoted Hydra's way: unquoted, still text
+    ("'it\\'s'", "it's"),
+])
+def test_values_that_start_with_a_quote(value, expected):
+    assert compose([*SYN, f"prompt={value}"]).prompt == expected
+
+
+def test_dict_options_take_new_keys_and_minus_inf_bans_a_token():
+    from specflow import Pipeline
+
+    pipe = Pipeline.from_config([*SYN, "logits=[logit_bias]", "logits.logit_bias.bias={5: -inf}"])
+    assert pipe.cfg.logits.logit_bias.bias[5] == float("-inf")
+    plain = Pipeline.from_config(SYN).generate(["ab", "cd", "ef"], max_new_tokens=40)
+    banned = pipe.generate(["ab", "cd", "ef"], max_new_tokens=40)
+    assert any(5 in r.token_ids for r in plain)          # the ban has something to do
+    assert all(5 not in r.token_ids for r in banned)

@@ -233,7 +233,9 @@ class Pipeline:
             raw_unusable = ~torch.isfinite(shaping.logits.amax(-1))                   # [B, P]
         self.hook.specflow_mask_logits(shaping=shaping)
         self.hook.specflow_process_logits(shaping=shaping)
-        shaped, unusable = mark_empty(shaping.logits)                               # [B, P, V]
+        # the stages made a new tensor (or the input was converted): edit it without a copy
+        owned = shaping.logits is not logits
+        shaped, unusable = mark_empty(shaping.logits, inplace=owned)                 # [B, P, V]
         if source == "target":
             # a draft row is never an error by itself: its stand-in q is exact (the draft is
             # sampled from it), and the target's row at the same prefix decides

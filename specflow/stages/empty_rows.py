@@ -34,12 +34,16 @@ class EmptyDistributionError(InputError):
     """A request reached a position where no token can be chosen (or the logits were NaN)."""
 
 
-def mark_empty(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits with unusable rows set to 0, unusable [B, P] bool) for logits [B, P, V]."""
+def mark_empty(logits: torch.Tensor, inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits with unusable rows set to 0, unusable [B, P] bool) for logits [B, P, V]; with
+    inplace, `logits` itself is edited (when the caller owns it)."""
     # one reduction: the max of a row is -inf when all are, +inf or NaN when any is (max
     # propagates NaN)
     unusable = ~torch.isfinite(logits.amax(-1))                                # [B, P]
-    return logits.masked_fill(unusable[..., None], 0.0), unusable
+    if logits.device.type == "cpu" and not bool(unusable.any()):
+        return logits, unusable     # the common case; on a CPU reading the flag costs no sync
+    fill = logits.masked_fill_ if inplace else logits.masked_fill
+    return fill(unusable[..., None], 0.0), unusable
 
 
 @dataclass

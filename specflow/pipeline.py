@@ -445,10 +445,12 @@ class Pipeline:
                 results[row.request.request_id] = self._finish(row, reason, recorder)
                 if on_result is not None:
                     on_result(results[row.request.request_id])
-                del active[row.slot]
-                free.append(row.slot)
+                # the row leaves `active` only once every stage has released it: if one raises,
+                # the abort path still ends it for the others
                 self.hook.specflow_request_end(slot=row.slot, request=row.request,
                                                finish_reason=reason)
+                del active[row.slot]
+                free.append(row.slot)
                 if bar is not None:
                     bar[0].advance(bar[1])
         return results

@@ -73,3 +73,17 @@ def test_ctrl_c_ends_every_running_request():
     with pytest.raises(KeyboardInterrupt):
         pipe.generate(PROMPTS, max_new_tokens=8)
     assert sorted(ends.ended) == [(0, "abort"), (1, "abort"), (2, "abort")]
+
+
+def test_a_stage_raising_in_request_end_still_lets_the_others_release():
+    class RaisingEnd:
+        @hookimpl(tryfirst=True)
+        def specflow_request_end(self, slot, request, finish_reason):
+            if finish_reason != "abort":
+                raise RuntimeError("release failed")
+
+    ends = Ends()
+    pipe = Pipeline.from_config(SYN, plugins=[ends, RaisingEnd()])
+    with pytest.raises(PluginError, match="release failed"):
+        pipe.generate(PROMPTS, max_new_tokens=8)
+    assert sorted(ends.started) == sorted(rid for rid, _ in ends.ended)

@@ -8,7 +8,7 @@ queue at the next round, and every row has its own k, its own length and its own
 
 Host syncs: one per round, in the stop trimmer (`out_token_ids.tolist()`), because which rows finish
 and what is committed decide the next round's inputs; stage tensor work stays on the device. The
-empty-row check reads one flag just before it (the trimmer waits for the same work anyway).
+empty-row check reads one flag right after it (stages/empty_rows.py).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import torch
 from omegaconf import DictConfig
 
 from specflow import groups
-from specflow.config import compose, option, validate
+from specflow.config import compose, option, validate, whole_number
 from specflow.errors import ConfigError, InputError, PluginError
 from specflow.metrics import MetricsRecorder
 from specflow.models.base import Backend, SimClock
@@ -260,15 +260,10 @@ class Pipeline:
         if hit is None:
             return
         call, row, position = hit
-
-        def make_shaping(logits, call, row):
-            return ShapingBatch(logits, [call.token_ids[row]], call.draft_token_ids[row:row + 1],
-                                call.first_draft_index, [call.request_ids[row]], call.source)
-
         prompt_len = batch.prompt_lens[batch.request_ids.index(call.request_ids[row])]
         n_out = len(call.token_ids[row]) - prompt_len + call.first_draft_index + position
         raise EmptyDistributionError(describe(call, row, position, self._shaping_stages(),
-                                              make_shaping, self.target.vocab_size, n_out))
+                                              self.target.vocab_size, n_out))
 
     # --- generation --------------------------------------------------------------------------
 
@@ -499,7 +494,6 @@ class Pipeline:
                                   f"configured one from {owner}) {problem}: fix the proposer")
 
     def _round(self, batch: DecodeBatch, round_index: int):
-        self.empty_rows.clear()
         try:
             return self._round_stages(batch, round_index)
         finally:        # nothing recorded outlives its round (an error, Ctrl-C included)
@@ -578,18 +572,8 @@ class Pipeline:
 
 
 def _whole(value, name: str, lo: int, fix: str) -> int:
-    """An int argument of generate(): a bool, a float or a string is refused, never truncated."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        try:
-            import numpy as np
-            ok = isinstance(value, np.integer)
-        except ImportError:      # pragma: no cover - numpy comes with torch
-            ok = False
-        if not ok:
-            raise InputError(f"{name}={value!r} is not a whole number; {fix}")
-    if int(value) < lo:
-        raise InputError(f"{name}={value} must be >= {lo}; {fix}")
-    return int(value)
+    """An int argument of generate(), checked as the config's root scalars are."""
+    return whole_number(value, name, lo, None, fix, InputError)
 
 
 def _progress(total: int):

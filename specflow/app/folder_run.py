@@ -34,7 +34,7 @@ class FolderRun:
 def run_into(cfg: DictConfig, folder: str | os.PathLike, *, owner: str, setting: str,
              rerun: str, progress: bool, replace_finished: bool,
              metrics_extra: dict[str, Any] | None = None,
-             before_run: Callable[[DictConfig], None] | None = None,
+             before_run: Callable[[str], None] | None = None,
              on_start: Callable[[int], None] | None = None,
              write_config: bool = False) -> FolderRun:
     """Generate the config's prompts into `folder` (requests.jsonl, then metrics.json).
@@ -42,7 +42,8 @@ def run_into(cfg: DictConfig, folder: str | os.PathLike, *, owner: str, setting:
     owner / setting: who holds the folder and the option that moves it (for the refusal line);
     rerun: how to resume, for messages (`rerun the same command ...`); replace_finished: a
     finished run in the folder is replaced (run) or kept and reported as skipped (ab);
-    before_run(cfg): a check inside the lock before anything is generated (ab: same overrides);
+    before_run(fingerprint): a check inside the lock before anything is generated, given the
+    config's fingerprint (ab: the folder holds results of the same overrides);
     on_start(n): called with the number of prompts once the pipeline is built.
     """
     from omegaconf import OmegaConf
@@ -59,7 +60,7 @@ def run_into(cfg: DictConfig, folder: str | os.PathLike, *, owner: str, setting:
     with folder_lock(out, owner, setting):
         config = config_fingerprint(cfg)
         if before_run is not None:
-            before_run(cfg)
+            before_run(config)
         finished = (out / "metrics.json").exists()
         if finished and not replace_finished:
             return FolderRun(out, skipped=True, config=config)

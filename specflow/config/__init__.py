@@ -108,7 +108,7 @@ def normalize_overrides(overrides: Sequence[str]) -> list[str]:
         if m and m.group(2) and m.group(2) not in ("null", "-"):
             value = m.group(2)
             if QUOTED.match(value):     # quoted Hydra's way: Hydra unquotes, `${` stays text
-                item = f"{m.group(1)}=" + re.sub(r"(?<!\\)\$\{", r"\\${", value)
+                item = f"{m.group(1)}={_escape_bare_interpolations(value)}"
             else:
                 item = f"{m.group(1)}={hydra_quote(value)}"
         m = re.match(r"^(?:%s)=\{.*\}$" % "|".join(map(re.escape, FREE_DICT_KEYS)), item, flags=re.S)
@@ -153,7 +153,7 @@ def _quote_list(value: str) -> str:
     for element in items:
         element = element.strip()
         if element[:1] in ("'", '"'):
-            out.append(re.sub(r"(?<!\\)\$\{", r"\\${", element))
+            out.append(_escape_bare_interpolations(element))
         else:
             out.append(hydra_quote(element))
     return "[" + ",".join(out) + "]"
@@ -161,6 +161,12 @@ def _quote_list(value: str) -> str:
 
 # one whole quoted Hydra string: 'it\'s' or "say \"hi\"" (not `"Hello," she said`)
 QUOTED = re.compile(r"""^(['"])(?:(?!\1)[^\\]|\\.)*\1$""", flags=re.S)
+
+
+def _escape_bare_interpolations(quoted: str) -> str:
+    """`${` not yet escaped, escaped (what the user quoted Hydra's way stays Hydra's otherwise);
+    an escaped one is left, so a second pass changes nothing."""
+    return re.sub(r"(?<!\\)\$\{", r"\\${", quoted)
 
 
 def escape_interpolation(text: str) -> str:
@@ -308,7 +314,9 @@ def _schema_node(kind: str, node: DictConfig, where: str):
         return node, node
     try:
         plain = OmegaConf.to_container(node, resolve=True)
-        _check_finite(plain, where, getattr(component.schema, "NEG_INF_OK", ()))
+        neg_inf_ok = getattr(component.schema, "NEG_INF_OK", ())
+        for key, value in plain.items():
+            _check_finite(value, f"{where}.{key}", key in neg_inf_ok)
         # resolved values: any `${` left in them is text, not an interpolation
         typed = OmegaConf.merge(OmegaConf.structured(component.schema), _escaped(plain))
         obj = OmegaConf.to_object(typed)
@@ -329,22 +337,21 @@ def _schema_node(kind: str, node: DictConfig, where: str):
     return OmegaConf.merge(OmegaConf.structured(type(obj)), _escaped(asdict(obj))), obj
 
 
-def _check_finite(value, where: str, neg_inf_ok: Sequence[str] = (), top: bool = True) -> None:
-    """Refuse NaN and infinite numbers anywhere in an option (fields in `neg_inf_ok` may be
-    -inf: a logit bias of -inf bans its token)."""
+def _check_finite(value, where: str, neg_inf_ok: bool = False) -> None:
+    """Refuse NaN and infinite numbers anywhere in a field's value (a field a schema lists in
+    NEG_INF_OK may hold -inf: a logit bias of -inf bans its token)."""
     import math
 
     if isinstance(value, dict):
         for key, item in value.items():
-            inherited = ("*",) if top and key in neg_inf_ok else (() if top else neg_inf_ok)
-            _check_finite(item, f"{where}.{key}", inherited, top=False)
+            _check_finite(item, f"{where}.{key}", neg_inf_ok)
     elif isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
-            _check_finite(item, f"{where}[{i}]", neg_inf_ok, top=False)
+            _check_finite(item, f"{where}[{i}]", neg_inf_ok)
     elif isinstance(value, float) and not math.isfinite(value):
-        if value == float("-inf") and "*" in neg_inf_ok:
+        if value == float("-inf") and neg_inf_ok:
             return
-        also = " or -inf (bans the token)" if "*" in neg_inf_ok else ""
+        also = " or -inf (bans the token)" if neg_inf_ok else ""
         raise ConfigError(f"{where}={value} is not a finite number; give a finite value{also}")
 
 
@@ -367,17 +374,26 @@ MAX_SEED = 2 ** 63 - 2 ** 32   # request i uses seed + i: leave room below torch
 MAX_LOGPROBS = 1000
 
 
+def whole_number(value, name: str, lo: int, hi: int | None, fix: str,
+                 error: type[SpecflowError] = ConfigError) -> int:
+    """`value` as an int in [lo, hi] (hi None: no upper bound); a bool, a float or a string is
+    refused with one line, never truncated. Root scalars and generate()'s arguments use it."""
+    import numbers
+
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise error(f"{name}={value!r} is not a whole number; {fix}")
+    if value < lo:
+        bound = f"must be >= {lo}" if hi is None else f"is out of range [{lo}, {hi}]"
+        raise error(f"{name}={value} {bound}; {fix}")
+    if hi is not None and value > hi:
+        raise error(f"{name}={value} is out of range [{lo}, {hi}]; {fix}")
+    return int(value)
+
+
 def _root_int(cfg: DictConfig, key: str, lo: int, hi: int, fix: str, optional: bool = False
               ) -> None:
-    if key not in cfg:
-        return
-    value = cfg[key]
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{key}={value!r} is not a whole number; {fix}")
-    if not lo <= value <= hi:
-        raise ConfigError(f"{key}={value} is out of range [{lo}, {hi}]; {fix}")
+    if key in cfg and not (optional and cfg[key] is None):
+        whole_number(cfg[key], key, lo, hi, fix)
 
 
 def _check_root(cfg: DictConfig) -> None:

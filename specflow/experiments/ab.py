@@ -122,13 +122,12 @@ def run_job(cfg: DictConfig, task_overrides: list[str], out: str | os.PathLike, 
     Returns the app layer's FolderRun; raises SpecflowError and never prints."""
     from specflow.app.folder_run import run_into
     from specflow.config import compose
-    from specflow.resume import config_fingerprint
 
     arm_cfg = compose(job_overrides(task_overrides, cfg))
     return run_into(
         arm_cfg, out, owner="specflow ab", setting="hydra.sweep.dir",
         rerun="rerun the same command", progress=progress, replace_finished=False,
-        before_run=lambda c: check_rerun(pathlib.Path(out), config_fingerprint(c)),
+        before_run=lambda fingerprint: check_rerun(pathlib.Path(out), fingerprint),
         on_start=on_start, write_config=True,
         metrics_extra={"experiment": str(cfg.ab.name), "arm": str(cfg.ab.arm),
                        "rep": int(cfg.ab.rep), "arms": [str(a) for a in cfg.ab.arms],

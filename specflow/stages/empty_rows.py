@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 
 from specflow.errors import InputError
+from specflow.state import ShapingBatch
 
 NEG_INF = float("-inf")
 
@@ -58,6 +59,11 @@ class ShapeCall:
     unusable: torch.Tensor           # [B', P] bool, after shaping
     raw_unusable: torch.Tensor | None = None   # [B', P] bool, the model's own logits (before
                                      # shaping: a stage may edit them in place afterwards)
+
+    def one_row(self, logits: torch.Tensor, row: int) -> ShapingBatch:
+        """The ShapingBatch of one row of this call, over `logits` [1, P, V] (for a replay)."""
+        return ShapingBatch(logits, [self.token_ids[row]], self.draft_token_ids[row:row + 1],
+                            self.first_draft_index, [self.request_ids[row]], self.source)
 
 
 class EmptyRowLog:
@@ -103,17 +109,11 @@ class EmptyRowLog:
 
 
 StageFn = tuple[str, Callable]       # (stage name, function(shaping=...)), in call order
-# (logits [1, P, V], call, row) -> the ShapingBatch of that one row
-Shaper = Callable[[torch.Tensor, ShapeCall, int], object]
 
 
-def diagnose(call: ShapeCall, row: int, position: int, stages: list[StageFn], make_shaping: Shaper,
+def diagnose(call: ShapeCall, row: int, position: int, stages: list[StageFn],
              vocab_size: int) -> str:
-    """Replay the shaping stages on one row and say which one left no token (or made NaN).
-
-    The target's raw logits are kept for this; a draft's are gone, so its row is replayed from
-    uniform logits, which finds every cause but the draft model's own numbers.
-    """
+    """Replay the shaping stages on one row and say which one left no token (or made NaN)."""
     P = call.unusable.shape[1]
     if call.raw_unusable is not None and bool(call.raw_unusable[row, position]):
         return (f"the {call.source} model's logits are NaN, infinite or all -inf here (a "
@@ -124,7 +124,7 @@ def diagnose(call: ShapeCall, row: int, position: int, stages: list[StageFn], ma
     logits = torch.zeros(1, P, vocab_size)                                     # [1, P, V]
     before, narrowed = _allowed(logits[0, position]), None
     for name, fn in stages:
-        shaping = make_shaping(logits, call, row)
+        shaping = call.one_row(logits, row)
         fn(shaping=shaping)
         logits = shaping.logits
         now = logits[0, position]
@@ -152,10 +152,10 @@ def _allowed(row: torch.Tensor) -> int:
     return int((row > NEG_INF).sum())
 
 
-def describe(call: ShapeCall, row: int, position: int, stages: list[StageFn], make_shaping: Shaper,
-             vocab_size: int, output_index: int) -> str:
+def describe(call: ShapeCall, row: int, position: int, stages: list[StageFn], vocab_size: int,
+             output_index: int) -> str:
     """The error's one line: which request, which output token, what emptied it."""
-    cause = diagnose(call, row, position, stages, make_shaping, vocab_size)
+    cause = diagnose(call, row, position, stages, vocab_size)
     return (f"request {call.request_ids[row]}, output token {output_index}: no token can be "
             f"chosen, because {cause}")
 

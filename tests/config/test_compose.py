@@ -139,23 +139,16 @@ def test_draft_proposer_without_a_draft_model_is_one_clear_error():
         Pipeline.from_config(["proposer=draft", "draft=none"])
 
 
-@pytest.mark.parametrize("override,needle", [
-    ("policy.explore_every=0", "policy.explore_every=0 must be >= 1"),
-    ("policy.optimism=-1", "policy.optimism=-1.0 must be >= 0"),
-    ("policy.prior_draft_cost=-0.1", "policy.prior_draft_cost=-0.1 must be >= 0"),
+@pytest.mark.parametrize("base,override,needle", [
+    ("policy=goodput", "policy.explore_every=0", "policy.explore_every=0 must be >= 1"),
+    ("policy=goodput", "policy.optimism=-1", "policy.optimism=-1.0 must be >= 0"),
+    ("policy=goodput", "policy.prior_draft_cost=-0.1", "policy.prior_draft_cost=-0.1 must be >= 0"),
+    ("model=synthetic", "model.seed=-1", "model.seed=-1 must be in [0, 2^32)"),
+    ("model=synthetic", "model.max_length=1", "model.max_length=1 must be >= 2"),
 ])
-def test_every_numeric_policy_field_is_range_checked(override, needle):
+def test_every_numeric_option_field_is_range_checked(base, override, needle):
     with pytest.raises(ConfigError, match=re.escape(needle)):
-        compose(["policy=goodput", override])
-
-
-@pytest.mark.parametrize("override,needle", [
-    ("model.seed=-1", "model.seed=-1 must be in [0, 2^32)"),
-    ("model.max_length=1", "model.max_length=1 must be >= 2"),
-])
-def test_synthetic_model_fields_are_range_checked(override, needle):
-    with pytest.raises(ConfigError, match=re.escape(needle)):
-        compose(["model=synthetic", "draft=synthetic", override])
+        compose([base, "draft=synthetic", override] if base.startswith("model") else [base, override])
 
 
 @pytest.mark.parametrize("overrides,needle", [

@@ -272,14 +272,18 @@ class HFBackend(Backend):
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._keeps_logits = "logits_to_keep" in params
         self._bool_mask = cfg.attn_implementation == "sdpa"
-        self.lean = self._lean_forward(cfg.forward, role)
+        # Mistral attends to the last `sliding_window` keys only; the explicit mask says so
+        self.window = getattr(config, "sliding_window", None) if config.model_type == "mistral" else None
+        self.lean = self._lean_forward(cfg.forward, role, cfg.device_map)
 
-    def _lean_forward(self, choice: str, role: str):
+    def _lean_forward(self, choice: str, role: str, device_map: str | None):
         from specflow.models.lean_llama import LeanLlama, unsupported_reason
 
         if choice == "hf":
             return None
         reason = unsupported_reason(self.model.config)
+        if reason is None and device_map:
+            reason = f"device_map={device_map} (layers on several devices)"
         if reason is None:
             self._bool_mask = True
             return LeanLlama(self.model)
@@ -304,10 +308,13 @@ class HFBackend(Backend):
         positions, kv_len = self.cache.begin(slot_list, lens, T, self.device)    # [B, T]
         keys = torch.arange(kv_len, device=self.device)                              # [L]
         allowed = keys[None, None, :] <= positions[:, :, None]                       # [B, T, L]
+        windowed = self.window is not None and kv_len > self.window
+        if windowed:
+            allowed &= keys[None, None, :] > positions[:, :, None] - self.window
         mask = allowed[:, None] if self._bool_mask else torch.zeros(
             B, 1, T, kv_len, dtype=self.model.dtype, device=self.device).masked_fill(
             ~allowed[:, None], torch.finfo(self.model.dtype).min)
-        if B == 1 and T == 1:
+        if B == 1 and T == 1 and not windowed:
             mask = None          # one query attends to the whole cached row
         ids = input_ids.clamp(min=0).to(self.device)
         if self.lean is not None:

@@ -1,16 +1,30 @@
 """A lean forward pass over a Llama-family checkpoint (Llama, Mistral, Qwen2), in gpt-fast's style.
 
 transformers' module stack costs a fixed ~0.5 ms per call on a CPU, which is most of a tiny draft
-model's step. This is the same computation, from the same weights, as a plain sequence of tensor
-ops (q/k/v and gate/up projections fused), writing keys and values into the same SlotKVCache.
-Results match transformers' forward up to float rounding. specflow uses it for draft models by
-default (`forward: auto`), where rounding can only move acceptance, never the output; a target
-keeps transformers' forward unless `model.forward=lean` is asked for.
+model's step, and its `F.linear` calls are not the fastest form of a few-row product everywhere.
+This is the same computation, from the same weights, as a plain sequence of tensor ops, writing
+keys and values into the same SlotKVCache:
+
+- q/k/v and gate/up projections fused, *in place*: the fused matrix is the only copy, and the
+  model's own q_proj/k_proj/v_proj (gate/up) weights become views into it, so preparing costs no
+  memory (`extra_bytes()` says 0) and `forward=hf` on the same backend still works;
+- products through `kernels.pick()`, the form measured fastest for 1 row and for a few rows on this
+  machine, dtype and weight set (CPU); F.linear on CUDA;
+- rotary cos/sin from a table grown on demand, fp32 RMSNorm fused where the dtype allows, keys and
+  values read from the cache as views when the batch's slots are contiguous, GQA without copies.
+
+Results match transformers' forward up to float rounding. With `forward: auto` (the default)
+specflow uses it for targets and drafts alike wherever the architecture allows; `forward=hf` keeps
+transformers' forward (exactly what `generate()` computes). Exactness does not depend on the
+choice: plain and speculative decoding run the same forward, and a position's logits inside a
+k+1-position pass equal its logits scored alone up to rounding (tests/models/test_lean_forward.py).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from specflow.models.kernels import Kernels, pick
 
 SUPPORTED = {"llama", "mistral", "qwen2"}
 
@@ -27,13 +41,41 @@ def unsupported_reason(config) -> str | None:
         return f"rope_scaling={kind}"
     if getattr(config, "mlp_bias", False):
         return "mlp_bias"
+    if config.model_type == "qwen2" and getattr(config, "use_sliding_window", False):
+        return "use_sliding_window (per-layer windows)"    # Mistral's one window: in the mask
     return None
 
 
+def fuse_in_place(modules: list, attr: str = "weight") -> torch.Tensor | None:
+    """One tensor holding the modules' `attr` stacked on dim 0; each module's parameter becomes a
+    view into it, so the old storages are freed and nothing is held twice."""
+    parts = [getattr(m, attr) for m in modules]
+    if any(p is None for p in parts):
+        return None
+    fused = torch.cat([p.detach() for p in parts])
+    offset = 0
+    for module, part in zip(modules, parts):
+        rows = part.shape[0]
+        getattr(module, attr).data = fused[offset:offset + rows]
+        offset += rows
+    return fused
+
+
+def _gqa_in_sdpa() -> bool:
+    try:
+        q = torch.zeros(1, 2, 1, 4)
+        kv = torch.zeros(1, 1, 3, 4)
+        F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
+        return True
+    except (TypeError, RuntimeError):
+        return False
+
+
 class LeanLlama:
-    def __init__(self, model):
+    def __init__(self, model, kernels: Kernels | None = None):
         cfg = model.config
         inner = model.model
+        self.model = model
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
@@ -42,34 +84,62 @@ class LeanLlama:
         rotary = inner.rotary_emb
         self.inv_freq = rotary.inv_freq                                   # [D/2]
         self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
+        self._cos = self._sin = None                                       # [P, D] tables
+        self.gqa = self.num_kv_heads != self.num_heads
+        self.gqa_in_sdpa = self.gqa and _gqa_in_sdpa()
         self.layers = []
         with torch.no_grad():
             for layer in inner.layers:
                 att, mlp = layer.self_attn, layer.mlp
-                biases = [att.q_proj.bias, att.k_proj.bias, att.v_proj.bias]
+                qkv = [att.q_proj, att.k_proj, att.v_proj]
                 self.layers.append((
                     layer.input_layernorm.weight,
-                    torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]),
-                    torch.cat(biases) if biases[0] is not None else None,
+                    fuse_in_place(qkv),
+                    fuse_in_place(qkv, "bias"),
                     att.o_proj.weight,
                     att.o_proj.bias,                  # Llama with attention_bias=True has one
                     layer.post_attention_layernorm.weight,
-                    torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                    fuse_in_place([mlp.gate_proj, mlp.up_proj]),
                     mlp.down_proj.weight,
                 ))
         self.norm = inner.norm.weight
         self.lm_head = model.lm_head.weight
+        self.fused_norm = hasattr(F, "rms_norm")
+        weights = [w for layer in self.layers for w in (layer[1], layer[3], layer[6], layer[7])]
+        self.kernels = kernels or pick(weights + [self.lm_head])
+        self.mm = self.kernels.matmul
+
+    def extra_bytes(self) -> int:
+        """Bytes this forward holds beyond the model's own parameters and buffers (0 but the
+        rotary table: prepared weights share the model's storage)."""
+        own = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        own |= {b.untyped_storage().data_ptr() for b in self.model.buffers()}
+        seen, extra = set(), 0
+        tensors = [t for layer in self.layers for t in layer if t is not None]
+        tensors += [self.embed, self.norm, self.lm_head]
+        for t in tensors:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in own and ptr not in seen:
+                seen.add(ptr)
+                extra += t.untyped_storage().nbytes()
+        return extra
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.fused_norm and x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), w, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return w * x32.to(x.dtype)
 
-    def _rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[..., None].float() * self.inv_freq                         # [B, T, D/2]
-        emb = torch.cat([freqs, freqs], -1)                                           # [B, T, D]
-        return ((emb.cos() * self.rope_scale).to(dtype)[:, None],
-                (emb.sin() * self.rope_scale).to(dtype)[:, None])                    # [B, 1, T, D]
+    def _rope(self, positions: torch.Tensor, dtype, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, 1, T, D] at `positions` [B, T], from a table grown to `needed` rows."""
+        if self._cos is None or self._cos.shape[0] < needed or self._cos.dtype != dtype:
+            rows = max(256, 1 << (needed - 1).bit_length())
+            freqs = torch.arange(rows, device=self.inv_freq.device).float()[:, None] * self.inv_freq
+            emb = torch.cat([freqs, freqs], -1)                                       # [P, D]
+            self._cos = (emb.cos() * self.rope_scale).to(dtype)
+            self._sin = (emb.sin() * self.rope_scale).to(dtype)
+        return self._cos[positions][:, None], self._sin[positions][:, None]
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -82,22 +152,27 @@ class LeanLlama:
                  cache, logits_to_keep: int = 0) -> torch.Tensor:
         B, T = input_ids.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        mm = self.mm
         x = F.embedding(input_ids, self.embed)                                        # [B, T, E]
-        cos, sin = self._rope(positions, x.dtype)
+        cos, sin = self._rope(positions, x.dtype, cache.get_seq_length())             # [B, 1, T, D]
+        gqa = {"enable_gqa": True} if self.gqa_in_sdpa else {}
         for i, (ln1, wqkv, bqkv, wo, bo, ln2, wgu, wdown) in enumerate(self.layers):
-            qkv = F.linear(self._rms(x, ln1), wqkv, bqkv)                             # [B, T, (H+2Hkv)D]
+            qkv = mm(self._rms(x, ln1), wqkv)                                         # [B, T, (H+2Hkv)D]
+            if bqkv is not None:
+                qkv = qkv + bqkv
             q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], -1)
             q = self._rotate(q.view(B, T, H, D).transpose(1, 2), cos, sin)            # [B, H, T, D]
             k = self._rotate(k.view(B, T, Hkv, D).transpose(1, 2), cos, sin)          # [B, Hkv, T, D]
             v = v.view(B, T, Hkv, D).transpose(1, 2)
             k_all, v_all = cache.update(k, v, i)                                      # [B, Hkv, L, D]
-            if Hkv != H:
+            if self.gqa and not self.gqa_in_sdpa:
                 k_all = k_all.repeat_interleave(H // Hkv, 1)
                 v_all = v_all.repeat_interleave(H // Hkv, 1)
-            a = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)       # [B, H, T, D]
-            x = x + F.linear(a.transpose(1, 2).reshape(B, T, H * D), wo, bo)
-            gate, up = F.linear(self._rms(x, ln2), wgu).chunk(2, -1)                  # [B, T, I] x2
-            x = x + F.linear(F.silu(gate) * up, wdown)
+            a = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, **gqa)  # [B, H, T, D]
+            o = mm(a.transpose(1, 2).reshape(B, T, H * D), wo)                        # [B, T, E]
+            x = x + (o if bo is None else o + bo)
+            gate, up = mm(self._rms(x, ln2), wgu).chunk(2, -1)                        # [B, T, I] x2
+            x = x + mm(F.silu(gate) * up, wdown)
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
-        return F.linear(self._rms(x, self.norm), self.lm_head)                       # [B, T, V]
+        return mm(self._rms(x, self.norm), self.lm_head)                              # [B, T, V]

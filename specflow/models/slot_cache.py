@@ -34,7 +34,9 @@ class SlotKVCache(Cache):
         self.lengths = [0] * slots          # tokens cached per slot (host-side, no syncs)
         # set by begin() for the forward about to run
         self._slots: torch.Tensor | None = None     # [B]
-        self._contiguous = 0                         # B when slots == arange(B), else 0
+        self._first = -1                             # s when slots == [s, s+1, ..., s+B-1], else -1
+        self._batch = 0
+        self._start = -1                             # B == 1, every position real: its first position
         self._positions: torch.Tensor | None = None  # [B, T] where each new token is written
         self._valid: torch.Tensor | None = None      # [B, T] real tokens (not padding)
         self._all_valid = True
@@ -50,7 +52,9 @@ class SlotKVCache(Cache):
         to the cache, so a short row next to a long one cannot run past its capacity.
         """
         self._slots = torch.tensor(slots, dtype=torch.long, device=device)
-        self._contiguous = len(slots) if slots == list(range(len(slots))) else 0
+        self._batch = len(slots)
+        self._first = slots[0] if slots == list(range(slots[0], slots[0] + len(slots))) else -1
+        self._start = self.lengths[slots[0]] if len(slots) == 1 and lens[0] == T else -1
         starts = torch.tensor([self.lengths[s] for s in slots], dtype=torch.long, device=device)
         n = torch.tensor(lens, dtype=torch.long, device=device)                        # [B]
         t = torch.arange(T, device=device)[None, :]                                     # [1, T]
@@ -97,7 +101,11 @@ class SlotKVCache(Cache):
         k_buf, v_buf = self.keys[layer_idx], self.values[layer_idx]                     # [S, H, C, D]
         k_new = key_states.transpose(1, 2).to(k_buf.dtype)                               # [B, T, H, D]
         v_new = value_states.transpose(1, 2).to(v_buf.dtype)
-        if self._all_valid:
+        if self._start >= 0:   # one row, every position real: a plain slice copy
+            s, p = self._first, self._start
+            k_buf[s, :, p:p + key_states.shape[2]] = key_states[0]
+            v_buf[s, :, p:p + key_states.shape[2]] = value_states[0]
+        elif self._all_valid:
             rows = self._slots[:, None]                                                  # [B, 1]
             k_buf[rows, :, self._positions] = k_new
             v_buf[rows, :, self._positions] = v_new
@@ -106,8 +114,9 @@ class SlotKVCache(Cache):
             pos = self._positions[self._valid]                                           # [N]
             k_buf[rows, :, pos] = k_new[self._valid]                                     # [N, H, D]
             v_buf[rows, :, pos] = v_new[self._valid]
-        if self._contiguous:
-            return k_buf[:self._contiguous, :, :self._kv_len], v_buf[:self._contiguous, :, :self._kv_len]
+        if self._first >= 0:   # slots s..s+B-1: views, no copy
+            rows = slice(self._first, self._first + self._batch)
+            return k_buf[rows, :, :self._kv_len], v_buf[rows, :, :self._kv_len]
         return (k_buf[:, :, :self._kv_len].index_select(0, self._slots),
                 v_buf[:, :, :self._kv_len].index_select(0, self._slots))
 

@@ -1,0 +1,356 @@
+"""specflow on CUDA in one prepared run: speed against HF, greedy equality, pass cost (< 8 min).
+
+Builds, with no download, a random-init Llama-style target of ~1B parameters (hidden 2048, 22
+layers, GQA 32/4, the demo tokenizer's 8192-token vocabulary) and a ~120M draft that shares its
+vocabulary: the target's embeddings, final norm, LM head and first two layers. The target's later
+layers write small updates into the residual stream (their output projections are scaled down), so
+the draft agrees with it often, as a trained draft would; a random pair would accept nothing.
+Both run in bfloat16 on CUDA. Then:
+
+1. batch 1, per prompt: HF `generate` (plain), HF assisted generation (the draft), specflow
+   `proposer=none | draft | ngram` (k = 4): tokens/s and ratios;
+2. batch 8 and 32: HF batched `generate` (left-padded) and the three specflow arms;
+3. greedy equality: specflow none against HF generate (batch 1), and draft / ngram against none
+   at every batch, per prompt (in bf16 a position scored inside a wider pass may round
+   differently, so a near-tie can flip: the report gives exact prompts and the common prefix);
+4. the pass-cost table of bench/passcost.py on this GPU (target and draft, batch 1/8/32).
+
+    python bench/gpu_check.py --out results/            # on a CUDA machine
+    python bench/gpu_check.py --tiny --device cpu       # the same steps on tiny models (smoke test)
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+if importlib.util.find_spec("specflow") is not None and importlib.util.find_spec("specflow.conf") is None:
+    sys.modules["specflow.conf"] = importlib.import_module("conf")   # a checkout not pip-installed
+
+FULL = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+            num_key_value_heads=4)
+TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=6, num_attention_heads=4,
+            num_key_value_heads=2)
+DRAFT_LAYERS = 2
+RESULTS: dict = {}
+
+
+def say(*parts) -> None:
+    print(*parts, flush=True)
+
+
+def section(name: str):
+    """Run a step; a failure prints its traceback and the run goes on to the next step."""
+    def wrap(fn):
+        def run(*a, **kw):
+            start = time.perf_counter()
+            say(f"\n== {name}")
+            try:
+                out = fn(*a, **kw)
+                say(f"== {name}: done in {time.perf_counter() - start:.1f} s")
+                return out
+            except Exception:
+                say(f"== {name}: FAILED after {time.perf_counter() - start:.1f} s")
+                traceback.print_exc()
+                RESULTS.setdefault("failed", []).append(name)
+                sys.stdout.flush()
+                return None
+        return run
+    return wrap
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@section("build the pair")
+def build_pair(folder: pathlib.Path, dims: dict, device, dtype) -> tuple[pathlib.Path, pathlib.Path]:
+    import shutil
+
+    import transformers as tf
+
+    from specflow.models.hf import DEMO_DIR
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=8192, max_position_embeddings=2048, rms_norm_eps=1e-5,
+                         tie_word_embeddings=False, eos_token_id=0, bos_token_id=0, pad_token_id=0,
+                         **dims)
+    with torch.device(device):
+        target = tf.AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    with torch.no_grad():
+        for layer in target.model.layers[DRAFT_LAYERS:]:
+            layer.self_attn.o_proj.weight.mul_(0.05)     # later layers: small residual updates
+            layer.mlp.down_proj.weight.mul_(0.05)
+        target.lm_head.weight.mul_(8.0)                   # sharp next-token distributions
+    draft_cfg = tf.LlamaConfig(**{**cfg.to_dict(), "num_hidden_layers": DRAFT_LAYERS})
+    with torch.device(device):
+        draft = tf.AutoModelForCausalLM.from_config(draft_cfg, dtype=dtype).eval()
+    draft.load_state_dict({k: v for k, v in target.state_dict().items()
+                           if not k.startswith("model.layers.")
+                           or int(k.split(".")[2]) < DRAFT_LAYERS})
+    paths = []
+    for name, model in (("target", target), ("draft", draft)):
+        path = folder / name
+        model.save_pretrained(path)
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(DEMO_DIR / "target" / f, path / f)
+        n = sum(p.numel() for p in model.parameters())
+        say(f"{name}: {n / 1e6:.0f}M parameters, {dtype}, saved to {path}")
+        RESULTS[f"{name}_params_m"] = round(n / 1e6, 1)
+        paths.append(path)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return paths[0], paths[1]
+
+
+def prompts_for(n: int) -> list[str]:
+    from specflow.experiments.workloads import read_prompt_file
+    from specflow.models.hf import DEMO_DIR
+
+    prompts = read_prompt_file(str(DEMO_DIR / "prompts.jsonl"), "prompt")
+    return (prompts * (1 + n // len(prompts)))[:n]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@section("batch 1: HF generate, HF assisted, specflow none/draft/ngram")
+def batch_one(paths, prompts, args, device, dtype, pipes):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = AutoModelForCausalLM.from_pretrained(paths[0], dtype=dtype).to(device).eval()
+    draft = AutoModelForCausalLM.from_pretrained(paths[1], dtype=dtype).to(device).eval()
+    tok = AutoTokenizer.from_pretrained(paths[0])
+    N = args.new_tokens
+
+    def hf(**kw):
+        def run(prompt):
+            ids = tok(prompt, return_tensors="pt").input_ids.to(device)
+            out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N,
+                                  min_new_tokens=N, do_sample=False, pad_token_id=0, **kw)
+            return out[0, ids.shape[1]:].tolist()
+        return run
+
+    def sf(name):
+        def run(prompt):
+            return pipes[name].generate([prompt], max_new_tokens=N, max_batch_size=1)[0].token_ids
+        return run
+
+    arms = {"HF generate": hf(), "HF assisted": hf(assistant_model=draft),
+            **{f"specflow {n}": sf(n) for n in pipes}}
+    for fn in arms.values():                       # warm-up (kernels, allocator, cuBLAS handles)
+        fn(prompts[0][:100])
+    outs = {a: [] for a in arms}
+    speed = {a: [] for a in arms}
+    stats = {n: [] for n in pipes}
+    for prompt in prompts:
+        for arm, fn in arms.items():
+            sync(device)
+            start = time.perf_counter()
+            out = fn(prompt)
+            sync(device)
+            speed[arm].append(len(out) / (time.perf_counter() - start))
+            outs[arm].append(out)
+            name = arm.removeprefix("specflow ")
+            if name in pipes:
+                stats[name].append(pipes[name].last_stats)
+    ref_hf, ref_none = outs["HF generate"], outs["specflow none"]
+    hf_speed = statistics.median(speed["HF generate"])
+    rows = []
+    for arm in arms:
+        med = statistics.median(speed[arm])
+        ref = ref_hf if arm in ("specflow none", "HF assisted") else ref_none
+        row = {"arm": arm, "tokens_per_s": round(med, 1), "vs_hf_generate": round(med / hf_speed, 2),
+               "compared_with": "HF generate" if ref is ref_hf else "specflow none",
+               "exact_prompts": f"{sum(a == b for a, b in zip(outs[arm], ref))}/{len(ref)}",
+               "common_prefix": round(statistics.mean(
+                   common_prefix(a, b) / max(1, len(b)) for a, b in zip(outs[arm], ref)), 3)}
+        name = arm.removeprefix("specflow ")
+        if name in stats and stats[name]:
+            acc = sum(s["num_accepted_tokens"] for s in stats[name])
+            exam = sum(s["num_examined_draft_tokens"] for s in stats[name])
+            passes = sum(s["num_target_passes"] for s in stats[name])
+            committed = sum(s["num_committed_tokens"] for s in stats[name])
+            row.update(alpha=round(acc / exam, 3) if exam else None,
+                       tau=round(committed / passes, 2),
+                       vs_specflow_none=round(med / statistics.median(speed["specflow none"]), 2))
+        rows.append(row)
+    RESULTS["batch1"] = rows
+    table(rows)
+
+
+@section("batch 8 and 32: HF batched generate, specflow none/draft/ngram")
+def batched(paths, prompts, args, device, dtype, pipes):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = AutoModelForCausalLM.from_pretrained(paths[0], dtype=dtype).to(device).eval()
+    tok = AutoTokenizer.from_pretrained(paths[0], padding_side="left")
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    N = args.new_tokens
+    rows = []
+    for B in args.batches:
+        if B == 1:
+            continue
+        batch = prompts_for(B)
+        enc = tok(batch, return_tensors="pt", padding=True).to(device)
+        target.generate(**enc, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
+        sync(device)
+        start = time.perf_counter()
+        out = target.generate(**enc, max_new_tokens=N, min_new_tokens=N, do_sample=False,
+                              pad_token_id=tok.pad_token_id)
+        sync(device)
+        hf_tps = B * N / (time.perf_counter() - start)
+        del out
+        rows.append({"arm": "HF generate (left-padded)", "batch": B, "tokens_per_s": round(hf_tps, 1),
+                     "vs_hf_generate": 1.0})
+        none_out = None
+        for name, pipe in pipes.items():
+            pipe.generate(batch[:2], max_new_tokens=4, max_batch_size=B)
+            sync(device)
+            start = time.perf_counter()
+            res = pipe.generate(batch, max_new_tokens=N, max_batch_size=B)
+            sync(device)
+            secs = time.perf_counter() - start
+            toks = [r.token_ids for r in res]
+            none_out = toks if name == "none" else none_out
+            s = pipe.last_stats
+            row = {"arm": f"specflow {name}", "batch": B,
+                   "tokens_per_s": round(sum(map(len, toks)) / secs, 1),
+                   "vs_hf_generate": round(sum(map(len, toks)) / secs / hf_tps, 2),
+                   "prefill_s": round(s["seconds"]["prefill"], 3)}
+            if name != "none" and none_out is not None:
+                row["exact_prompts_vs_none"] = f"{sum(a == b for a, b in zip(toks, none_out))}/{B}"
+                row["alpha"] = round(s["alpha"], 3)
+            rows.append(row)
+    RESULTS["batched"] = rows
+    table(rows)
+
+
+@section("pass cost on this device (bench/passcost.py)")
+def pass_cost(paths, args, device, dtype):
+    import passcost
+    from rich.progress import Progress
+
+    from specflow.models.hf import HFBackend, HFModelConfig
+
+    bandwidth, how = passcost.read_bandwidth(device, dtype, 4096 if device.type == "cuda" else 256)
+    say(f"read bandwidth {bandwidth / 1e9:.0f} GB/s ({how})")
+    rows = []
+    positions, contexts = [1, 2, 3, 5, 9], [64, 512, 1000]
+    batches = [b for b in (1, 8, 32) if b in args.batches] or [1]
+    with Progress(transient=True) as progress:
+        for role, path in zip(("target", "draft"), paths):
+            backend = HFBackend(HFModelConfig(path=str(path), dtype=str(dtype).split(".")[1]),
+                                device, slots=max(batches))
+            weights = passcost.weight_bytes(backend.model)
+            per_token = passcost.kv_bytes_per_token(backend.model.config, dtype)
+            task = progress.add_task(role, total=len(batches) * len(contexts) * len(positions))
+            costs = passcost.pass_costs(backend, positions, contexts, batches, 10, device, progress, task)
+            for (B, ctx, T), secs in costs.items():
+                bound = (weights + B * (ctx + T) * per_token) / bandwidth
+                rows.append({"model": role, "batch": B, "context": ctx, "positions": T,
+                             "ms": secs * 1e3, "bound_ms": bound * 1e3, "vs_bound": secs / bound,
+                             "vs_one_position": secs / costs[(B, ctx, 1)]})
+            del backend
+    memory = []
+    env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "threads": torch.get_num_threads(), "torch": torch.__version__, "dtype": str(dtype),
+           "bandwidth_gbs": bandwidth / 1e9, "bandwidth_read": how, "repeats": 10}
+    RESULTS["passcost"] = {"env": env, "passes": rows}
+    say(passcost.render(env, rows, memory))
+    if args.out:
+        passcost.plot(rows, pathlib.Path(args.out) / "gpu_passcost.png", f"pass cost, {env['device']}, "
+                      f"{dtype} (dashed: weight-read bound)")
+
+
+def table(rows: list[dict]) -> None:
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    say(" | ".join(keys))
+    for r in rows:
+        say(" | ".join(str(r.get(k, "")) for k in keys))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--tiny", action="store_true", help="tiny models (a CPU smoke test)")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--out", default="")
+    ap.add_argument("--skip", default="", help="steps to skip: batch1,batched,passcost")
+    args = ap.parse_args()
+    args.batches = [int(b) for b in args.batches.split(",")]
+    skip = set(args.skip.split(",")) - {""}
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    import transformers
+
+    RESULTS["env"] = {"torch": torch.__version__, "transformers": transformers.__version__,
+                      "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                      "dtype": args.dtype, "new_tokens": args.new_tokens, "k": args.k}
+    say(json.dumps(RESULTS["env"]))
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = build_pair(pathlib.Path(tmp), TINY if args.tiny else FULL, device, dtype)
+        if paths is None:
+            sys.exit(1)
+        from specflow import Pipeline
+
+        @section("specflow pipelines")
+        def pipelines():
+            base = ["model=hf", f"model.path={paths[0]}", "draft=hf", f"draft.path={paths[1]}",
+                    f"device={args.device}", f"dtype={args.dtype}", "show_progress=false"]
+            pipes = {"none": Pipeline.from_config([*base, "proposer=none"])}
+            for name in ("draft", "ngram"):
+                pipes[name] = Pipeline.from_config([*base, f"proposer={name}", f"proposer.k={args.k}"])
+            lean = pipes["none"].target.lean
+            say(f"target forward: {'lean, ' + lean.kernels.describe() if lean else 'transformers'}")
+            return pipes
+
+        pipes = pipelines()
+        if pipes:
+            prompts = prompts_for(args.prompts)
+            if "batch1" not in skip:
+                batch_one(paths, prompts, args, device, dtype, pipes)
+            if "batched" not in skip:
+                batched(paths, prompts, args, device, dtype, pipes)
+            del pipes
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if "passcost" not in skip:
+            pass_cost(paths, args, device, dtype)
+    RESULTS["seconds"] = round(time.perf_counter() - started, 1)
+    say(f"\ntotal {RESULTS['seconds']} s; failed steps: {RESULTS.get('failed', 'none')}")
+    if args.out:
+        out = pathlib.Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "gpu_check.json").write_text(json.dumps(RESULTS, indent=1))
+
+
+if __name__ == "__main__":
+    main()

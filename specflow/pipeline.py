@@ -6,9 +6,14 @@ Every stage is called through this pipeline's own plugin manager. Requests are s
 continuous batching: up to `max_batch_size` run at once, a finished row's slot is refilled from the
 queue at the next round, and every row has its own k, its own length and its own end.
 
-Host syncs: one per round, in the stop trimmer (`out_token_ids.tolist()`), because which rows finish
-and what is committed decide the next round's inputs; stage tensor work stays on the device. The
-empty-row check reads one flag right after it (stages/empty_rows.py).
+Host syncs (device to host reads): at most two per round, and none inside stages' tensor work.
+1. the drafts, once, after the proposer (`Proposal.host_draft_token_ids`): the target pass's
+   inputs, lengths and cache bookkeeping are per-row ints (none when drafts are made on the host,
+   as the n-gram proposer does);
+2. the verifier's output and the empty-row flags, in one read after verification
+   (`Pipeline._to_host`): which rows finish and what is committed decide the next round.
+Asking for logprobs adds one read of the committed tokens' logprobs. tests/test_host_syncs.py
+counts them with a probe.
 """
 from __future__ import annotations
 
@@ -31,7 +36,7 @@ from specflow.stages.empty_rows import EmptyDistributionError, EmptyRowLog, Shap
     mark_empty
 from specflow.stages.logits import is_greedy
 from specflow.stages.score import TargetScorer
-from specflow.state import PAD, DecodeBatch, Proposal, RoundResult, ShapingBatch
+from specflow.state import PAD, DecodeBatch, Proposal, RoundResult, ShapingBatch, VerifyOutput
 
 
 @dataclass
@@ -509,11 +514,11 @@ class Pipeline:
         k, skip_reasons = self._cap_k(k, batch)                                    # [B]
         t1 = time.perf_counter()
         proposal = hook.specflow_propose(batch=batch, k=k) or Proposal.empty(batch.size)
-        ids = proposal.draft_token_ids                                               # [B, K]
+        ids = proposal.host_draft_token_ids()        # [B, K] host sync 1 (drafts made on the device)
         valid = ids != PAD                                                           # [B, K]
         counts = torch.stack([valid.sum(-1), valid.long().cumprod(-1).sum(-1),
                               ((ids < PAD) | (ids >= self.target.vocab_size)).sum(-1)])   # [3, B]
-        num_drafts, packed, bad_ids = counts.tolist()       # one host read for all three
+        num_drafts, packed, bad_ids = counts.tolist()
         self._check_drafts(num_drafts, packed, bad_ids, k.tolist())
         for b, n in enumerate(num_drafts):   # asked for drafts, got none: say why
             if n == 0 and skip_reasons[b] is None:
@@ -522,11 +527,13 @@ class Pipeline:
         t2 = time.perf_counter()
         logits = hook.specflow_score(batch=batch, proposal=proposal)                # [B, K+1, V]
         t3 = time.perf_counter()
-        shaped = self.shape(logits, batch.token_ids, proposal.draft_token_ids, 0,
+        # the drafts as the host read them: prefix processors and grammars walk them on the host
+        shaped = self.shape(logits, batch.token_ids, proposal.host_draft_token_ids(), 0,
                             batch.request_ids, "target")                             # [B, K+1, V]
         # greedy verification reads only the argmax, which softmax does not change
         probs = shaped if batch.greedy else shaped.softmax(-1)
         verified = hook.specflow_verify(batch=batch, proposal=proposal, target_probs=probs)
+        verified = self._to_host(verified)                 # host sync 2: what the round decided
         t4 = time.perf_counter()
         trim = hook.specflow_trim(batch=batch, verified=verified)
         # before the committed tokens join the prefixes the shape calls recorded
@@ -538,7 +545,7 @@ class Pipeline:
         result = RoundResult(
             round_index=round_index, request_ids=batch.request_ids,
             num_drafts=num_drafts,
-            num_accepted=verified.num_accepted.tolist(), committed=trim.committed,
+            num_accepted=verified.num_accepted.tolist(), committed=trim.committed,   # host: no sync
             finish_reasons=trim.finish_reasons, batch_size=batch.size, skip_reasons=skip_reasons,
             sim_time={s: v - sim_before.get(s, 0.0) for s, v in self.clock.by_source.items()
                       if v != sim_before.get(s, 0.0)})
@@ -550,6 +557,22 @@ class Pipeline:
         hook.specflow_observe(result=result)
         hook.specflow_round_end(result=result, pipeline=self)
         return result, trim, shaped
+
+    def _to_host(self, verified: VerifyOutput) -> VerifyOutput:
+        """The verifier's output and this round's empty-row flags, moved to the host in one read.
+
+        Everything after verification (stop checks, the empty-row check, commits, cache sync,
+        policies) is host logic over a handful of ints per row; reading them together makes the
+        round's second and last host sync (the first reads the drafts: host_draft_token_ids).
+        """
+        calls = self.empty_rows.calls
+        parts = [verified.out_token_ids, verified.num_accepted, *[c.unusable for c in calls]]
+        device = verified.out_token_ids.device
+        flat = torch.cat([p.to(device).long().flatten() for p in parts]).cpu()         # [N]
+        pieces = flat.split([p.numel() for p in parts])
+        for call, piece in zip(calls, pieces[2:]):
+            call.unusable = piece.view(call.unusable.shape).bool()
+        return VerifyOutput(pieces[0].view(parts[0].shape), pieces[1].view(parts[1].shape))
 
     def _record_logprobs(self, rows: list[_Row], shaped: torch.Tensor,
                          committed: list[list[int]]) -> None:

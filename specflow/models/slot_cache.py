@@ -38,7 +38,7 @@ class SlotKVCache(Cache):
         self._batch = 0
         self._start = -1                             # B == 1, every position real: its first position
         self._positions: torch.Tensor | None = None  # [B, T] where each new token is written
-        self._valid: torch.Tensor | None = None      # [B, T] real tokens (not padding)
+        self._ragged: tuple | None = None             # ragged batch: (rows, positions, flat) [N]
         self._all_valid = True
         self._kv_len = 0
 
@@ -51,15 +51,23 @@ class SlotKVCache(Cache):
         (they stay inside the context, e.g. for absolute position embeddings) and are never written
         to the cache, so a short row next to a long one cannot run past its capacity.
         """
-        self._slots = torch.tensor(slots, dtype=torch.long, device=device)
         self._batch = len(slots)
         self._first = slots[0] if slots == list(range(slots[0], slots[0] + len(slots))) else -1
         self._start = self.lengths[slots[0]] if len(slots) == 1 and lens[0] == T else -1
-        starts = torch.tensor([self.lengths[s] for s in slots], dtype=torch.long, device=device)
-        n = torch.tensor(lens, dtype=torch.long, device=device)                        # [B]
-        t = torch.arange(T, device=device)[None, :]                                     # [1, T]
-        self._positions = starts[:, None] + torch.minimum(t, (n - 1).clamp(min=0)[:, None])  # [B, T]
-        self._valid = t < n[:, None]                                                    # [B, T]
+        # everything is computed on the host (the lengths live there) and sent in one copy
+        host_slots = torch.tensor(slots, dtype=torch.long)                               # [B]
+        starts = torch.tensor([self.lengths[s] for s in slots], dtype=torch.long)        # [B]
+        n = torch.tensor(lens, dtype=torch.long)                                         # [B]
+        t = torch.arange(T)[None, :]                                                     # [1, T]
+        positions = starts[:, None] + torch.minimum(t, (n - 1).clamp(min=0)[:, None])    # [B, T]
+        parts = [host_slots, positions.flatten()]
+        if min(lens) != T:    # ragged: which (slot, position) each real token goes to
+            b, j = (t < n[:, None]).nonzero(as_tuple=True)                               # [N] x2
+            parts += [host_slots[b], positions[b, j], b * T + j]
+        sent = torch.cat(parts).to(device).split([p.numel() for p in parts])
+        self._slots = sent[0]
+        self._positions = sent[1].view(len(slots), T)
+        self._ragged = sent[2:] if len(sent) > 2 else None      # rows [N], positions [N], flat [N]
         self._all_valid = min(lens) == T
         self._kv_len = max(self.lengths[s] + m for s, m in zip(slots, lens))
         if self._kv_len > self.max_capacity:
@@ -109,11 +117,11 @@ class SlotKVCache(Cache):
             rows = self._slots[:, None]                                                  # [B, 1]
             k_buf[rows, :, self._positions] = k_new
             v_buf[rows, :, self._positions] = v_new
-        else:   # ragged: write the real positions only
-            rows = self._slots[:, None].expand_as(self._positions)[self._valid]          # [N]
-            pos = self._positions[self._valid]                                           # [N]
-            k_buf[rows, :, pos] = k_new[self._valid]                                     # [N, H, D]
-            v_buf[rows, :, pos] = v_new[self._valid]
+        else:   # ragged: write the real positions only (indices made on the host in begin)
+            rows, pos, flat = self._ragged                                                # [N] x3
+            B, T = k_new.shape[:2]
+            k_buf[rows, :, pos] = k_new.reshape(B * T, *k_new.shape[2:])[flat]           # [N, H, D]
+            v_buf[rows, :, pos] = v_new.reshape(B * T, *v_new.shape[2:])[flat]
         if self._first >= 0:   # slots s..s+B-1: views, no copy
             rows = slice(self._first, self._first + self._batch)
             return k_buf[rows, :, :self._kv_len], v_buf[rows, :, :self._kv_len]

@@ -41,8 +41,8 @@ def mark_empty(logits: torch.Tensor, inplace: bool = False) -> tuple[torch.Tenso
     # one reduction: the max of a row is -inf when all are, +inf or NaN when any is (max
     # propagates NaN)
     unusable = ~torch.isfinite(logits.amax(-1))                                # [B, P]
-    if logits.device.type == "cpu" and not bool(unusable.any()):
-        return logits, unusable     # the common case; on a CPU reading the flag costs no sync
+    if logits.device.type == "cpu" and not bool(unusable.any()):   # cpu only: no sync
+        return logits, unusable     # the common case; on a CPU reading the flag costs nothing
     fill = logits.masked_fill_ if inplace else logits.masked_fill
     return fill(unusable[..., None], 0.0), unusable
 
@@ -84,19 +84,20 @@ class EmptyRowLog:
         sampled from, or None.
 
         consumed: [B] per row of the round batch (request_ids order), the positions sampled from
-        this round. One host read for the whole round.
+        this round. The calls' `unusable` flags are on the host by now (Pipeline._to_host read
+        them with the verifier's output), so this reads nothing from the device.
         """
         if not self.calls:
             return None
         where = {rid: b for b, rid in enumerate(request_ids)}
         counted = []
         for call in self.calls:
-            device = call.unusable.device
-            limit = torch.tensor([consumed[where[r]] for r in call.request_ids], device=device)
-            P = call.unusable.shape[1]
-            depth = call.first_draft_index + torch.arange(P, device=device)              # [P]
+            unusable = call.unusable.cpu()
+            limit = torch.tensor([consumed[where[r]] for r in call.request_ids])          # [B']
+            P = unusable.shape[1]
+            depth = call.first_draft_index + torch.arange(P)                             # [P]
             reached = depth[None, :] < limit[:, None]                                   # [B', P]
-            counted.append(call.unusable & reached)
+            counted.append(unusable & reached)
         flags = torch.stack([c.any() for c in counted])                       # [calls]
         if not bool(flags.any()):
             return None

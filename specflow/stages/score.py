@@ -14,7 +14,7 @@ class TargetScorer:
 
     @hookimpl
     def specflow_score(self, batch, proposal):
-        drafts = proposal.draft_token_ids.cpu()                            # [B, K] inputs are
+        drafts = proposal.host_draft_token_ids()                           # [B, K] inputs are
                                                                            # built on the host
         B, K = drafts.shape
         cached = [self.target.cache_length(s) for s in batch.slots.tolist()]

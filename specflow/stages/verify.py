@@ -24,13 +24,13 @@ from specflow.state import PAD, VerifyOutput
 Generators = torch.Generator | Sequence[torch.Generator | None] | None
 
 
-def _row_uniforms(shape: tuple[int, int], k: torch.Tensor, generator: Generators,
+def _row_uniforms(shape: tuple[int, int], k: list[int], generator: Generators,
                   device: torch.device) -> torch.Tensor:
-    """Uniform(0, 1) draws [B, K]; with per-row generators row b draws exactly k_b of them."""
+    """Uniform(0, 1) draws [B, K]; with per-row generators row b draws exactly k[b] of them."""
     if generator is None or isinstance(generator, torch.Generator):
         return torch.rand(shape, generator=generator, device=device)
     u = torch.zeros(shape, device=device)
-    for b, (gen, n) in enumerate(zip(generator, k.tolist())):
+    for b, (gen, n) in enumerate(zip(generator, k)):
         if n:
             u[b, :n] = torch.rand(n, generator=gen, device=device)
     return u
@@ -61,12 +61,15 @@ def sample_categorical(probs: torch.Tensor, generator: Generators = None,
 
 def verify(draft_token_ids: torch.Tensor, target_probs: torch.Tensor,
            draft_probs: torch.Tensor | None = None, greedy: bool = False,
-           generator: Generators = None) -> tuple[torch.Tensor, torch.Tensor]:
+           generator: Generators = None, num_drafts: list[int] | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept a prefix of each row's drafts and append the recovered or bonus token.
 
     draft_token_ids: [B, K] long, PAD (-1) after a row's own k drafts
     target_probs:    [B, K+1, V] float, the target's shaped distributions (probabilities)
     draft_probs:     [B, K, V] float or None (None: deterministic proposer, q one-hot on the draft)
+    num_drafts:      [B] drafts per row, when the caller already has them on the host (saves a
+                     device read with per-row generators)
     returns (out_token_ids [B, K+1] long, PAD-padded; num_accepted [B] long)
     """
     B, K = draft_token_ids.shape
@@ -95,7 +98,9 @@ def verify(draft_token_ids: torch.Tensor, target_probs: torch.Tensor,
             q_draft = torch.ones_like(p_draft)                                 # one-hot q
         else:
             q_draft = draft_probs.gather(-1, safe_ids[..., None]).squeeze(-1)  # [B, K]
-        u = _row_uniforms((B, K), k, generator, device)                        # [B, K]
+        if num_drafts is None and not (generator is None or isinstance(generator, torch.Generator)):
+            num_drafts = k.tolist()
+        u = _row_uniforms((B, K), num_drafts, generator, device)               # [B, K]
         accept = (u * q_draft < p_draft) & valid       # u < min(1, p/q) without dividing by q
 
     # accepted is a prefix: count leading ones
@@ -136,7 +141,10 @@ class StandardVerifier:
 
     @hookimpl
     def specflow_verify(self, batch, proposal, target_probs):
+        num_drafts = None if batch.greedy else \
+            (proposal.host_draft_token_ids() != PAD).sum(-1).tolist()     # host: no device read
         out, num_accepted = verify(proposal.draft_token_ids, target_probs, proposal.draft_probs,
                                    greedy=batch.greedy,
-                                   generator=None if batch.greedy else batch.generators)
+                                   generator=None if batch.greedy else batch.generators,
+                                   num_drafts=num_drafts)
         return VerifyOutput(out, num_accepted)

@@ -283,6 +283,77 @@ def pass_cost(paths, args, device, dtype):
                       f"{dtype} (dashed: weight-read bound)")
 
 
+@section("profile: a target pass at short and long context, and host syncs per round")
+def profile(paths, args, device, dtype):
+    """Where a pass's time goes (torch.profiler, top ops by host and by device time) and how
+    many synchronizing CUDA calls a round makes (torch.cuda.set_sync_debug_mode)."""
+    import warnings
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from specflow import Pipeline
+    from specflow.models.hf import HFBackend, HFModelConfig
+
+    name = str(dtype).split(".")[1]
+    for forward in ("lean", "hf"):
+        backend = HFBackend(HFModelConfig(path=str(paths[0]), dtype=name, forward=forward), device, 1)
+        slot = torch.tensor([0])
+        backend.forward(slot, torch.randint(1, 8000, (1, 1000)), torch.tensor([1000]), logits=False)
+
+        def one(ctx, T=1, backend=backend, slot=slot):
+            backend.truncate(slot, [ctx])
+            backend.forward(slot, torch.randint(1, 8000, (1, T)), torch.tensor([T]))
+
+        for ctx in (64, 512):
+            for _ in range(3):
+                one(ctx)
+            sync(device)
+            start = time.perf_counter()
+            for _ in range(10):
+                one(ctx)
+            sync(device)
+            say(f"{forward} forward, context {ctx}, 1 position: "
+                f"{(time.perf_counter() - start) / 10 * 1e3:.2f} ms a pass")
+        if forward == "lean":
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+            for ctx in (64, 512):
+                with torch_profile(activities=acts) as prof:
+                    for _ in range(5):
+                        one(ctx)
+                    sync(device)
+                key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+                say(f"-- lean, context {ctx}: top ops by device time (5 passes)")
+                say(prof.key_averages().table(sort_by=key, row_limit=12, max_name_column_width=48))
+                say(f"-- lean, context {ctx}: top ops by host time (5 passes)")
+                say(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8,
+                                              max_name_column_width=48))
+    if device.type != "cuda":
+        return
+    base = ["model=hf", f"model.path={paths[0]}", "draft=hf", f"draft.path={paths[1]}",
+            "device=cuda", f"dtype={name}", "show_progress=false"]
+    prompt = prompts_for(1)[0]
+    for proposer in ("none", "draft"):
+        pipe = Pipeline.from_config([*base, f"proposer={proposer}"])
+        pipe.generate([prompt], max_new_tokens=8)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                pipe.generate([prompt], max_new_tokens=32)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        rounds = pipe.last_stats["num_target_passes"]
+        sites = {}
+        for w in caught:
+            if "synchroniz" in str(w.message):
+                where = f"{pathlib.Path(w.filename).name}:{w.lineno}"
+                sites[where] = sites.get(where, 0) + 1
+        say(f"proposer={proposer}: {sum(sites.values())} synchronizing calls in {rounds} rounds "
+            f"(+ admission and prefill): {sites}")
+        say(f"  stage seconds: { {k: round(v, 3) for k, v in pipe.last_stats['seconds'].items()} }")
+
+
 def table(rows: list[dict]) -> None:
     keys = list(dict.fromkeys(k for r in rows for k in r))
     say(" | ".join(keys))
@@ -301,7 +372,10 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--out", default="")
     ap.add_argument("--skip", default="", help="steps to skip: batch1,batched,passcost")
+    ap.add_argument("--only", default="", help="'profile': the profile step alone")
     args = ap.parse_args()
+    if args.only:
+        args.skip = "batch1,batched,passcost,pipelines"
     args.batches = [int(b) for b in args.batches.split(",")]
     skip = set(args.skip.split(",")) - {""}
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -319,12 +393,15 @@ def main() -> None:
         paths = build_pair(pathlib.Path(tmp), TINY if args.tiny else FULL, device, dtype)
         if paths is None:
             sys.exit(1)
+        if "profile" in args.only:
+            profile(paths, args, device, dtype)
         from specflow import Pipeline
 
         @section("specflow pipelines")
         def pipelines():
             base = ["model=hf", f"model.path={paths[0]}", "draft=hf", f"draft.path={paths[1]}",
-                    f"device={args.device}", f"dtype={args.dtype}", "show_progress=false"]
+                    f"device={args.device}", f"dtype={args.dtype}", "show_progress=false",
+                    f"max_batch_size={max(args.batches)}"]
             pipes = {"none": Pipeline.from_config([*base, "proposer=none"])}
             for name in ("draft", "ngram"):
                 pipes[name] = Pipeline.from_config([*base, f"proposer={name}", f"proposer.k={args.k}"])
@@ -332,7 +409,7 @@ def main() -> None:
             say(f"target forward: {'lean, ' + lean.kernels.describe() if lean else 'transformers'}")
             return pipes
 
-        pipes = pipelines()
+        pipes = pipelines() if "pipelines" not in skip else None
         if pipes:
             prompts = prompts_for(args.prompts)
             if "batch1" not in skip:

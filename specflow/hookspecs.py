@@ -22,7 +22,8 @@ if TYPE_CHECKING:
     from specflow.state import DecodeBatch, Proposal, RoundResult, ShapingBatch, VerifyOutput
     from specflow.stages.stop import TrimResult
 
-HOOK_API_VERSION = "1.2"   # 1.1: run_start / run_end; 1.2: request_end "abort", masks first
+HOOK_API_VERSION = "1.3"   # 1.1: run_start / run_end; 1.2: request_end "abort", masks first;
+                           # 1.3: prefill (the prompts admitted together, in one call)
 
 hookspec = pluggy.HookspecMarker("specflow")
 
@@ -183,6 +184,18 @@ def specflow_request_start(slot: int, request: "Request") -> None:
     state is keyed one way: by ``request.request_id`` (the request's index in its generate()
     call, so ids repeat across calls), or by ``slot`` for what lives in a batch slot (cache
     rows). A stage with such state (re)sets it here, never trusting what an earlier call left.
+    Returns nothing; all run.
+    """
+
+
+@hookspec
+def specflow_prefill(slots: list[int], requests: "list[Request]") -> None:
+    """Called once per admission, after specflow_request_start of every request admitted
+    together (the requests that take free slots before the same round), in slot order.
+
+    A stage that caches a prompt in a model (the target's cache, a draft model's) does it here,
+    for all of them in one batched forward, rather than one forward per request in
+    request_start. Each request's last prompt token is left out: the first round feeds it.
     Returns nothing; all run.
     """
 

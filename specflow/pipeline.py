@@ -409,16 +409,25 @@ class Pipeline:
         results: dict[int, GenerationResult] = {}
         round_index = 0
         while queue or active:
+            admitted: list[_Row] = []
             while queue and free:
                 req = queue.popleft()
                 slot = free.pop(0)
                 gen = None if self.greedy else torch.Generator(
                     device=self.target.device).manual_seed(req.seed)
-                active[slot] = _Row(req, slot, list(req.prompt_ids), gen)
+                active[slot] = row = _Row(req, slot, list(req.prompt_ids), gen)
+                admitted.append(row)
                 recorder.start(req.request_id)
                 t0 = time.perf_counter()
                 self.hook.specflow_request_start(slot=slot, request=req)
                 recorder.add_prefill(req.request_id, time.perf_counter() - t0)
+            if admitted:     # their prompts, cached together (one batched forward per model)
+                t0 = time.perf_counter()
+                self.hook.specflow_prefill(slots=[r.slot for r in admitted],
+                                           requests=[r.request for r in admitted])
+                spent, total = time.perf_counter() - t0, sum(len(r.token_ids) for r in admitted)
+                for r in admitted:       # the wave's time, shared by prompt length
+                    recorder.add_prefill(r.request.request_id, spent * len(r.token_ids) / total)
             rows = [active[s] for s in sorted(active)]
             batch = DecodeBatch(
                 slots=torch.tensor([r.slot for r in rows], dtype=torch.long),

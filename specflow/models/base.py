@@ -66,6 +66,12 @@ class Backend(abc.ABC):
         if ids:
             self.forward(torch.tensor([slot]), torch.tensor([ids]), torch.tensor([len(ids)]))
 
+    def prefill_many(self, slots: list[int], prompts: list[list[int]]) -> None:
+        """Cache several new requests' prompts (each without its last token); a backend that can
+        batch them overrides this (HFBackend: ragged forwards under a token budget)."""
+        for slot, ids in zip(slots, prompts):
+            self.prefill(slot, ids)
+
     @abc.abstractmethod
     def truncate(self, slots: torch.Tensor, lengths: list[int]) -> None:
         """Roll each slot's cache back to its first `lengths[b]` tokens."""

@@ -17,6 +17,7 @@ import torch
 from specflow.errors import ConfigError
 from specflow.models.base import Backend
 from specflow.models.slot_cache import SlotKVCache
+from specflow.state import PAD
 
 DEMO_DIR = pathlib.Path(__file__).parent / "demo"
 
@@ -26,6 +27,8 @@ RECURRENT_MODEL_TYPES = {
     "bamba", "granitemoehybrid", "falcon_h1", "nemotron_h", "lfm2", "qwen3_next", "xlstm",
     "minimax", "plamo2", "kimi_linear",
 }
+# padded tokens in one prefill forward: bounds its activations (a long prompt goes alone)
+PREFILL_TOKENS = 4096
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -333,6 +336,25 @@ class HFBackend(Backend):
         if ids:
             self.forward(torch.tensor([slot]), torch.tensor([ids]), torch.tensor([len(ids)]),
                          logits=False)
+
+    def prefill_many(self, slots: list[int], prompts: list[list[int]]) -> None:
+        """The prompts in as few ragged forwards as fit PREFILL_TOKENS padded tokens each
+        (longest first, so rows of a forward have similar lengths and little padding)."""
+        order = sorted((i for i, ids in enumerate(prompts) if ids), key=lambda i: -len(prompts[i]))
+        group: list[int] = []
+        for i in order + [None]:
+            if i is not None and (not group or len(prompts[group[0]]) * (len(group) + 1)
+                                  <= PREFILL_TOKENS):
+                group.append(i)
+                continue
+            if group:
+                width = len(prompts[group[0]])
+                ids = torch.full((len(group), width), PAD, dtype=torch.long)       # [G, T]
+                for row, j in enumerate(group):
+                    ids[row, :len(prompts[j])] = torch.tensor(prompts[j])
+                self.forward(torch.tensor([slots[j] for j in group]), ids,
+                             torch.tensor([len(prompts[j]) for j in group]), logits=False)
+            group = [i] if i is not None else []
 
     def truncate(self, slots: torch.Tensor, lengths: list[int]) -> None:
         self.cache.truncate(slots.tolist(), lengths)

@@ -16,7 +16,10 @@ class TargetCacheSync:
     @hookimpl
     def specflow_request_start(self, slot, request):
         self.target.reset(slot)
-        self.target.prefill(slot, request.prompt_ids[:-1])
+
+    @hookimpl
+    def specflow_prefill(self, slots, requests):
+        self.target.prefill_many(slots, [r.prompt_ids[:-1] for r in requests])
 
     @hookimpl
     def specflow_sync_cache(self, batch, result):

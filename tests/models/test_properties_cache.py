@@ -79,12 +79,18 @@ def run_rounds(backend, reference, atol: float, data) -> int:
     for s in range(SLOTS):
         backend.reset(s)
 
-    def start(slot: int) -> None:
-        # short prompts, or long ones that rounds push past 64 positions (where buffers grow)
-        n = data.draw(st.integers(1, 12) | st.integers(48, 64), label=f"prompt length[{slot}]")
-        prompt = data.draw(st.lists(TOKENS, min_size=n, max_size=n), label=f"prompt[{slot}]")
-        sync.specflow_request_start(slot=slot, request=SimpleNamespace(prompt_ids=prompt))
-        committed[slot] = list(prompt)
+    def start(*slots: int) -> None:
+        """New requests in `slots`, admitted together: their prompts are prefilled in one call
+        (ragged, batched where the backend can)."""
+        requests = []
+        for slot in slots:
+            # short prompts, or long ones that rounds push past 64 positions (where buffers grow)
+            n = data.draw(st.integers(1, 12) | st.integers(48, 64), label=f"prompt length[{slot}]")
+            prompt = data.draw(st.lists(TOKENS, min_size=n, max_size=n), label=f"prompt[{slot}]")
+            requests.append(SimpleNamespace(prompt_ids=prompt))
+            sync.specflow_request_start(slot=slot, request=requests[-1])
+            committed[slot] = list(prompt)
+        sync.specflow_prefill(slots=list(slots), requests=requests)
 
     def check(slots, fed, logits) -> None:
         for b, s in enumerate(slots):
@@ -94,8 +100,7 @@ def run_rounds(backend, reference, atol: float, data) -> int:
             assert torch.allclose(got, want, atol=atol, rtol=0), (
                 f"slot {s}: max diff {(got - want).abs().max():.2e} after {len(cached)} cached")
 
-    for s in range(SLOTS):
-        start(s)
+    start(*range(SLOTS))
     rounds = data.draw(st.integers(2, 10), label="rounds")
     for _ in range(rounds):
         if data.draw(st.integers(0, 5), label="restart?") == 0:     # a new request in some slot

@@ -63,7 +63,10 @@ class DraftModelProposer:
     @hookimpl
     def specflow_request_start(self, slot, request):
         self.model.reset(slot)
-        self.model.prefill(slot, request.prompt_ids[:-1])
+
+    @hookimpl
+    def specflow_prefill(self, slots, requests):
+        self.model.prefill_many(slots, [r.prompt_ids[:-1] for r in requests])
 
     def _room(self, batch, k: torch.Tensor) -> list[int]:
         """k per row, cut where the draft's own context ends (it may be shorter than the target's)."""

@@ -37,7 +37,9 @@ test-slow: $(VENV)/.installed $(VENV)/.plugins
 
 test-all: test test-slow
 
+# make bench: what one pass costs against the weight-read bound, then specflow against HF
 bench: $(VENV)/.installed
+	$(PY) bench/passcost.py
 	$(PY) bench/run.py
 
 bench-policies: $(VENV)/.installed

@@ -78,7 +78,7 @@ def main() -> None:
             return out[0, ids.shape[1]:].tolist()
         return run
 
-    base = ["model=demo", "draft=demo", f"device={dev}", "max_batch_size=16"]
+    base = ["model=demo", "draft=demo", f"device={dev}", "max_batch_size=16", f"threads={args.threads}"]
     pipes = {
         "specflow none": Pipeline.from_config([*base, "proposer=none"]),
         "specflow draft": Pipeline.from_config([*base, "proposer=draft", f"proposer.k={args.k}"]),

@@ -30,6 +30,7 @@ from specflow.config import compose, option, validate, whole_number
 from specflow.errors import ConfigError, InputError, PluginError
 from specflow.metrics import MetricsRecorder
 from specflow.models.base import Backend, SimClock
+from specflow.models.threads import choose_threads
 from specflow.plugins import blame, check_hooks, get_registry, new_plugin_manager
 from specflow.stages.cache import TargetCacheSync
 from specflow.stages.empty_rows import EmptyDistributionError, EmptyRowLog, ShapeCall, describe, \
@@ -150,6 +151,7 @@ class Pipeline:
         ctx = BuildContext(cfg=cfg, slots=int(cfg.max_batch_size), clock=self.clock,
                            device=resolve_device(str(cfg.device)))
         ctx.target = self.target = self._build("model", ctx)
+        self.threads = choose_threads(cfg.get("threads", "auto"), self.target)
         ctx.tokenizer = self.tokenizer = self.target.tokenizer
         if cfg.get("draft") is not None:
             ctx.build_draft = lambda: self._build("draft", ctx)

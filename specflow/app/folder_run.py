@@ -76,7 +76,8 @@ def run_into(cfg: DictConfig, folder: str | os.PathLike, *, owner: str, setting:
             on_start(len(prompts))
         rows, stats, resumed = run_resumable(pipe, prompts, out, progress=progress, rerun=rerun)
         _write(out / "metrics.json", atomic_write_json, {
-            **(metrics_extra or {}), "config": config, "greedy": pipe.greedy, "aggregate": stats,
+            **(metrics_extra or {}), "config": config, "greedy": pipe.greedy, "threads": pipe.threads,
+            "aggregate": stats,
             "resumed_requests": resumed, "requests": [r["stats"] for r in rows]}, rerun, len(rows))
     return FolderRun(out, rows, stats, resumed, pipe.greedy, False, config)
 

@@ -408,6 +408,10 @@ def _check_root(cfg: DictConfig) -> None:
         raise ConfigError(f"show_progress={cfg.show_progress!r} must be true or false")
     if cfg.get("prompt") is not None and not isinstance(cfg.prompt, str):
         raise ConfigError(f"prompt={cfg.prompt!r} must be text; quote it")
+    threads = cfg.get("threads", "auto")
+    if threads != "auto":
+        whole_number(threads, "threads", 1, 4096, "give threads=auto (the faster of all cores "
+                     "and one, timed at start) or a number of CPU threads, e.g. threads=2")
     device = str(cfg.get("device", "cpu"))
     if not DEVICES.match(device):
         raise ConfigError(f"device={device!r} is not a device; use cpu, cuda, cuda:N or auto")

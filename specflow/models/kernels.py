@@ -6,7 +6,8 @@ the machine: on a 2-core AMD EPYC with MKL (fp32), `F.linear(x, W)` of 1-9 rows 
 at 10-12 GB/s while `(W @ x.T).T` of 2-9 rows reaches ~30 GB/s, and one row is fastest padded to
 two; in bf16 `F.linear` is the faster form. So the form is not fixed: `pick()` times each candidate
 on the model's own weights (all of them, so the reads stream from memory as in a real pass) for
-one row and for a few rows, once per model load, and the lean forward calls the winners.
+one row, a few rows and a batch's worth, once per model load, and the lean forward calls the
+winners.
 
 Every form computes the same products from the same weights, in place (no prepared copies): they
 differ only in float rounding (fp32: ~1e-6 relative), like any change of BLAS kernel.
@@ -23,7 +24,8 @@ import torch.nn.functional as F
 
 Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]    # x [M, K], W [N, K] -> [M, N]
 
-SMALL_ROWS = 16          # up to this many rows a product counts as decoding-shaped
+SMALL_ROWS = 16          # 2..SMALL_ROWS rows: a decoding step of a few rows (or k+1 positions)
+BATCH_ROWS = 128         # SMALL_ROWS+1..BATCH_ROWS: a batch's decoding step; above: prefill
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -52,29 +54,35 @@ FEW_ROWS = ("linear", "weight_left")
 
 @dataclass(frozen=True)
 class Kernels:
-    """The forms a model's products use: one for a single row, one for 2..SMALL_ROWS rows."""
+    """The forms a model's products use: for 1 row, 2..SMALL_ROWS rows, up to BATCH_ROWS rows
+    (prefill-sized products always take F.linear)."""
 
     one_row: str = "linear"
     few_rows: str = "linear"
+    many_rows: str = "linear"
     timings_ms: tuple[tuple[str, int, float], ...] = ()     # (form, rows, ms over all weights)
 
     def matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x [..., K] times W [N, K]^T -> [..., N]."""
         rows = x.numel() // x.shape[-1]
-        if rows > SMALL_ROWS:
+        if rows > BATCH_ROWS:
             return F.linear(x, w)
-        form = FORMS[self.one_row if rows == 1 else self.few_rows]
-        return form(x.reshape(rows, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
+        name = self.one_row if rows == 1 else self.few_rows if rows <= SMALL_ROWS else self.many_rows
+        if name == "linear":
+            return F.linear(x, w)
+        return FORMS[name](x.reshape(rows, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
 
     def describe(self) -> str:
-        return f"1 row: {self.one_row}, 2-{SMALL_ROWS} rows: {self.few_rows}"
+        return (f"1 row: {self.one_row}, 2-{SMALL_ROWS} rows: {self.few_rows}, "
+                f"{SMALL_ROWS + 1}-{BATCH_ROWS} rows: {self.many_rows}")
 
 
 _PICKED: dict[tuple, Kernels] = {}
 
 
 def pick(weights: list[torch.Tensor], repeats: int = 3, budget_s: float = 2.0) -> Kernels:
-    """Time each candidate form over all `weights` for 1 row and for 2 and 8 rows; keep the fastest.
+    """Time each candidate form over all `weights` for 1 row, 2 and 8 rows, and 32 rows; keep the
+    fastest of each.
 
     Cached per (device, dtype, threads, shapes), so a second backend of the same model measures
     nothing. CUDA (and any non-CPU device) takes F.linear without measuring.
@@ -108,6 +116,7 @@ def pick(weights: list[torch.Tensor], repeats: int = 3, budget_s: float = 2.0) -
 
     one = min(ONE_ROW, key=lambda f: cost(f, 1))
     few = min(FEW_ROWS, key=lambda f: cost(f, 2) + cost(f, 8))
-    picked = Kernels(one, few, tuple(timings))
+    many = min(FEW_ROWS, key=lambda f: cost(f, 32))
+    picked = Kernels(one, few, many, tuple(timings))
     _PICKED[key] = picked
     return picked

@@ -61,7 +61,7 @@ def test_every_kernel_form_computes_the_same_product(form, rows):
     torch.manual_seed(rows)
     w = torch.randn(300, 64)
     x = torch.randn(1, rows, 64)
-    kernels = Kernels(form if form != "weight_left" else "linear", form)
+    kernels = Kernels(form if form != "weight_left" else "linear", form, form)
     assert torch.allclose(kernels.matmul(x, w), torch.nn.functional.linear(x, w), atol=1e-5)
 
 

@@ -1,0 +1,49 @@
+"""How many CPU threads torch uses for a CPU run: `threads: auto | N` in the root config.
+
+On a quiet 2-core machine two threads make a decoding pass ~1.5x faster than one. With another
+process busy on the second core, OpenMP's spinning barriers make the same two threads collapse
+(measured on the demo pair: 225 -> 62 tokens/s, while one thread keeps 155), and every small op
+of a draft step pays it. `auto` therefore times the target's one-position pass with the threads
+torch would use and with one thread, when the pipeline is built, and keeps the faster; the
+choice is printed in metrics.json (`threads`) and Pipeline.threads. It is decided once: contention that starts
+later is not followed (set `threads=1` on a machine shared with other work).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+def pass_seconds(backend, reps: int = 5) -> float:
+    """Median seconds of a one-position pass on slot 0 after 32 cached tokens (slot 0 is reset)."""
+    slot = torch.tensor([0])
+    backend.reset(0)
+    backend.forward(slot, torch.ones(1, 32, dtype=torch.long), torch.tensor([32]), logits=False)
+    times = []
+    for i in range(reps + 2):
+        backend.truncate(slot, [32])
+        start = time.perf_counter()
+        backend.forward(slot, torch.ones(1, 1, dtype=torch.long), torch.tensor([1]))
+        if i >= 2:
+            times.append(time.perf_counter() - start)
+    backend.reset(0)
+    return statistics.median(times)
+
+
+def choose_threads(setting, backend) -> int:
+    """Apply `threads` (an int, or "auto") for a CPU backend; return the threads in use."""
+    if setting != "auto":
+        torch.set_num_threads(int(setting))
+        return int(setting)
+    current = torch.get_num_threads()
+    if current == 1 or backend.device.type != "cpu" or getattr(backend, "clock", None) is not None:
+        return current
+    timed = {}
+    for n in (current, 1):
+        torch.set_num_threads(n)
+        timed[n] = pass_seconds(backend)
+    best = min(timed, key=timed.get)
+    torch.set_num_threads(best)
+    return best

@@ -147,7 +147,10 @@ def plot(rows: list[dict], path: pathlib.Path, title: str) -> None:
     plt.close(fig)
 
 
-def render(env: dict, rows: list[dict], memory: list[dict]) -> str:
+def render(env: dict, rows: list[dict], memory: list[dict], only: tuple | None = None) -> str:
+    """Markdown tables; `only` = (model, batch) keeps that one table (the README's)."""
+    if only is not None:
+        rows = [r for r in rows if (r["model"], r["batch"]) == only]
     lines = [f"{env['device']}, {env['threads']} threads, torch {env['torch']}, {env['dtype']}; "
              f"read bandwidth {env['bandwidth_gbs']:.1f} GB/s ({env['bandwidth_read']}); "
              f"median of {env['repeats']} passes. Cells: ms per pass (x its bandwidth bound).", ""]
@@ -248,8 +251,10 @@ def main() -> None:
     if not args.no_readme and not args.name:
         readme = ROOT / "README.md"
         text = readme.read_text()
+        short = render(env, rows, memory, only=("target", 1)) + (
+            f"\nAll tables (draft, batch 8) and the plot: bench/results/{stem}.md, {stem}.png.\n")
         new = re.sub(r"(<!-- passcost:start -->\n).*?(<!-- passcost:end -->)",
-                     lambda m: m.group(1) + md + m.group(2), text, flags=re.S)
+                     lambda m: m.group(1) + short + m.group(2), text, flags=re.S)
         if new != text:
             atomic_write_text(readme, new)
 

@@ -69,3 +69,19 @@ def test_2000_requests_in_one_ab_arm_keep_memory_flat(make_pipeline, tmp_path):
     assert end - warm < 40 * MB, f"RSS grew {(end - warm) / MB:.1f} MB over 1,800 requests"
     assert (end - mid) < 2 * max(mid - warm, 8 * MB), "memory growth speeds up"
     json.dumps(stats)
+
+
+@pytest.mark.slow
+def test_20000_tokens_through_the_demo_pair_keep_memory_flat():
+    # the real backends: lean forward, per-slot KV caches, batched prefill of each admission
+    from specflow import Pipeline
+
+    probe = RssProbe(every=40)
+    pipe = Pipeline.from_config(["model=demo", "draft=demo", "proposer=draft", "max_batch_size=4",
+                                 "show_progress=false", "stop.eos=false"], plugins=[probe])
+    prompts = [f"def f{i}(x):\n    " + "y = x + 1\n    " * (i % 5) for i in range(100)]
+    out = pipe.generate(prompts, max_new_tokens=200)
+    assert sum(len(r.token_ids) for r in out) == 20_000
+    warm = probe.samples[len(probe.samples) // 10]
+    growth = max(probe.samples) - warm
+    assert growth < 40 * MB, f"RSS grew {growth / MB:.1f} MB after warm-up"

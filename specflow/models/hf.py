@@ -309,16 +309,16 @@ class HFBackend(Backend):
         slot_list = slots.tolist()
         lens = input_lens.tolist()
         positions, kv_len = self.cache.begin(slot_list, lens, T, self.device)    # [B, T]
-        keys = torch.arange(kv_len, device=self.device)                              # [L]
-        allowed = keys[None, None, :] <= positions[:, :, None]                       # [B, T, L]
         windowed = self.window is not None and kv_len > self.window
-        if windowed:
-            allowed &= keys[None, None, :] > positions[:, :, None] - self.window
-        mask = allowed[:, None] if self._bool_mask else torch.zeros(
-            B, 1, T, kv_len, dtype=self.model.dtype, device=self.device).masked_fill(
-            ~allowed[:, None], torch.finfo(self.model.dtype).min)
-        if B == 1 and T == 1 and not windowed:
-            mask = None          # one query attends to the whole cached row
+        mask = None          # one query attends to the whole cached row: no mask to build
+        if not (B == 1 and T == 1 and not windowed):
+            keys = torch.arange(kv_len, device=self.device)                          # [L]
+            allowed = keys[None, None, :] <= positions[:, :, None]                   # [B, T, L]
+            if windowed:
+                allowed &= keys[None, None, :] > positions[:, :, None] - self.window
+            mask = allowed[:, None] if self._bool_mask else torch.zeros(
+                B, 1, T, kv_len, dtype=self.model.dtype, device=self.device).masked_fill(
+                ~allowed[:, None], torch.finfo(self.model.dtype).min)
         ids = input_ids.clamp(min=0).to(self.device)
         if self.lean is not None:
             out = self.lean(ids, positions, mask, self.cache, logits_to_keep=0 if logits else 1)

@@ -160,10 +160,10 @@ class LeanLlama:
             qkv = mm(self._rms(x, ln1), wqkv)                                         # [B, T, (H+2Hkv)D]
             if bqkv is not None:
                 qkv = qkv + bqkv
-            q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], -1)
-            q = self._rotate(q.view(B, T, H, D).transpose(1, 2), cos, sin)            # [B, H, T, D]
-            k = self._rotate(k.view(B, T, Hkv, D).transpose(1, 2), cos, sin)          # [B, Hkv, T, D]
-            v = v.view(B, T, Hkv, D).transpose(1, 2)
+            qk, v = qkv.split([(H + Hkv) * D, Hkv * D], -1)
+            qk = self._rotate(qk.view(B, T, H + Hkv, D).transpose(1, 2), cos, sin)    # [B, H+Hkv, T, D]
+            q, k = qk.split([H, Hkv], 1)                                              # one rotation
+            v = v.view(B, T, Hkv, D).transpose(1, 2)                                  # [B, Hkv, T, D]
             k_all, v_all = cache.update(k, v, i)                                      # [B, Hkv, L, D]
             if self.gqa and not self.gqa_in_sdpa:
                 k_all = k_all.repeat_interleave(H // Hkv, 1)

@@ -89,8 +89,11 @@ class HostReadProbe(TorchFunctionMode):
         return out
 
 
-def reads_per_round(overrides, prompts, max_new_tokens=12):
+def reads_per_round(overrides, prompts, max_new_tokens=12, max_batch_size=3, plugins=()):
+    """Host reads of would-be device tensors in each round of one generate() call."""
     pipe = Pipeline.from_config(["model=demo", "draft=demo", "show_progress=false", *overrides])
+    for plugin in plugins:
+        pipe.register(plugin)
     probe = HostReadProbe()
     for backend in filter(None, (pipe.target, pipe.draft)):     # model outputs live on the device
         forward = backend.forward
@@ -108,7 +111,8 @@ def reads_per_round(overrides, prompts, max_new_tokens=12):
 
     pipe._round = counted
     with probe:
-        results = pipe.generate(prompts, max_new_tokens=max_new_tokens, max_batch_size=3)
+        results = pipe.generate(prompts, max_new_tokens=max_new_tokens,
+                                max_batch_size=max_batch_size)
     return rounds, results
 
 
@@ -141,38 +145,11 @@ def test_the_probe_sees_a_read_of_a_device_tensor():
 
     class Peeker:
         @hookimpl
-        def specflow_observe(self, result):
-            pass
-
-        @hookimpl
         def specflow_process_logits(self, shaping):
             if shaping.source == "target":
                 float(shaping.logits.max())          # a host read of the target's logits
 
-    pipe_rounds, _ = reads_with_plugin(Peeker())
-    assert max(len(r) for r in pipe_rounds) >= 2
-    assert any("__float__" in site for r in pipe_rounds for site in r)
-
-
-def reads_with_plugin(plugin):
-    pipe = Pipeline.from_config(["model=demo", "draft=demo", "show_progress=false",
-                                 "proposer=none"])
-    pipe.register(plugin, name="peeker")
-    probe = HostReadProbe()
-    forward = pipe.target.forward
-    pipe.target.forward = lambda *a, **kw: probe.taint(forward(*a, **kw))
-    rounds = []
-    one_round = pipe._round
-
-    def counted(batch, index):
-        probe.active, probe.reads = True, []
-        try:
-            return one_round(batch, index)
-        finally:
-            probe.active = False
-            rounds.append(probe.reads)
-
-    pipe._round = counted
-    with probe:
-        pipe.generate(PROMPTS[:1], max_new_tokens=4, max_batch_size=1)
-    return rounds, None
+    rounds, _ = reads_per_round(["proposer=none"], PROMPTS[:1], max_new_tokens=4,
+                                max_batch_size=1, plugins=[Peeker()])
+    assert max(len(r) for r in rounds) >= 2
+    assert any("__float__" in site for r in rounds for site in r)

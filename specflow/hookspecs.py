@@ -191,7 +191,7 @@ def specflow_request_start(slot: int, request: "Request") -> None:
 @hookspec
 def specflow_prefill(slots: list[int], requests: "list[Request]") -> None:
     """Called once per admission, after specflow_request_start of every request admitted
-    together (the requests that take free slots before the same round), in slot order.
+    together (the requests that take free slots before the same round), in admission order.
 
     A stage that caches a prompt in a model (the target's cache, a draft model's) does it here,
     for all of them in one batched forward, rather than one forward per request in

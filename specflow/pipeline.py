@@ -152,6 +152,8 @@ class Pipeline:
                            device=resolve_device(str(cfg.device)))
         ctx.target = self.target = self._build("model", ctx)
         self.threads = choose_threads(cfg.get("threads", "auto"), self.target)
+        lean = getattr(self.target, "lean", None)      # the product forms timing chose (they
+        self.kernels = lean.kernels.describe() if lean is not None else None   # round apart)
         ctx.tokenizer = self.tokenizer = self.target.tokenizer
         if cfg.get("draft") is not None:
             ctx.build_draft = lambda: self._build("draft", ctx)

@@ -105,8 +105,16 @@ class LeanLlama:
         self.norm = inner.norm.weight
         self.lm_head = model.lm_head.weight
         self.fused_norm = hasattr(F, "rms_norm")
-        weights = [w for layer in self.layers for w in (layer[1], layer[3], layer[6], layer[7])]
-        self.kernels = kernels or pick(weights + [self.lm_head])
+        self.kernels = kernels or pick(self._weights())
+        self.mm = self.kernels.matmul
+
+    def _weights(self) -> list[torch.Tensor]:
+        return [w for layer in self.layers for w in (layer[1], layer[3], layer[6], layer[7])] \
+            + [self.lm_head]
+
+    def repick(self) -> None:
+        """Pick the product forms again (the thread count changed; cached per thread count)."""
+        self.kernels = pick(self._weights())
         self.mm = self.kernels.matmul
 
     def extra_bytes(self) -> int:
@@ -154,7 +162,8 @@ class LeanLlama:
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         mm = self.mm
         x = F.embedding(input_ids, self.embed)                                        # [B, T, E]
-        cos, sin = self._rope(positions, x.dtype, cache.get_seq_length())             # [B, 1, T, D]
+        # a row fed nothing sits at its length, which may equal kv_len: one row more
+        cos, sin = self._rope(positions, x.dtype, cache.get_seq_length() + 1)         # [B, 1, T, D]
         gqa = {"enable_gqa": True} if self.gqa_in_sdpa else {}
         for i, (ln1, wqkv, bqkv, wo, bo, ln2, wgu, wdown) in enumerate(self.layers):
             qkv = mm(self._rms(x, ln1), wqkv)                                         # [B, T, (H+2Hkv)D]

@@ -32,18 +32,31 @@ def pass_seconds(backend, reps: int = 5) -> float:
     return statistics.median(times)
 
 
+# torch's own choice for this process (all cores), before any pipeline set another
+DEFAULT_THREADS = torch.get_num_threads()
+
+
 def choose_threads(setting, backend) -> int:
-    """Apply `threads` (an int, or "auto") for a CPU backend; return the threads in use."""
+    """Apply `threads` (an int, or "auto") for a CPU backend; return the threads in use.
+
+    auto compares DEFAULT_THREADS with one, whatever an earlier pipeline set. Only backends with
+    the lean forward on a CPU are timed (their passes are real and cheap); for others auto leaves
+    torch's setting as it is.
+    A changed count re-picks the lean forward's product forms, which were timed at the old one.
+    """
     if setting != "auto":
-        torch.set_num_threads(int(setting))
-        return int(setting)
-    current = torch.get_num_threads()
-    if current == 1 or backend.device.type != "cpu" or getattr(backend, "clock", None) is not None:
-        return current
-    timed = {}
-    for n in (current, 1):
-        torch.set_num_threads(n)
-        timed[n] = pass_seconds(backend)
-    best = min(timed, key=timed.get)
-    torch.set_num_threads(best)
-    return best
+        chosen = int(setting)
+    elif DEFAULT_THREADS == 1 or backend.device.type != "cpu" \
+            or getattr(backend, "lean", None) is None:
+        return torch.get_num_threads()       # nothing to time: leave the setting alone
+    else:
+        timed = {}
+        for n in (DEFAULT_THREADS, 1):
+            torch.set_num_threads(n)
+            timed[n] = pass_seconds(backend)
+        chosen = min(timed, key=timed.get)
+    torch.set_num_threads(chosen)
+    lean = getattr(backend, "lean", None)
+    if lean is not None:
+        lean.repick()
+    return chosen

@@ -98,3 +98,17 @@ def test_mistral_sliding_window_is_masked(tmp_path):
         got += [backend.forward(torch.tensor([0]), ids[:, t:t + 1], torch.tensor([1]))[0]
                 for t in (12, 13)]
         assert torch.allclose(torch.cat(got), expected[10:], atol=1e-4), forward
+
+
+def test_a_row_fed_nothing_next_to_a_long_one():
+    # the Backend contract allows a zero-length row: it sits at its own length, which may be
+    # the batch's kv_len, so the rotary table needs that row too
+    backend = HFBackend(HFModelConfig(path=str(DEMO_DIR / "target")), torch.device("cpu"), 2)
+    backend.reset(0)
+    backend.reset(1)
+    backend.forward(torch.tensor([1]), torch.randint(1, 8000, (1, 256)), torch.tensor([256]),
+                    logits=False)
+    backend.forward(torch.tensor([0]), torch.randint(1, 8000, (1, 10)), torch.tensor([10]),
+                    logits=False)
+    out = backend.forward(torch.tensor([0, 1]), torch.tensor([[5], [-1]]), torch.tensor([1, 0]))
+    assert out.shape[:2] == (2, 1) and backend.cache_length(1) == 256

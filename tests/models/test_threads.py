@@ -17,7 +17,7 @@ def restore_threads():
 
 @pytest.mark.parametrize("contended", [False, True])
 def test_auto_keeps_the_faster_setting(monkeypatch, restore_threads, contended):
-    torch.set_num_threads(2)
+    monkeypatch.setattr(threads_mod, "DEFAULT_THREADS", 2)     # what torch gives a 2-core process
     # a busy second core makes two threads slower than one (OpenMP barriers spin on it)
     cost = {2: 0.004, 1: 0.006} if not contended else {2: 0.016, 1: 0.006}
     monkeypatch.setattr(threads_mod, "pass_seconds", lambda backend: cost[torch.get_num_threads()])
@@ -25,11 +25,14 @@ def test_auto_keeps_the_faster_setting(monkeypatch, restore_threads, contended):
     assert pipe.threads == (1 if contended else 2) == torch.get_num_threads()
 
 
-def test_auto_times_real_passes_and_leaves_the_cache_empty(restore_threads):
-    torch.set_num_threads(2)
+def test_auto_times_real_passes_and_leaves_the_cache_empty(monkeypatch, restore_threads):
+    monkeypatch.setattr(threads_mod, "DEFAULT_THREADS", 2)
+    torch.set_num_threads(1)     # an earlier pipeline's choice does not decide this one's
     pipe = Pipeline.from_config(["model=demo", "proposer=none", "draft=none"])
     assert pipe.threads in (1, 2) and torch.get_num_threads() == pipe.threads
     assert pipe.target.cache_length(0) == 0
+    # the product forms were timed at the thread count the pipeline runs with
+    assert pipe.kernels == pipe.target.lean.kernels.describe()
 
 
 def test_a_number_is_applied_and_nonsense_is_refused(restore_threads):

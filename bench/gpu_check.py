@@ -13,7 +13,10 @@ Both run in bfloat16 on CUDA. Then:
 3. greedy equality: specflow none against HF generate (batch 1), and draft / ngram against none
    at every batch, per prompt (in bf16 a position scored inside a wider pass may round
    differently, so a near-tie can flip: the report gives exact prompts and the common prefix);
-4. the pass-cost table of bench/passcost.py on this GPU (target and draft, batch 1/8/32).
+4. the pass-cost table of bench/passcost.py on this GPU (target and draft, batch 1/8/32);
+5. float32 exactness: the same pair in fp32, draft and ngram against plain, batch 1 and 8;
+6. a profile of a target pass at contexts 64 and 512 (top ops by device and host time) and the
+   synchronizing CUDA calls per round (torch.cuda.set_sync_debug_mode).
 
     python bench/gpu_check.py --out results/            # on a CUDA machine
     python bench/gpu_check.py --tiny --device cpu       # the same steps on tiny models (smoke test)
@@ -354,6 +357,30 @@ def profile(paths, args, device, dtype):
         say(f"  stage seconds: { {k: round(v, 3) for k, v in pipe.last_stats['seconds'].items()} }")
 
 
+@section("float32 exactness: greedy speculative == greedy plain, batch 1 and 8")
+def exactness(paths, args, device):
+    """The same pair in float32 (where a position's logits do not depend on the pass width up to
+    ~1e-6): draft and ngram must reproduce plain decoding token for token, ragged prompts."""
+    from specflow import Pipeline
+
+    base = ["model=hf", f"model.path={paths[0]}", "draft=hf", f"draft.path={paths[1]}",
+            f"device={args.device}", "dtype=float32", "show_progress=false", "max_batch_size=8"]
+    prompts = [p[: 40 + 37 * i] for i, p in enumerate(prompts_for(8))]      # ragged lengths
+    plain = Pipeline.from_config([*base, "proposer=none"])
+    rows = []
+    for B in (1, 8):
+        ref = [r.token_ids for r in plain.generate(prompts, max_new_tokens=48, max_batch_size=B)]
+        for name in ("draft", "ngram"):
+            pipe = Pipeline.from_config([*base, f"proposer={name}", f"proposer.k={args.k}"])
+            got = [r.token_ids for r in pipe.generate(prompts, max_new_tokens=48, max_batch_size=B)]
+            rows.append({"proposer": name, "batch": B,
+                         "equal_prompts": f"{sum(a == b for a, b in zip(got, ref))}/{len(ref)}",
+                         "alpha": round(pipe.last_stats["alpha"], 3)})
+            del pipe
+    RESULTS["float32_exactness"] = rows
+    table(rows)
+
+
 def table(rows: list[dict]) -> None:
     keys = list(dict.fromkeys(k for r in rows for k in r))
     say(" | ".join(keys))
@@ -371,11 +398,12 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--out", default="")
-    ap.add_argument("--skip", default="", help="steps to skip: batch1,batched,passcost")
+    ap.add_argument("--skip", default="", help="steps to skip: batch1,batched,passcost,"
+                    "exactness,profile")
     ap.add_argument("--only", default="", help="'profile': the profile step alone")
     args = ap.parse_args()
     if args.only:
-        args.skip = "batch1,batched,passcost,pipelines"
+        args.skip = "batch1,batched,passcost,pipelines,exactness"
     args.batches = [int(b) for b in args.batches.split(",")]
     skip = set(args.skip.split(",")) - {""}
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -421,6 +449,10 @@ def main() -> None:
             torch.cuda.empty_cache()
         if "passcost" not in skip:
             pass_cost(paths, args, device, dtype)
+        if "exactness" not in skip:
+            exactness(paths, args, device)
+        if "profile" not in skip and "profile" not in args.only:
+            profile(paths, args, device, dtype)
     RESULTS["seconds"] = round(time.perf_counter() - started, 1)
     say(f"\ntotal {RESULTS['seconds']} s; failed steps: {RESULTS.get('failed', 'none')}")
     if args.out:

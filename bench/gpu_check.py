@@ -252,34 +252,15 @@ def batched(paths, prompts, args, device, dtype, pipes):
 @section("pass cost on this device (bench/passcost.py)")
 def pass_cost(paths, args, device, dtype):
     import passcost
-    from rich.progress import Progress
 
-    from specflow.models.hf import HFBackend, HFModelConfig
-
-    bandwidth, how = passcost.read_bandwidth(device, dtype, 4096 if device.type == "cuda" else 256)
-    say(f"read bandwidth {bandwidth / 1e9:.0f} GB/s ({how})")
-    rows = []
-    positions, contexts = [1, 2, 3, 5, 9], [64, 512, 1000]
     batches = [b for b in (1, 8, 32) if b in args.batches] or [1]
-    with Progress(transient=True) as progress:
-        for role, path in zip(("target", "draft"), paths):
-            backend = HFBackend(HFModelConfig(path=str(path), dtype=str(dtype).split(".")[1]),
-                                device, slots=max(batches))
-            weights = passcost.weight_bytes(backend.model)
-            per_token = passcost.kv_bytes_per_token(backend.model.config, dtype)
-            task = progress.add_task(role, total=len(batches) * len(contexts) * len(positions))
-            costs = passcost.pass_costs(backend, positions, contexts, batches, 10, device, progress, task)
-            for (B, ctx, T), secs in costs.items():
-                bound = (weights + B * (ctx + T) * per_token) / bandwidth
-                rows.append({"model": role, "batch": B, "context": ctx, "positions": T,
-                             "ms": secs * 1e3, "bound_ms": bound * 1e3, "vs_bound": secs / bound,
-                             "vs_one_position": secs / costs[(B, ctx, 1)]})
-            del backend
-    memory = []
+    rows, memory, bandwidth, how = passcost.measure(
+        {"target": paths[0], "draft": paths[1]}, str(dtype).split(".")[1], "auto", device,
+        [1, 2, 3, 5, 9], [64, 512, 1000], batches, 10, 4096 if device.type == "cuda" else 256)
     env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "threads": torch.get_num_threads(), "torch": torch.__version__, "dtype": str(dtype),
            "bandwidth_gbs": bandwidth / 1e9, "bandwidth_read": how, "repeats": 10}
-    RESULTS["passcost"] = {"env": env, "passes": rows}
+    RESULTS["passcost"] = {"env": env, "passes": rows, "memory": memory}
     say(passcost.render(env, rows, memory))
     if args.out:
         passcost.plot(rows, pathlib.Path(args.out) / "gpu_passcost.png", f"pass cost, {env['device']}, "

@@ -121,6 +121,49 @@ def pass_costs(backend: HFBackend, positions, contexts, batches, repeats, device
     return out
 
 
+def measure(models: dict[str, str], dtype_name: str, forward: str, device: torch.device,
+            positions: list[int], contexts: list[int], batches: list[int], repeats: int,
+            bandwidth_mb: int = 0) -> tuple[list[dict], list[dict], float, str]:
+    """Pass costs of each model ({role: path}) with their bounds, and memory.
+
+    -> (rows, memory, read bandwidth in bytes/s, which read). The bound is a physical limit, so
+    the bandwidth is the fastest read seen, before or after the passes.
+    """
+    from rich.progress import Progress
+
+    dtype = getattr(torch, dtype_name)
+    mbytes = bandwidth_mb or (4096 if device.type == "cuda" else 512)
+    best = read_bandwidth(device, dtype, mbytes)
+    rows, memory = [], []
+    with Progress(console=console, transient=True) as progress:
+        for role, path in models.items():
+            backend = HFBackend(HFModelConfig(path=str(path), dtype=dtype_name, forward=forward),
+                                device, slots=max(batches))
+            weights = weight_bytes(backend.model)
+            per_token = kv_bytes_per_token(backend.model.config, dtype)
+            task = progress.add_task(f"{role} passes", total=len(batches) * len(contexts) * len(positions))
+            costs = pass_costs(backend, positions, contexts, batches, repeats, device, progress, task)
+            for (B, ctx, T), secs in costs.items():
+                one = costs.get((B, ctx, 1))
+                rows.append({"model": role, "batch": B, "context": ctx, "positions": T,
+                             "ms": secs * 1e3, "bytes": weights + B * (ctx + T) * per_token,
+                             "vs_one_position": secs / one if one else None})
+            kv = sum(t.numel() * t.element_size() for t in backend.cache.keys + backend.cache.values
+                     if t is not None)
+            lean = backend.lean
+            memory.append({"model": role, "weights_mb": weights / 1e6,
+                           "extra_mb": (lean.extra_bytes() if lean else 0) / 1e6, "kv_mb": kv / 1e6,
+                           "resident_mb": resident_bytes(device) / 1e6,
+                           "forward": "lean" if lean else "transformers",
+                           "kernels": lean.kernels.describe() if lean else "F.linear"})
+            del backend
+    bandwidth, how = max(best, read_bandwidth(device, dtype, mbytes))
+    for r in rows:
+        r["bound_ms"] = r.pop("bytes") / bandwidth * 1e3
+        r["vs_bound"] = r["ms"] / r["bound_ms"]
+    return rows, memory, bandwidth, how
+
+
 def plot(rows: list[dict], path: pathlib.Path, title: str) -> None:
     import matplotlib
 
@@ -201,45 +244,14 @@ def main() -> None:
     positions = [int(p) for p in args.positions.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
-    dtype = getattr(torch, args.dtype)
-
-    from rich.progress import Progress
 
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
 
-    mbytes = args.bandwidth_mb or (4096 if device.type == "cuda" else 512)
-    bandwidth, how = read_bandwidth(device, dtype, mbytes)
     models = {"target": args.target, **({"draft": args.draft} if args.draft else {})}
-    rows, memory = [], []
-    with Progress(console=console, transient=True) as progress:
-        for role, path in models.items():
-            backend = HFBackend(HFModelConfig(path=path, dtype=args.dtype, forward=args.forward),
-                                device, slots=max(batches))
-            weights = weight_bytes(backend.model)
-            per_token = kv_bytes_per_token(backend.model.config, dtype)
-            task = progress.add_task(f"{role} passes", total=len(batches) * len(contexts) * len(positions))
-            costs = pass_costs(backend, positions, contexts, batches, args.repeats, device, progress, task)
-            for (B, ctx, T), secs in costs.items():
-                one = costs[(B, ctx, 1)] if (B, ctx, 1) in costs else None
-                rows.append({"model": role, "batch": B, "context": ctx, "positions": T,
-                             "ms": secs * 1e3, "bytes": weights + B * (ctx + T) * per_token,
-                             "vs_one_position": secs / one if one else None})
-            kv = sum(t.numel() * t.element_size() for t in backend.cache.keys + backend.cache.values
-                     if t is not None)
-            lean = backend.lean
-            memory.append({"model": role, "weights_mb": weights / 1e6,
-                           "extra_mb": (lean.extra_bytes() if lean else 0) / 1e6, "kv_mb": kv / 1e6,
-                           "resident_mb": resident_bytes(device) / 1e6,
-                           "forward": "lean" if lean else "transformers",
-                           "kernels": lean.kernels.describe() if lean else "F.linear"})
-            del backend
-    # the bound is a physical limit: the fastest read seen, before or after the passes
-    bandwidth, how = max((bandwidth, how), read_bandwidth(device, dtype, mbytes))
-    for r in rows:
-        r["bound_ms"] = r.pop("bytes") / bandwidth * 1e3
-        r["vs_bound"] = r["ms"] / r["bound_ms"]
+    rows, memory, bandwidth, how = measure(models, args.dtype, args.forward, device, positions,
+                                           contexts, batches, args.repeats, args.bandwidth_mb)
     env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda"
            else platform.processor() or platform.machine(), "threads": args.threads,
            "torch": torch.__version__, "dtype": args.dtype, "bandwidth_gbs": bandwidth / 1e9,

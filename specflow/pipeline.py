@@ -152,8 +152,6 @@ class Pipeline:
                            device=resolve_device(str(cfg.device)))
         ctx.target = self.target = self._build("model", ctx)
         self.threads = choose_threads(cfg.get("threads", "auto"), self.target)
-        lean = getattr(self.target, "lean", None)      # the product forms timing chose (they
-        self.kernels = lean.kernels.describe() if lean is not None else None   # round apart)
         ctx.tokenizer = self.tokenizer = self.target.tokenizer
         if cfg.get("draft") is not None:
             ctx.build_draft = lambda: self._build("draft", ctx)
@@ -187,6 +185,12 @@ class Pipeline:
     def draft(self) -> Backend | None:
         """The draft model (built on first use)."""
         return self.ctx.draft
+
+    @property
+    def kernels(self) -> str | None:
+        """The product forms the target's lean forward timed and chose (they round apart)."""
+        lean = getattr(self.target, "lean", None)
+        return lean.kernels.describe() if lean is not None else None
 
     def _check_k_fits(self, cfg: DictConfig) -> None:
         limit = self.target.max_length

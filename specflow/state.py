@@ -128,24 +128,24 @@ class ShapingBatch:
     request_ids: list[int]           # [B]
     source: str                      # "draft" or "target": for observers only; a processor that
                                      # branched on it would break losslessness
-    _host: list | None = field(default=None, init=False, repr=False, compare=False)
+    _host: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def num_positions(self) -> int:
         return self.logits.shape[1]
 
-    def host_draft_token_ids(self) -> list[list[int]]:
+    def draft_id_lists(self) -> list[list[int]]:
         """draft_token_ids as lists on the host, read once and shared by every stage of this
         call (free for the target's call: the pipeline passes the drafts it already read; one
         device read per draft step when a stage walks the prefix on the host)."""
         if self._host is None or self._host[0] is not self.draft_token_ids:
-            self._host = [self.draft_token_ids, self.draft_token_ids.tolist()]
+            self._host = (self.draft_token_ids, self.draft_token_ids.tolist())
         return self._host[1]
 
     def prefix(self, row: int, position: int) -> list[int]:
         """The tokens position `position` of row `row` is conditioned on (for exact references)."""
         n = self.first_draft_index + position
-        drafts = [t for t in self.host_draft_token_ids()[row][:n] if t != PAD]
+        drafts = [t for t in self.draft_id_lists()[row][:n] if t != PAD]
         return self.token_ids[row] + drafts
 
     @classmethod

@@ -121,7 +121,7 @@ class GrammarConstraint:
     @hookimpl
     def specflow_mask_logits(self, shaping):
         B, P, V = shaping.logits.shape
-        drafts = shaping.host_draft_token_ids()
+        drafts = shaping.draft_id_lists()
         masks = []
         for b, rid in enumerate(shaping.request_ids):
             state = self.state[rid]

@@ -341,20 +341,18 @@ class HFBackend(Backend):
         """The prompts in as few ragged forwards as fit PREFILL_TOKENS padded tokens each
         (longest first, so rows of a forward have similar lengths and little padding)."""
         order = sorted((i for i, ids in enumerate(prompts) if ids), key=lambda i: -len(prompts[i]))
-        group: list[int] = []
-        for i in order + [None]:
-            if i is not None and (not group or len(prompts[group[0]]) * (len(group) + 1)
-                                  <= PREFILL_TOKENS):
-                group.append(i)
-                continue
-            if group:
-                width = len(prompts[group[0]])
-                ids = torch.full((len(group), width), PAD, dtype=torch.long)       # [G, T]
-                for row, j in enumerate(group):
-                    ids[row, :len(prompts[j])] = torch.tensor(prompts[j])
-                self.forward(torch.tensor([slots[j] for j in group]), ids,
-                             torch.tensor([len(prompts[j]) for j in group]), logits=False)
-            group = [i] if i is not None else []
+        groups: list[list[int]] = []
+        for i in order:    # a group's width is its first (longest) prompt
+            if groups and len(prompts[groups[-1][0]]) * (len(groups[-1]) + 1) <= PREFILL_TOKENS:
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+        for group in groups:
+            ids = torch.full((len(group), len(prompts[group[0]])), PAD, dtype=torch.long)  # [G, T]
+            for row, j in enumerate(group):
+                ids[row, :len(prompts[j])] = torch.tensor(prompts[j])
+            self.forward(torch.tensor([slots[j] for j in group]), ids,
+                         torch.tensor([len(prompts[j]) for j in group]), logits=False)
 
     def truncate(self, slots: torch.Tensor, lengths: list[int]) -> None:
         self.cache.truncate(slots.tolist(), lengths)

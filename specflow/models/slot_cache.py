@@ -39,7 +39,6 @@ class SlotKVCache(Cache):
         self._start = -1                             # B == 1, every position real: its first position
         self._positions: torch.Tensor | None = None  # [B, T] where each new token is written
         self._ragged: tuple | None = None             # ragged batch: (rows, positions, flat) [N]
-        self._all_valid = True
         self._kv_len = 0
 
     # --- per-forward bookkeeping ---------------------------------------------------------------
@@ -68,7 +67,6 @@ class SlotKVCache(Cache):
         self._slots = sent[0]
         self._positions = sent[1].view(len(slots), T)
         self._ragged = sent[2:] if len(sent) > 2 else None      # rows [N], positions [N], flat [N]
-        self._all_valid = min(lens) == T
         self._kv_len = max(self.lengths[s] + m for s, m in zip(slots, lens))
         if self._kv_len > self.max_capacity:
             raise ValueError(f"{self._kv_len} positions exceed the cache capacity "
@@ -107,21 +105,22 @@ class SlotKVCache(Cache):
         """Write new keys/values [B, H_kv, T, D] at each row's positions; return [B, H_kv, kv_len, D]."""
         self._ensure(layer_idx, key_states)
         k_buf, v_buf = self.keys[layer_idx], self.values[layer_idx]                     # [S, H, C, D]
-        k_new = key_states.transpose(1, 2).to(k_buf.dtype)                               # [B, T, H, D]
-        v_new = value_states.transpose(1, 2).to(v_buf.dtype)
+        B, H, T, D = key_states.shape
         if self._start >= 0:   # one row, every position real: a plain slice copy
             s, p = self._first, self._start
-            k_buf[s, :, p:p + key_states.shape[2]] = key_states[0]
-            v_buf[s, :, p:p + key_states.shape[2]] = value_states[0]
-        elif self._all_valid:
-            rows = self._slots[:, None]                                                  # [B, 1]
-            k_buf[rows, :, self._positions] = k_new
-            v_buf[rows, :, self._positions] = v_new
-        else:   # ragged: write the real positions only (indices made on the host in begin)
-            rows, pos, flat = self._ragged                                                # [N] x3
-            B, T = k_new.shape[:2]
-            k_buf[rows, :, pos] = k_new.reshape(B * T, *k_new.shape[2:])[flat]           # [N, H, D]
-            v_buf[rows, :, pos] = v_new.reshape(B * T, *v_new.shape[2:])[flat]
+            k_buf[s, :, p:p + T] = key_states[0]
+            v_buf[s, :, p:p + T] = value_states[0]
+        else:
+            k_new = key_states.transpose(1, 2).to(k_buf.dtype)                           # [B, T, H, D]
+            v_new = value_states.transpose(1, 2).to(v_buf.dtype)
+            if self._ragged is None:
+                rows = self._slots[:, None]                                              # [B, 1]
+                k_buf[rows, :, self._positions] = k_new
+                v_buf[rows, :, self._positions] = v_new
+            else:   # ragged: write the real positions only (indices made on the host in begin)
+                rows, pos, flat = self._ragged                                            # [N] x3
+                k_buf[rows, :, pos] = k_new.reshape(B * T, H, D)[flat]                   # [N, H, D]
+                v_buf[rows, :, pos] = v_new.reshape(B * T, H, D)[flat]
         if self._first >= 0:   # slots s..s+B-1: views, no copy
             rows = slice(self._first, self._first + self._batch)
             return k_buf[rows, :, :self._kv_len], v_buf[rows, :, :self._kv_len]

@@ -220,7 +220,7 @@ class MinNewTokens(PrefixProcessor):
         B, P, _ = shaping.logits.shape
         generated = torch.tensor([len(ids) - self.prompt_len[r]
                                   for ids, r in zip(shaping.token_ids, shaping.request_ids)])
-        real = (torch.tensor(shaping.host_draft_token_ids(), dtype=torch.long) != PAD).long()  # [B, D]
+        real = (torch.tensor(shaping.draft_id_lists(), dtype=torch.long) != PAD).long()  # [B, D]
         seen = torch.cat([torch.zeros(B, 1, dtype=torch.long), real.cumsum(1)], 1)       # [B, D+1]
         cols = (shaping.first_draft_index + torch.arange(P)).clamp(max=seen.shape[1] - 1)
         at = generated[:, None] + seen[:, cols]                                          # [B, P]
@@ -279,7 +279,7 @@ class NoRepeatNgram(PrefixProcessor):
     def specflow_process_logits(self, shaping):
         B, P, _ = shaping.logits.shape
         mask = torch.zeros(shaping.logits.shape, dtype=torch.bool)
-        drafts = shaping.host_draft_token_ids()
+        drafts = shaping.draft_id_lists()
         for b, (rid, ids) in enumerate(zip(shaping.request_ids, shaping.token_ids)):
             row = [t for t in drafts[b] if t != PAD]
             for p in range(P):
@@ -308,7 +308,7 @@ class BadWords(PrefixProcessor):
             logits[..., self.single] = NEG_INF
         if self.multi:
             B, P, _ = logits.shape
-            drafts = shaping.host_draft_token_ids()
+            drafts = shaping.draft_id_lists()
             for b, ids in enumerate(shaping.token_ids):
                 row = [t for t in drafts[b] if t != PAD]
                 for p in range(P):

@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 from specflow.console import console  # noqa: E402
 from specflow.io import atomic_write_json, atomic_write_text  # noqa: E402
 from specflow.models.hf import DEMO_DIR, HFBackend, HFModelConfig  # noqa: E402
+from specflow.models.packing import packable  # noqa: E402
 
 
 def sync(device: torch.device) -> None:
@@ -141,21 +142,29 @@ def measure(models: dict[str, str], dtype_name: str, forward: str, device: torch
                                 device, slots=max(batches))
             weights = weight_bytes(backend.model)
             per_token = kv_bytes_per_token(backend.model.config, dtype)
-            task = progress.add_task(f"{role} passes", total=len(batches) * len(contexts) * len(positions))
-            costs = pass_costs(backend, positions, contexts, batches, repeats, device, progress, task)
-            for (B, ctx, T), secs in costs.items():
-                one = costs.get((B, ctx, 1))
-                rows.append({"model": role, "batch": B, "context": ctx, "positions": T,
-                             "ms": secs * 1e3, "bytes": weights + B * (ctx + T) * per_token,
-                             "vs_one_position": secs / one if one else None})
-            kv = sum(t.numel() * t.element_size() for t in backend.cache.keys + backend.cache.values
-                     if t is not None)
-            lean = backend.lean
-            memory.append({"model": role, "weights_mb": weights / 1e6,
-                           "extra_mb": (lean.extra_bytes() if lean else 0) / 1e6, "kv_mb": kv / 1e6,
-                           "resident_mb": resident_bytes(device) / 1e6,
-                           "forward": "lean" if lean else "transformers",
-                           "kernels": lean.kernels.describe() if lean else "F.linear"})
+            # the target a speculating pipeline runs may pack its weights (pack=auto): both layouts
+            layouts = [False] + ([True] if role == "target" and packable(backend) else [])
+            for packed in layouts:
+                name = f"{role}, packed" if packed else role
+                if packed:
+                    backend.lean.pack()
+                task = progress.add_task(f"{name} passes",
+                                         total=len(batches) * len(contexts) * len(positions))
+                costs = pass_costs(backend, positions, contexts, batches, repeats, device, progress,
+                                   task)
+                for (B, ctx, T), secs in costs.items():
+                    one = costs.get((B, ctx, 1))
+                    rows.append({"model": name, "batch": B, "context": ctx, "positions": T,
+                                 "ms": secs * 1e3, "bytes": weights + B * (ctx + T) * per_token,
+                                 "vs_one_position": secs / one if one else None})
+                kv = sum(t.numel() * t.element_size()
+                         for t in backend.cache.keys + backend.cache.values if t is not None)
+                lean = backend.lean
+                memory.append({"model": name, "weights_mb": weights / 1e6,
+                               "extra_mb": (lean.extra_bytes() if lean else 0) / 1e6,
+                               "kv_mb": kv / 1e6, "resident_mb": resident_bytes(device) / 1e6,
+                               "forward": "lean" if lean else "transformers",
+                               "kernels": lean.kernels.describe() if lean else "F.linear"})
             del backend
     bandwidth, how = max(best, read_bandwidth(device, dtype, mbytes))
     for r in rows:
@@ -191,10 +200,10 @@ def plot(rows: list[dict], path: pathlib.Path, title: str) -> None:
     plt.close(fig)
 
 
-def render(env: dict, rows: list[dict], memory: list[dict], only: tuple | None = None) -> str:
-    """Markdown tables; `only` = (model, batch) keeps that one table (the README's)."""
+def render(env: dict, rows: list[dict], memory: list[dict], only: list | None = None) -> str:
+    """Markdown tables; `only` = [(model, batch), ...] keeps those tables (the README's)."""
     if only is not None:
-        rows = [r for r in rows if (r["model"], r["batch"]) == only]
+        rows = [r for r in rows if (r["model"], r["batch"]) in only]
     lines = [f"{env['device']}, {env['threads']} threads, torch {env['torch']}, {env['dtype']}; "
              f"read bandwidth {env['bandwidth_gbs']:.1f} GB/s ({env['bandwidth_read']}); "
              f"median of {env['repeats']} passes. Cells: ms per pass (x its bandwidth bound).", ""]
@@ -268,7 +277,7 @@ def main() -> None:
     if not args.no_readme and not args.name:
         readme = ROOT / "README.md"
         text = readme.read_text()
-        short = render(env, rows, memory, only=("target", 1)) + (
+        short = render(env, rows, memory, only=[("target", 1), ("target, packed", 1)]) + (
             f"\nAll tables (draft, batch 8) and the plot: bench/results/{stem}.md, {stem}.png.\n")
         new = re.sub(r"(<!-- passcost:start -->\n).*?(<!-- passcost:end -->)",
                      lambda m: m.group(1) + short + m.group(2), text, flags=re.S)

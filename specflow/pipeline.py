@@ -30,6 +30,7 @@ from specflow.config import compose, option, validate, whole_number
 from specflow.errors import ConfigError, InputError, PluginError
 from specflow.metrics import MetricsRecorder
 from specflow.models.base import Backend, SimClock
+from specflow.models.packing import choose_pack
 from specflow.models.threads import choose_threads
 from specflow.plugins import blame, check_hooks, get_registry, new_plugin_manager
 from specflow.stages.cache import TargetCacheSync
@@ -152,6 +153,9 @@ class Pipeline:
                            device=resolve_device(str(cfg.device)))
         ctx.target = self.target = self._build("model", ctx)
         self.threads = choose_threads(cfg.get("threads", "auto"), self.target)
+        spec_k = int(cfg.proposer.get("k", 0)) if cfg.get("proposer") is not None \
+            and cfg.proposer.name != "none" else 0
+        self.packed = choose_pack(cfg.get("pack", "auto"), self.target, spec_k + 1)
         ctx.tokenizer = self.tokenizer = self.target.tokenizer
         if cfg.get("draft") is not None:
             ctx.build_draft = lambda: self._build("draft", ctx)

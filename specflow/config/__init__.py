@@ -412,6 +412,10 @@ def _check_root(cfg: DictConfig) -> None:
     if threads != "auto":
         whole_number(threads, "threads", 1, 4096, "give threads=auto (the faster of all cores "
                      "and one, timed at start) or a number of CPU threads, e.g. threads=2")
+    pack = cfg.get("pack", "auto")
+    if pack not in ("auto", True, False):
+        raise ConfigError(f"pack={pack!r}; use auto (pack the target's weights for oneDNN when a "
+                          f"verification pass runs faster so, timed at start), true or false")
     device = str(cfg.get("device", "cpu"))
     if not DEVICES.match(device):
         raise ConfigError(f"device={device!r} is not a device; use cpu, cuda, cuda:N or auto")

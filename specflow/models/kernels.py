@@ -1,20 +1,32 @@
 """Matrix products for the shapes decoding has (a few rows, wide weights), picked by measurement.
 
 A decoding pass multiplies 1 to ~16 rows by every weight matrix once, so it should cost about the
-time to read the weights. How close a library gets depends on the form of the call, the dtype and
-the machine: on a 2-core AMD EPYC with MKL (fp32), `F.linear(x, W)` of 1-9 rows reads the weights
-at 10-12 GB/s while `(W @ x.T).T` of 2-9 rows reaches ~30 GB/s, and one row is fastest padded to
-two; in bf16 `F.linear` is the faster form. So the form is not fixed: `pick()` times each candidate
-on the model's own weights (all of them, so the reads stream from memory as in a real pass) for
-one row, a few rows and a batch's worth, once per model load, and the lean forward calls the
-winners.
+time to read the weights. How close a library gets depends on the form of the call, the weight
+layout, the dtype and the machine. Measured on a 2-core AMD EPYC (Zen 4), fp32, weights streamed
+from memory (~30-60 GB/s read bandwidth):
 
-Every form computes the same products from the same weights, in place (no prepared copies): they
-differ only in float rounding (fp32: ~1e-6 relative), like any change of BLAS kernel.
-On CUDA, cuBLAS handles these shapes well and `F.linear` is used without measuring.
+- MKL's `F.linear(x, W)` reads the weights at 7-10 GB/s for 1-16 rows (its AVX-512 paths are not
+  taken on AMD); `(W @ x.T).T` reaches ~30 GB/s for 2 rows (one row padded to two) but falls to
+  ~10-17 GB/s at 5 rows and ~6-9 at 16: the product turns compute-bound.
+- oneDNN with the weight *packed* once into its blocked layout (`packed`: the kernels inductor uses
+  for frozen CPU linears) reads at ~21-26 GB/s for 1-2 rows, ~28-40 GB/s for 5 rows and ~17-20 at
+  16, and gives every row the same bits whatever the number of rows beside it.
+
+So neither the form nor the layout is fixed: `pick()` times the dense forms on the model's own
+weights (all of them, so the reads stream from memory as in a real pass) for one row, a few rows
+and a batch's worth, once per model load, and the lean forward calls the winners. Whether to pack
+is a trade (one-row passes get slower: each oneDNN call costs ~14 us more than MKL's, and it
+streams one row slower; passes of 4+ rows get much faster), decided on whole passes by
+`specflow.models.packing`. A packed weight *replaces* the dense one (the lean forward frees it),
+so packing costs no memory.
+
+Every form computes the same products from the same weights: they differ only in float rounding
+(fp32: ~1e-6 relative), like any change of BLAS kernel. On CUDA, cuBLAS handles these shapes well
+and `F.linear` is used without measuring.
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -26,6 +38,8 @@ Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]    # x [M, K], W [
 
 SMALL_ROWS = 16          # 2..SMALL_ROWS rows: a decoding step of a few rows (or k+1 positions)
 BATCH_ROWS = 128         # SMALL_ROWS+1..BATCH_ROWS: a batch's decoding step; above: prefill
+PACK_HINT = 16           # the row count oneDNN's packed layout is tuned for (1-33 rows measured)
+PACK_MIN_ROWS = 4        # packed products of fewer rows are padded to this many
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -46,24 +60,58 @@ def weight_left_padded(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (w @ torch.cat([x, x]).T)[:, :1].T.contiguous()
 
 
+def pack(w: torch.Tensor) -> torch.Tensor:
+    """W [N, K] in oneDNN's blocked layout (an opaque mkldnn tensor; `.to_dense()` gives W back)."""
+    return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), PACK_HINT)
+
+
+def packed(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., K] times a packed W [N, K]^T -> [..., N] through oneDNN. Fewer than PACK_MIN_ROWS
+    rows are padded to it: oneDNN streams the weights at ~21 GB/s for 1-2 rows and ~28 GB/s for
+    3-6 on the machine above, and each row's result does not depend on the rows beside it."""
+    rows = x.numel() // x.shape[-1]
+    if rows >= PACK_MIN_ROWS:
+        return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    flat = x.reshape(rows, x.shape[-1])                                          # [r, K]
+    padded = torch.cat([flat, flat.new_zeros(PACK_MIN_ROWS - rows, x.shape[-1])])  # [4, K]
+    out = torch.ops.mkldnn._linear_pointwise(padded, w, None, "none", [], "")    # [4, N]
+    return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
+
+
 FORMS: dict[str, Matmul] = {"linear": linear, "weight_left": weight_left,
                             "weight_left_padded": weight_left_padded}
 ONE_ROW = ("linear", "weight_left_padded")
 FEW_ROWS = ("linear", "weight_left")
 
 
+@functools.cache
+def can_pack(dtype: torch.dtype) -> bool:
+    """oneDNN's packed linear runs in this torch build for `dtype` (x86 and aarch64 wheels ship
+    it; a build without mkldnn does not)."""
+    try:
+        w = torch.randn(8, 4).to(dtype)
+        return torch.allclose(packed(torch.ones(2, 4, dtype=dtype), pack(w)).float(),
+                              F.linear(torch.ones(2, 4), w.float()), atol=1e-2)
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+
+
 @dataclass(frozen=True)
 class Kernels:
-    """The forms a model's products use: for 1 row, 2..SMALL_ROWS rows, up to BATCH_ROWS rows
-    (prefill-sized products always take F.linear)."""
+    """The forms a model's dense products use: for 1 row, 2..SMALL_ROWS rows, up to BATCH_ROWS
+    rows (prefill-sized products always take F.linear); `pack` says the lean forward packs its
+    weights for oneDNN, and a packed weight always takes oneDNN."""
 
     one_row: str = "linear"
     few_rows: str = "linear"
     many_rows: str = "linear"
+    pack: bool = False
     timings_ms: tuple[tuple[str, int, float], ...] = ()     # (form, rows, ms over all weights)
 
     def matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x [..., K] times W [N, K]^T -> [..., N]."""
+        if w.is_mkldnn:
+            return packed(x, w)
         rows = x.numel() // x.shape[-1]
         if rows > BATCH_ROWS:
             return F.linear(x, w)
@@ -73,16 +121,17 @@ class Kernels:
         return FORMS[name](x.reshape(rows, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
 
     def describe(self) -> str:
-        return (f"1 row: {self.one_row}, 2-{SMALL_ROWS} rows: {self.few_rows}, "
-                f"{SMALL_ROWS + 1}-{BATCH_ROWS} rows: {self.many_rows}")
+        dense = (f"1 row: {self.one_row}, 2-{SMALL_ROWS} rows: {self.few_rows}, "
+                 f"{SMALL_ROWS + 1}-{BATCH_ROWS} rows: {self.many_rows}")
+        return f"packed (oneDNN) weights; dense ones {dense}" if self.pack else dense
 
 
 _PICKED: dict[tuple, Kernels] = {}
 
 
 def pick(weights: list[torch.Tensor], repeats: int = 3, budget_s: float = 2.0) -> Kernels:
-    """Time each candidate form over all `weights` for 1 row, 2 and 8 rows, and 32 rows; keep the
-    fastest of each.
+    """Time each dense form over all `weights` for 1 row, 2 and 8 rows, and 32 rows; keep the
+    fastest of each. (Whether to pack is decided on whole passes: `specflow.models.packing`.)
 
     Cached per (device, dtype, threads, shapes), so a second backend of the same model measures
     nothing. CUDA (and any non-CPU device) takes F.linear without measuring.
@@ -117,6 +166,6 @@ def pick(weights: list[torch.Tensor], repeats: int = 3, budget_s: float = 2.0) -
     one = min(ONE_ROW, key=lambda f: cost(f, 1))
     few = min(FEW_ROWS, key=lambda f: cost(f, 2) + cost(f, 8))
     many = min(FEW_ROWS, key=lambda f: cost(f, 32))
-    picked = Kernels(one, few, many, tuple(timings))
+    picked = Kernels(one, few, many, False, tuple(timings))
     _PICKED[key] = picked
     return picked

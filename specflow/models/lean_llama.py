@@ -9,7 +9,11 @@ keys and values into the same SlotKVCache:
   model's own q_proj/k_proj/v_proj (gate/up) weights become views into it, so preparing costs no
   memory (`extra_bytes()` says 0) and `forward=hf` on the same backend still works;
 - products through `kernels.pick()`, the form measured fastest for 1 row and for a few rows on this
-  machine, dtype and weight set (CPU); F.linear on CUDA;
+  machine, dtype and weight set (CPU); F.linear on CUDA. `pack()` (chosen by
+  `specflow.models.packing`) moves the projection weights into oneDNN's packed layout and frees
+  the dense ones (the model's parameters keep their shapes over a one-element placeholder); the
+  first call of transformers' forward on this model, or a `state_dict()`, unpacks them again, so
+  packing costs no memory either;
 - rotary cos/sin from a table grown on demand, fp32 RMSNorm fused where the dtype allows, keys and
   values read from the cache as views when the batch's slots are contiguous, GQA without copies.
 
@@ -24,7 +28,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specflow.models.kernels import Kernels, pick
+import dataclasses
+
+from specflow.models.kernels import Kernels, pack, pick
 
 SUPPORTED = {"llama", "mistral", "qwen2"}
 
@@ -107,25 +113,112 @@ class LeanLlama:
         self.fused_norm = hasattr(F, "rms_norm")
         self.kernels = kernels or pick(self._weights())
         self.mm = self.kernels.matmul
+        self._packs: list[tuple[int, int, list]] = []     # (layer, field, modules sharing it)
+        self._hooks: list = []
+
+    # the fields of a layer tuple that are product weights, and the modules each one feeds
+    _PRODUCTS = {1: ("self_attn", ("q_proj", "k_proj", "v_proj")), 3: ("self_attn", ("o_proj",)),
+                 6: ("mlp", ("gate_proj", "up_proj")), 7: ("mlp", ("down_proj",))}
+    HEAD = -1                                              # the layer index of the LM head
 
     def _weights(self) -> list[torch.Tensor]:
-        return [w for layer in self.layers for w in (layer[1], layer[3], layer[6], layer[7])] \
-            + [self.lm_head]
+        return [layer[f] for layer in self.layers for f in self._PRODUCTS] + [self.lm_head]
+
+    def _owners(self, index: int, field: int) -> list:
+        if index == self.HEAD:
+            return [self.model.lm_head]
+        part, names = self._PRODUCTS[field]
+        block = getattr(self.model.model.layers[index], part)
+        return [getattr(block, name) for name in names]
+
+    def pack(self) -> None:
+        """Pack every product weight for oneDNN and free the dense one: each owning module's
+        weight becomes a one-element placeholder of the same shape, and a forward pre-hook on it
+        (and a state_dict pre-hook on it and on the model) unpacks before anything reads the
+        placeholder. A head tied to the embedding stays dense (the embedding lookup reads it).
+        Idempotent; CPU only."""
+        if self._packs or self.embed.device.type != "cpu":
+            return
+        with torch.no_grad():
+            for i, layer in enumerate(self.layers):
+                fields = list(layer)
+                for f in self._PRODUCTS:
+                    fields[f] = self._pack_one(fields[f], self._owners(i, f))
+                    self._packs.append((i, f, self._owners(i, f)))
+                self.layers[i] = tuple(fields)
+            if self.lm_head.data_ptr() != self.embed.data_ptr():
+                self.lm_head = self._pack_one(self.lm_head, self._owners(self.HEAD, 0))
+                self._packs.append((self.HEAD, 0, self._owners(self.HEAD, 0)))
+        unpack = lambda *_: self.unpack()                      # noqa: E731
+        for _, _, modules in self._packs:
+            for m in modules:
+                self._hooks += [m.register_forward_pre_hook(unpack),
+                                m.register_state_dict_pre_hook(unpack)]
+        self._hooks.append(self.model.register_state_dict_pre_hook(unpack))
+        self.kernels = dataclasses.replace(self.kernels, pack=True)
+        self.mm = self.kernels.matmul
+
+    @staticmethod
+    def _pack_one(dense: torch.Tensor, modules: list) -> torch.Tensor:
+        packed = pack(dense)
+        for m in modules:
+            w = m.weight
+            w.data = torch.zeros((), dtype=w.dtype).expand(w.shape)    # 1 element, same shape
+        return packed
+
+    @property
+    def packed(self) -> bool:
+        return bool(self._packs)
+
+    def unpack(self) -> None:
+        """Dense weights back in the modules (views into the fused tensors, as before packing),
+        the packed copies dropped, and dense product forms picked: transformers' forward runs
+        on this model again. Idempotent."""
+        if not self._packs:
+            return
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        with torch.no_grad():
+            for index, field, modules in self._packs:
+                held = self.lm_head if index == self.HEAD else self.layers[index][field]
+                dense = held.to_dense()
+                offset = 0
+                for m in modules:
+                    rows = m.weight.shape[0]
+                    m.weight.data = dense[offset:offset + rows]
+                    offset += rows
+                if index == self.HEAD:
+                    self.lm_head = dense
+                else:
+                    fields = list(self.layers[index])
+                    fields[field] = dense
+                    self.layers[index] = tuple(fields)
+        self._packs = []
+        self.kernels = dataclasses.replace(self.kernels, pack=False)
+        self.mm = self.kernels.matmul
 
     def repick(self) -> None:
-        """Pick the product forms again (the thread count changed; cached per thread count)."""
-        self.kernels = pick(self._weights())
+        """Pick the product forms again (the thread count changed; cached per thread count).
+        Packed weights stay packed (they always take oneDNN); the dense forms are chosen again,
+        timed on the dense weights left (a tied head) when some are packed."""
+        dense = [w for w in self._weights() if not w.is_mkldnn]
+        again = pick(dense) if dense else self.kernels
+        self.kernels = dataclasses.replace(again, pack=self.packed)
         self.mm = self.kernels.matmul
 
     def extra_bytes(self) -> int:
-        """Bytes this forward holds beyond the model's own parameters and buffers (0 but the
-        rotary table: prepared weights share the model's storage)."""
+        """Bytes this forward holds beyond what the model's parameters held at load (0 but the
+        rotary table: fused weights share the model's storage, and a packed weight replaces the
+        dense one, whose bytes were freed; oneDNN's blocked layout may pad a few rows)."""
         own = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
         own |= {b.untyped_storage().data_ptr() for b in self.model.buffers()}
         seen, extra = set(), 0
         tensors = [t for layer in self.layers for t in layer if t is not None]
         tensors += [self.embed, self.norm, self.lm_head]
         for t in tensors:
+            if t.is_mkldnn:        # replaces a dense weight of the same size (opaque storage)
+                continue
             ptr = t.untyped_storage().data_ptr()
             if ptr not in own and ptr not in seen:
                 seen.add(ptr)

@@ -16,8 +16,9 @@ import time
 import torch
 
 
-def pass_seconds(backend, reps: int = 5) -> float:
-    """Median seconds of a one-position pass on slot 0 after 32 cached tokens (slot 0 is reset)."""
+def pass_seconds(backend, reps: int = 5, positions: int = 1) -> float:
+    """Median seconds of a pass over `positions` positions on slot 0 after 32 cached tokens
+    (slot 0 is reset)."""
     slot = torch.tensor([0])
     backend.reset(0)
     backend.forward(slot, torch.ones(1, 32, dtype=torch.long), torch.tensor([32]), logits=False)
@@ -25,7 +26,7 @@ def pass_seconds(backend, reps: int = 5) -> float:
     for i in range(reps + 2):
         backend.truncate(slot, [32])
         start = time.perf_counter()
-        backend.forward(slot, torch.ones(1, 1, dtype=torch.long), torch.tensor([1]))
+        backend.forward(slot, torch.ones(1, positions, dtype=torch.long), torch.tensor([positions]))
         if i >= 2:
             times.append(time.perf_counter() - start)
     backend.reset(0)

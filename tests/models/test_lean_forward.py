@@ -6,21 +6,28 @@ import pytest
 import torch
 
 from specflow.models.hf import DEMO_DIR, HFBackend, HFModelConfig
-from specflow.models.kernels import FORMS, Kernels, pick
+from specflow.models.kernels import FORMS, Kernels, can_pack, pack, packed, pick
 
 # fp32: the issue's bound; bf16 carries ~3 significant digits, so a different product shape
 # may move a logit by a few units of its last place
 TOLERANCE = {"float32": 1e-5, "bfloat16": 0.15}
 
 
-def demo_target(dtype: str = "float32", forward: str = "lean") -> HFBackend:
-    return HFBackend(HFModelConfig(path=str(DEMO_DIR / "target"), dtype=dtype, forward=forward),
+needs_onednn = pytest.mark.skipif(not can_pack(torch.float32),
+                                  reason="this torch build has no oneDNN packed linear")
+
+
+def demo_target(dtype: str = "float32", forward: str = "lean", path=DEMO_DIR / "target") -> HFBackend:
+    return HFBackend(HFModelConfig(path=str(path), dtype=dtype, forward=forward),
                      torch.device("cpu"), slots=2)
 
 
+@pytest.mark.parametrize("layout", ["dense", pytest.param("packed", marks=needs_onednn)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_position_scored_inside_a_wide_pass_equals_it_scored_alone(dtype):
+def test_a_position_scored_inside_a_wide_pass_equals_it_scored_alone(dtype, layout):
     backend = demo_target(dtype)
+    if layout == "packed":
+        backend.lean.pack()
     torch.manual_seed(0)
     prompt = torch.randint(1, 8000, (1, 150))
     fed = torch.randint(1, 8000, (1, 9))          # the last token plus 8 drafts
@@ -56,13 +63,71 @@ def test_prepared_weights_share_the_models_storage():
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 40])
-@pytest.mark.parametrize("form", sorted(FORMS))
+@pytest.mark.parametrize("form", sorted(FORMS) + [pytest.param("packed", marks=needs_onednn)])
 def test_every_kernel_form_computes_the_same_product(form, rows):
     torch.manual_seed(rows)
     w = torch.randn(300, 64)
     x = torch.randn(1, rows, 64)
-    kernels = Kernels(form if form != "weight_left" else "linear", form, form)
-    assert torch.allclose(kernels.matmul(x, w), torch.nn.functional.linear(x, w), atol=1e-5)
+    if form == "packed":
+        w_used, kernels = pack(w), Kernels(pack=True)
+    else:
+        w_used, kernels = w, Kernels(form if form != "weight_left" else "linear", form, form)
+    assert torch.allclose(kernels.matmul(x, w_used), torch.nn.functional.linear(x, w), atol=1e-5)
+
+
+@needs_onednn
+def test_packed_rows_do_not_depend_on_the_rows_beside_them():
+    # oneDNN's packed product gives a row the same bits alone (padded) or among 2..33 rows
+    torch.manual_seed(0)
+    w = pack(torch.randn(1536, 512))
+    x = torch.randn(33, 512)
+    full = packed(x, w)
+    for rows in (1, 2, 3, 5, 9, 16, 33):
+        assert torch.equal(packed(x[:rows], w), full[:rows]), rows
+
+
+@needs_onednn
+@pytest.mark.parametrize("tied", [True, False])
+def test_packing_frees_the_dense_weights_and_unpacks_for_transformers(tmp_path, tied):
+    import shutil
+
+    import transformers as tf
+
+    path = DEMO_DIR / "target"
+    if not tied:      # a small untied Llama: its LM head is packed too
+        torch.manual_seed(3)
+        cfg = tf.LlamaConfig(vocab_size=8192, hidden_size=64, intermediate_size=160,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=128, tie_word_embeddings=False)
+        path = tmp_path / "untied"
+        tf.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(DEMO_DIR / "target" / name, path / name)
+    backend = demo_target(path=path)
+    model, lean = backend.model, backend.lean
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.randint(1, 8000, (1, 12))
+    backend.reset(0)
+    dense_logits = backend.forward(torch.tensor([0]), ids, torch.tensor([12]))[0]
+    lean.pack()
+    assert lean.packed and lean.kernels.pack and lean.extra_bytes() == 0
+    att = model.model.layers[0].self_attn
+    assert att.q_proj.weight.shape == before["model.layers.0.self_attn.q_proj.weight"].shape
+    assert att.q_proj.weight.untyped_storage().nbytes() == 4          # the dense copy is gone
+    assert lean.lm_head.is_mkldnn == (not tied)       # a tied head is the embedding: it stays
+    backend.reset(0)
+    packed_logits = backend.forward(torch.tensor([0]), ids, torch.tensor([12]))[0]
+    assert torch.allclose(packed_logits, dense_logits, atol=1e-4)
+    # anything that reads the weights unpacks first: transformers' forward, state_dict()
+    hf = model(input_ids=ids).logits[0]
+    assert not lean.packed and not lean.kernels.pack
+    assert torch.allclose(hf, dense_logits, atol=1e-4)
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    lean.pack()
+    sub = model.model.layers[1].mlp.down_proj.state_dict()          # a submodule's too
+    assert torch.equal(sub["weight"], before["model.layers.1.mlp.down_proj.weight"])
+    assert not lean.packed
 
 
 def test_kernels_are_picked_once_per_weight_set_and_cuda_takes_linear():

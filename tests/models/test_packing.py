@@ -1,0 +1,52 @@
+"""`pack`: auto packs the target's weights only for a speculating pipeline whose passes run faster
+packed (timed at start); true and false are applied; other values are refused."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specflow import ConfigError, Pipeline
+from specflow.models import packing
+from specflow.models.kernels import can_pack
+
+needs_onednn = pytest.mark.skipif(not can_pack(torch.float32),
+                                  reason="this torch build has no oneDNN packed linear")
+
+DEMO = ["model=demo", "threads=2", "max_new_tokens=6", "show_progress=false"]
+
+
+@needs_onednn
+@pytest.mark.parametrize("packed_faster", [True, False])
+def test_auto_packs_a_speculating_target_when_its_passes_run_faster(monkeypatch, packed_faster):
+    timed = []
+
+    def fake(backend, reps=5, positions=1):
+        timed.append((backend.lean.packed, positions))
+        fast = backend.lean.packed == packed_faster
+        return (0.004 if fast else 0.006) * (1 + positions / 10)
+
+    monkeypatch.setattr(packing, "pass_seconds", fake)
+    pipe = Pipeline.from_config(DEMO + ["proposer=ngram", "proposer.k=4"])
+    assert pipe.packed is packed_faster and pipe.target.lean.packed is packed_faster
+    assert {(False, 1), (False, 5), (True, 1), (True, 5)} <= set(timed)   # 1 and k+1 positions
+    assert ("packed" in pipe.kernels) is packed_faster
+
+
+@needs_onednn
+def test_auto_keeps_plain_decoding_dense_and_true_false_are_applied(monkeypatch):
+    monkeypatch.setattr(packing, "pass_seconds", lambda *a, **k: pytest.fail("timed"))
+    assert Pipeline.from_config(DEMO + ["proposer=none", "draft=none"]).packed is False
+    pipe = Pipeline.from_config(DEMO + ["proposer=none", "draft=none", "pack=true"])
+    assert pipe.packed and pipe.target.lean.packed
+    # a packed target decodes the same tokens as a dense one (greedy, the demo workload)
+    dense = Pipeline.from_config(DEMO + ["proposer=ngram", "pack=false"])
+    assert not dense.target.lean.packed
+    prompts = ["def fibonacci(n):", "class Stack:\n    def push(self, x):"]
+    assert [r.token_ids for r in pipe.generate(prompts)] == \
+        [r.token_ids for r in dense.generate(prompts)]
+
+
+def test_synthetic_models_never_pack_and_nonsense_is_refused():
+    assert Pipeline.from_config(["model=synthetic", "draft=synthetic", "pack=true"]).packed is False
+    with pytest.raises(ConfigError, match=r"pack='sometimes'; use auto"):
+        Pipeline.from_config(["model=synthetic", "draft=synthetic", "pack=sometimes"])

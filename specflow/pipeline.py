@@ -155,7 +155,8 @@ class Pipeline:
         self.threads = choose_threads(cfg.get("threads", "auto"), self.target)
         spec_k = int(cfg.proposer.get("k", 0)) if cfg.get("proposer") is not None \
             and cfg.proposer.name != "none" else 0
-        self.packed = choose_pack(cfg.get("pack", "auto"), self.target, spec_k + 1)
+        self.packed = choose_pack(cfg.get("pack", "auto"), self.target, spec_k + 1,
+                                  int(cfg.max_batch_size))
         ctx.tokenizer = self.tokenizer = self.target.tokenizer
         if cfg.get("draft") is not None:
             ctx.build_draft = lambda: self._build("draft", ctx)

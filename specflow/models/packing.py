@@ -1,21 +1,23 @@
 """Whether the target's lean forward packs its weights for oneDNN: `pack: auto | true | false`.
 
-Packing is a trade measured on whole passes. On a 2-core AMD EPYC (fp32, demo target) a pass over
-5 positions costs 4.3 ms packed against 5.9 ms dense, and 9 positions 5.7 against 8.9, but one
-position costs 3.9 ms packed against 3.2 dense (each oneDNN call has ~14 us more overhead than
-MKL's, and it streams a single row more slowly). Plain decoding scores one position a pass, and a
-speculating pipeline mostly k+1. So `auto` packs only when the pipeline speculates, and only
-when one pass of each kind, timed both ways on this machine when the pipeline is built, costs
-less packed: pass(1) + pass(k+1). `true` packs whenever the CPU's torch build can, `false` never.
-A packed weight replaces the dense one, so neither choice costs memory; a change of thread count
-afterwards keeps the choice. CUDA, forward=hf and non-lean models never pack.
+Packing is a trade measured on whole passes. On a 2-core AMD EPYC (fp32, demo target, context
+256) one position costs 3.9 ms packed against 3.2 dense (each oneDNN call has ~14 us more
+overhead than MKL's, and it streams a single row more slowly), while 5 positions cost 4.3 against
+5.9, 9 positions 5.7 against 8.9, and a batch of 8 rows at 5 positions 16 against 20. A pipeline
+runs passes between two ends: one row at one position (plain decoding of a lone request) and a
+full batch at k+1 positions (max_batch_size rows; k = 0 without speculation). `auto` times a pass
+at each end both ways when the pipeline is built and packs when their sum is lower packed; if
+the full pass is the one-row pass, nothing is timed and the weights stay dense. `true` packs
+whenever the CPU's torch build can, `false` never. A packed weight replaces the dense one, so
+neither choice costs memory; a change of thread count afterwards keeps the choice. CUDA,
+forward=hf and non-lean models never pack.
 """
 from __future__ import annotations
 
 from specflow.models.kernels import can_pack
 from specflow.models.threads import pass_seconds
 
-REPS = 15          # passes timed per kind and layout (~0.3 s on the demo target)
+REPS = 15          # passes timed per end and layout (~0.5 s on the demo target)
 
 
 def packable(backend) -> bool:
@@ -23,20 +25,23 @@ def packable(backend) -> bool:
     return lean is not None and backend.device.type == "cpu" and can_pack(backend.model.dtype)
 
 
-def choose_pack(setting, backend, positions: int) -> bool:
-    """Apply `pack` for the target `backend` whose verification passes score `positions`
-    positions (1: it does not speculate); return whether its weights are packed."""
+def choose_pack(setting, backend, positions: int, rows: int = 1) -> bool:
+    """Apply `pack` for the target `backend`, whose fullest pass scores `positions` positions
+    (k+1) in each of `rows` rows (the batch); return whether its weights are packed."""
     if setting is False or not packable(backend):
         return False
     lean = backend.lean
     if setting is True:
         lean.pack()
         return True
-    if positions <= 1:
+    if positions * rows <= 1:
         return False
-    dense = pass_seconds(backend, REPS) + pass_seconds(backend, REPS, positions)
+
+    def both_ends() -> float:
+        return pass_seconds(backend, REPS) + pass_seconds(backend, REPS, positions, rows)
+
+    dense = both_ends()
     lean.pack()
-    packed = pass_seconds(backend, REPS) + pass_seconds(backend, REPS, positions)
-    if packed >= dense:
+    if both_ends() >= dense:
         lean.unpack()
     return lean.packed

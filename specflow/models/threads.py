@@ -16,20 +16,24 @@ import time
 import torch
 
 
-def pass_seconds(backend, reps: int = 5, positions: int = 1) -> float:
-    """Median seconds of a pass over `positions` positions on slot 0 after 32 cached tokens
-    (slot 0 is reset)."""
-    slot = torch.tensor([0])
-    backend.reset(0)
-    backend.forward(slot, torch.ones(1, 32, dtype=torch.long), torch.tensor([32]), logits=False)
+def pass_seconds(backend, reps: int = 5, positions: int = 1, rows: int = 1) -> float:
+    """Median seconds of a pass over `positions` positions in each of `rows` rows (slots
+    0..rows-1, each after 32 cached tokens; the slots are reset)."""
+    slots = torch.arange(rows)
+    for s in range(rows):
+        backend.reset(s)
+    backend.forward(slots, torch.ones(rows, 32, dtype=torch.long), torch.full((rows,), 32),
+                    logits=False)
     times = []
     for i in range(reps + 2):
-        backend.truncate(slot, [32])
+        backend.truncate(slots, [32] * rows)
         start = time.perf_counter()
-        backend.forward(slot, torch.ones(1, positions, dtype=torch.long), torch.tensor([positions]))
+        backend.forward(slots, torch.ones(rows, positions, dtype=torch.long),
+                        torch.full((rows,), positions))
         if i >= 2:
             times.append(time.perf_counter() - start)
-    backend.reset(0)
+    for s in range(rows):
+        backend.reset(s)
     return statistics.median(times)
 
 

@@ -1,5 +1,6 @@
-"""`pack`: auto packs the target's weights only for a speculating pipeline whose passes run faster
-packed (timed at start); true and false are applied; other values are refused."""
+"""`pack`: auto packs the target's weights when a one-row pass plus the pipeline's fullest pass
+(max_batch_size rows x k+1 positions) run faster packed (timed at start); true and false are
+applied; other values are refused."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +13,7 @@ from specflow.models.kernels import can_pack
 needs_onednn = pytest.mark.skipif(not can_pack(torch.float32),
                                   reason="this torch build has no oneDNN packed linear")
 
-DEMO = ["model=demo", "threads=2", "max_new_tokens=6", "show_progress=false"]
+DEMO = ["model=demo", "threads=2", "max_new_tokens=6", "show_progress=false", "max_batch_size=1"]
 
 
 @needs_onednn
@@ -20,20 +21,25 @@ DEMO = ["model=demo", "threads=2", "max_new_tokens=6", "show_progress=false"]
 def test_auto_packs_a_speculating_target_when_its_passes_run_faster(monkeypatch, packed_faster):
     timed = []
 
-    def fake(backend, reps=5, positions=1):
-        timed.append((backend.lean.packed, positions))
+    def fake(backend, reps=5, positions=1, rows=1):
+        timed.append((backend.lean.packed, positions, rows))
         fast = backend.lean.packed == packed_faster
-        return (0.004 if fast else 0.006) * (1 + positions / 10)
+        return (0.004 if fast else 0.006) * (1 + positions * rows / 10)
 
     monkeypatch.setattr(packing, "pass_seconds", fake)
     pipe = Pipeline.from_config(DEMO + ["proposer=ngram", "proposer.k=4"])
     assert pipe.packed is packed_faster and pipe.target.lean.packed is packed_faster
-    assert {(False, 1), (False, 5), (True, 1), (True, 5)} <= set(timed)   # 1 and k+1 positions
+    # the two ends: one row at one position, the full batch (1 row here) at k+1
+    assert set(timed) == {(False, 1, 1), (False, 5, 1), (True, 1, 1), (True, 5, 1)}
     assert ("packed" in pipe.kernels) is packed_faster
+    timed.clear()
+    plain_batch = Pipeline.from_config(DEMO + ["proposer=none", "draft=none", "max_batch_size=8"])
+    assert plain_batch.packed is packed_faster
+    assert (False, 1, 8) in timed and (True, 1, 8) in timed       # 8 rows x 1 position
 
 
 @needs_onednn
-def test_auto_keeps_plain_decoding_dense_and_true_false_are_applied(monkeypatch):
+def test_auto_keeps_plain_decoding_of_one_row_dense_and_true_false_are_applied(monkeypatch):
     monkeypatch.setattr(packing, "pass_seconds", lambda *a, **k: pytest.fail("timed"))
     assert Pipeline.from_config(DEMO + ["proposer=none", "draft=none"]).packed is False
     pipe = Pipeline.from_config(DEMO + ["proposer=none", "draft=none", "pack=true"])

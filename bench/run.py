@@ -78,12 +78,17 @@ def main() -> None:
             return out[0, ids.shape[1]:].tolist()
         return run
 
-    base = ["model=demo", "draft=demo", f"device={dev}", "max_batch_size=16", f"threads={args.threads}"]
-    pipes = {
-        "specflow none": Pipeline.from_config([*base, "proposer=none"]),
-        "specflow draft": Pipeline.from_config([*base, "proposer=draft", f"proposer.k={args.k}"]),
-        "specflow ngram": Pipeline.from_config([*base, "proposer=ngram", f"proposer.k={args.k}"]),
-    }
+    base = ["model=demo", "draft=demo", f"device={dev}", f"threads={args.threads}"]
+    sf_arms = {"specflow none": ["proposer=none"],
+               "specflow draft": ["proposer=draft", f"proposer.k={args.k}"],
+               "specflow ngram": ["proposer=ngram", f"proposer.k={args.k}"]}
+
+    def build(name: str, batch: int) -> Pipeline:
+        """The arm as a user would configure it for `batch` running sequences (pack=auto
+        decides the target's weight layout from that batch and the arm's k)."""
+        return Pipeline.from_config([*base, f"max_batch_size={batch}", *sf_arms[name]])
+
+    pipes = {name: build(name, 1) for name in sf_arms}
 
     def sf_arm(name):
         pipe = pipes[name]
@@ -170,15 +175,17 @@ def main() -> None:
 
     batch_rows = []
     batch_prompts = (prompts * 2)[:16]
-    for name, pipe in pipes.items():
+    for name in sf_arms:
         for b in (1, 4, 16):
+            pipe = pipes[name] if b == 1 else build(name, b)
             res, secs = timed(lambda pipe=pipe, b=b: pipe.generate(batch_prompts, max_new_tokens=N,
                                                                    max_batch_size=b), device)
             tokens = sum(len(r.token_ids) for r in res)
             prefill = pipe.last_stats["seconds"]["prefill"]
             batch_rows.append({"arm": name, "batch": b, "tokens_per_s": tokens / secs,
                                "decode_tokens_per_s": tokens / (secs - prefill),
-                               "prefill_share": prefill / secs, "alpha": pipe.last_stats["alpha"]})
+                               "prefill_share": prefill / secs, "alpha": pipe.last_stats["alpha"],
+                               "packed": pipe.packed})
     for r in batch_rows:
         one = next(x for x in batch_rows if x["arm"] == r["arm"] and x["batch"] == 1)
         r["vs_batch_1"] = r["tokens_per_s"] / one["tokens_per_s"]
@@ -225,11 +232,12 @@ def render(env, rows, batch_rows) -> str:
               "predicted, priced = the same tokens per round divided by the round's measured cost "
               "in plain passes (a verification pass over k+1 positions costs more than a "
               "one-position pass on a CPU, which the formula assumes away).", "",
-              "| specflow arm | batch | tokens/s | vs batch 1 | decode tokens/s | decode vs batch 1 "
-              "| prefill share | vs none at same batch | α |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "| specflow arm | batch | packed | tokens/s | vs batch 1 | decode tokens/s | "
+              "decode vs batch 1 | prefill share | vs none at same batch | α |",
+              "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in batch_rows:
-        lines.append(f"| {r['arm']} | {r['batch']} | {r['tokens_per_s']:.1f} | "
+        lines.append(f"| {r['arm']} | {r['batch']} | {'yes' if r.get('packed') else 'no'} | "
+                     f"{r['tokens_per_s']:.1f} | "
                      f"{r['vs_batch_1']:.2f}x | {r['decode_tokens_per_s']:.1f} | "
                      f"{r['decode_vs_batch_1']:.2f}x | {100 * r['prefill_share']:.0f}% | "
                      f"{r['vs_none_same_batch']:.2f}x | {_f(r['alpha'])} |")

@@ -3,6 +3,7 @@
     from specflow import Pipeline
     pipe = Pipeline.from_config(overrides=["proposer=ngram", "policy=adaptive"])
     results = pipe.generate(["def fib(n):"], max_new_tokens=64, stop=["\\n\\n"])
+    for piece in pipe.stream("def fib(n):"): print(piece, end="")   # text as rounds commit it
 
 Plugin authors import everything they need from here, never from specflow's internal modules:
 
@@ -10,6 +11,7 @@ Plugin authors import everything they need from here, never from specflow's inte
 """
 from __future__ import annotations
 
+from specflow.engine import Engine, RequestOutput
 from specflow.errors import ConfigError, InputError, PluginError, SpecflowError
 from specflow.hookspecs import HOOK_API_VERSION
 from specflow.io import atomic_write_json, atomic_write_text
@@ -25,7 +27,7 @@ from specflow.version import __version__
 
 __all__ = [
     # running
-    "Pipeline", "GenerationResult", "Request", "verify", "ngram_draft",
+    "Pipeline", "GenerationResult", "Request", "Engine", "RequestOutput", "verify", "ngram_draft",
     # writing plugins: the marker, the round's dataclasses, the registry, helpers
     "hookimpl", "HOOK_API_VERSION", "PAD", "DecodeBatch", "Proposal", "ShapingBatch",
     "VerifyOutput", "TrimResult", "RoundResult", "Registry", "reset_plugins",

@@ -18,20 +18,21 @@ counts them with a probe.
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from omegaconf import DictConfig
 
 from specflow import groups
 from specflow.config import compose, option, validate, whole_number
+from specflow.engine import Engine
 from specflow.errors import ConfigError, InputError, PluginError
 from specflow.metrics import MetricsRecorder
 from specflow.models.base import Backend, SimClock
 from specflow.models.packing import choose_pack
 from specflow.models.threads import choose_threads
+from specflow.request import GenerationResult, Request, Row
 from specflow.plugins import blame, check_hooks, get_registry, new_plugin_manager
 from specflow.stages.cache import TargetCacheSync
 from specflow.stages.empty_rows import EmptyDistributionError, EmptyRowLog, ShapeCall, describe, \
@@ -39,45 +40,6 @@ from specflow.stages.empty_rows import EmptyDistributionError, EmptyRowLog, Shap
 from specflow.stages.logits import is_greedy
 from specflow.stages.score import TargetScorer
 from specflow.state import PAD, DecodeBatch, Proposal, RoundResult, ShapingBatch, VerifyOutput
-
-
-@dataclass
-class Request:
-    request_id: int
-    prompt: str
-    prompt_ids: list[int]
-    max_new_tokens: int
-    stop: list[str] | None       # None: the config's stop strings
-    seed: int
-    logprobs: int | None = None  # None: off; 0: the chosen tokens' logprobs; n: also the top n
-
-
-@dataclass
-class GenerationResult:
-    index: int
-    prompt: str
-    text: str                    # never includes a stop string (unless stop.include_stop_str)
-    token_ids: list[int]         # generated tokens only; never after EOS or a stop
-    finish_reason: str           # "stop" | "eos" | "length"
-    stats: dict[str, Any] = field(default_factory=dict)   # docs/design.md §3 names
-    logprobs: list[float] | None = None          # target logprob of each returned token
-    top_logprobs: list[dict[int, float]] | None = None   # the top-n alternatives per position
-
-    @classmethod
-    def from_json(cls, row: dict[str, Any]) -> "GenerationResult":
-        """Back from `to_json()` (a requests.jsonl line; extra keys are ignored)."""
-        return cls(row["index"], row["prompt"], row["text"], row["token_ids"],
-                   row["finish_reason"], row.get("stats", {}), row.get("logprobs"),
-                   row.get("top_logprobs"))
-
-    def to_json(self) -> dict[str, Any]:
-        out = {"index": self.index, "prompt": self.prompt, "text": self.text,
-               "token_ids": self.token_ids, "finish_reason": self.finish_reason,
-               "stats": self.stats}
-        if self.logprobs is not None:
-            out["logprobs"] = self.logprobs
-            out["top_logprobs"] = self.top_logprobs
-        return out
 
 
 @dataclass
@@ -101,16 +63,6 @@ class BuildContext:
         if self._draft is None and self.build_draft is not None:
             self._draft, self.build_draft = self.build_draft(), None
         return self._draft
-
-
-@dataclass
-class _Row:
-    request: Request
-    slot: int
-    token_ids: list[int]
-    generator: torch.Generator | None
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[dict[int, float]] = field(default_factory=list)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -359,17 +311,25 @@ class Pipeline:
         not depend on the other requests).
         """
         requests = self._requests(prompts, max_new_tokens, stop, seed, logprobs, indices)
-        capacity = _whole(self.cfg.max_batch_size if max_batch_size is None else max_batch_size,
-                          "max_batch_size", 1, "give how many sequences run at once, e.g. 8")
-        if capacity > self.ctx.slots:
-            raise InputError(f"max_batch_size={capacity} exceeds the pipeline's "
-                             f"{self.ctx.slots} slots; set max_batch_size={capacity} in the config")
-        recorder = self.recorder = MetricsRecorder(self.clock)   # live counts: on_result may read
-        self.pm.register(recorder, name="metrics")
+        engine = Engine(self, max_batch_size, start_hooks=False)
+        bar = _progress(len(requests)) if progress else None
+        results: dict[int, GenerationResult] = {}
+
+        def finished(result: GenerationResult) -> None:     # before its request_end hook
+            results[result.index] = result
+            if on_result is not None:
+                on_result(result)
+            if bar is not None:
+                bar[0].advance(bar[1])
+
+        engine.on_finish = finished
         try:
             self.hook.specflow_run_start(pipeline=self, requests=requests)
-            results = self._run(requests, capacity, recorder, progress, on_result)
-            self.last_stats = recorder.total.as_dict()
+            for request in requests:
+                engine.enqueue(request)
+            while engine.has_unfinished():
+                engine.step()
+            self.last_stats = engine.recorder.total.as_dict()
             ordered = [results[r.request_id] for r in requests]
             self.hook.specflow_run_end(pipeline=self, results=ordered, stats=self.last_stats)
         except Exception as exc:   # a plugin raising inside a hook is named with its package
@@ -378,106 +338,31 @@ class Pipeline:
                 raise
             raise blamed from exc
         finally:
-            self.pm.unregister(recorder)
-        return ordered
-
-    def _run(self, requests: list[Request], capacity: int, recorder: MetricsRecorder,
-             progress: bool, on_result=None) -> dict[int, GenerationResult]:
-        bar = _progress(len(requests)) if progress else None
-        try:
-            return self._loop(requests, capacity, recorder, on_result, bar)
-        finally:
             if bar is not None:    # also on Ctrl-C or an error: give the terminal back
                 bar[0].stop()
+            engine.close()          # every row still running ends with "abort"
+        return ordered
 
-    def _loop(self, requests: list[Request], capacity: int, recorder: MetricsRecorder,
-              on_result, bar) -> dict[int, GenerationResult]:
-        """Admit queued requests into free slots, run rounds, finish rows, until all are done.
+    def engine(self, max_batch_size: int | None = None) -> Engine:
+        """A running batch that takes requests between rounds (`specflow.engine.Engine`):
+        add_request(), abort(), step(), has_unfinished(), close(). One per pipeline at a time."""
+        return Engine(self, max_batch_size)
 
-        Whatever ends the loop (an error, a plugin raising, Ctrl-C), every admitted row still
-        running gets specflow_request_end(finish_reason="abort"), so no stage keeps its state.
-        """
-        active: dict[int, _Row] = {}
-        try:
-            return self._rounds(requests, capacity, recorder, on_result, bar, active)
-        except BaseException:
-            self._abort(active)
-            raise
+    def stream(self, prompt: str, max_new_tokens: int | None = None,
+               stop: Sequence[str] | None = None, seed: int | None = None) -> Iterator[str]:
+        """Yield the text of one prompt's continuation as rounds commit it (held back where a
+        stop string may still form); the pieces join to generate()'s text for the same prompt.
+        Closing the iterator early aborts the request and frees its slot."""
+        with self.engine(1) as engine:
+            engine.add_request(prompt, max_new_tokens, stop, seed)
+            while engine.has_unfinished():
+                for out in engine.step():
+                    if out.text:
+                        yield out.text
+                    if out.finished:
+                        self.last_stats = engine.recorder.total.as_dict()
 
-    def _abort(self, active: dict[int, "_Row"]) -> None:
-        """End every running row with finish_reason="abort"; the error that got here wins, so a
-        stage raising while it releases its state is passed over (it is being torn down)."""
-        for slot, row in sorted(active.items()):
-            try:
-                self.hook.specflow_request_end(slot=slot, request=row.request,
-                                               finish_reason="abort")
-            except Exception:   # noqa: BLE001 - the original error is the one to report
-                pass
-        active.clear()
-
-    def _rounds(self, requests: list[Request], capacity: int, recorder: MetricsRecorder,
-                on_result, bar, active: dict[int, "_Row"]) -> dict[int, GenerationResult]:
-        queue = deque(requests)
-        free = list(range(capacity))
-        results: dict[int, GenerationResult] = {}
-        round_index = 0
-        while queue or active:
-            admitted: list[_Row] = []
-            while queue and free:
-                req = queue.popleft()
-                slot = free.pop(0)
-                gen = None if self.greedy else torch.Generator(
-                    device=self.target.device).manual_seed(req.seed)
-                active[slot] = row = _Row(req, slot, list(req.prompt_ids), gen)
-                admitted.append(row)
-                recorder.start(req.request_id)
-                t0 = time.perf_counter()
-                self.hook.specflow_request_start(slot=slot, request=req)
-                recorder.add_prefill(req.request_id, time.perf_counter() - t0)
-            if admitted:     # their prompts, cached together (one batched forward per model)
-                t0 = time.perf_counter()
-                self.hook.specflow_prefill(slots=[r.slot for r in admitted],
-                                           requests=[r.request for r in admitted])
-                spent, total = time.perf_counter() - t0, sum(len(r.token_ids) for r in admitted)
-                for r in admitted:       # the wave's time, shared by prompt length
-                    recorder.add_prefill(r.request.request_id, spent * len(r.token_ids) / total)
-            rows = [active[s] for s in sorted(active)]
-            batch = DecodeBatch(
-                slots=torch.tensor([r.slot for r in rows], dtype=torch.long),
-                request_ids=[r.request.request_id for r in rows],
-                token_ids=[r.token_ids for r in rows],
-                prompt_lens=[len(r.request.prompt_ids) for r in rows],
-                max_new_tokens=[r.request.max_new_tokens for r in rows],
-                generators=[r.generator for r in rows], greedy=self.greedy,
-                max_batch_size=capacity, shaper=self.shape)
-            result, trim, shaped = self._round(batch, round_index)
-            round_index += 1
-            if any(r.request.logprobs is not None for r in rows):
-                self._record_logprobs(rows, shaped, trim.committed)
-            for b, row in enumerate(rows):
-                reason = result.finish_reasons[b]
-                if reason is None:
-                    continue
-                retract = trim.retract[b] if trim.retract else 0
-                if retract:
-                    del row.token_ids[len(row.token_ids) - retract:]
-                    del row.logprobs[len(row.logprobs) - retract:]
-                    del row.top_logprobs[len(row.top_logprobs) - retract:]
-                    recorder.retract(row.request.request_id, retract)
-                results[row.request.request_id] = self._finish(row, reason, recorder)
-                if on_result is not None:
-                    on_result(results[row.request.request_id])
-                # the row leaves `active` only once every stage has released it: if one raises,
-                # the abort path still ends it for the others
-                self.hook.specflow_request_end(slot=row.slot, request=row.request,
-                                               finish_reason=reason)
-                del active[row.slot]
-                free.append(row.slot)
-                if bar is not None:
-                    bar[0].advance(bar[1])
-        return results
-
-    def _finish(self, row: _Row, reason: str, recorder: MetricsRecorder) -> GenerationResult:
+    def _finish(self, row: Row, reason: str, recorder: MetricsRecorder) -> GenerationResult:
         generated = row.token_ids[len(row.request.prompt_ids):]
         text = self.tokenizer.decode(generated)        # text always agrees with token_ids
         stats = recorder.requests[row.request.request_id].as_dict()
@@ -596,7 +481,7 @@ class Pipeline:
             call.unusable = piece.view(call.unusable.shape).bool()
         return VerifyOutput(pieces[0].view(parts[0].shape), pieces[1].view(parts[1].shape))
 
-    def _record_logprobs(self, rows: list[_Row], shaped: torch.Tensor,
+    def _record_logprobs(self, rows: list[Row], shaped: torch.Tensor,
                          committed: list[list[int]]) -> None:
         """Logprobs of the committed tokens: committed token j was verified at position j."""
         lp = shaped.float().log_softmax(-1)                                          # [B, K+1, V]

@@ -21,12 +21,14 @@ commands:
   sim       the articles' formula tables on the synthetic pair (JSON + PNG + tables);
             studies=[policy_mix]: the policies on an interleaved code/chat mix
   calibrate load sweep with speculation on and off; writes policy/calibrated.yaml + a PNG
+  serve     an OpenAI-compatible server (pip install 'specflow[serve]'), e.g.
+            specflow serve proposer=draft policy=goodput server.host=127.0.0.1 server.port=8000
   ab        an A/B experiment as a Hydra multirun: specflow ab experiment=demo_proposers
             (hydra/launcher=joblib for local processes; --quiet for CI logs)
   report    specflow report ab/<name> [--baseline old/report.json --max-acceptance-drop 0.05]
   plugins   list loaded plugins: name, package, version, hooks, components (--json)
 
-Hydra options work after run, sim, calibrate and ab: --cfg job, --help, hydra.run.dir=...
+Hydra options work after run, sim, calibrate, serve and ab: --cfg job, --help, hydra.run.dir=...
 --quiet (run, sim, calibrate, ab, report): no progress bars or Hydra log lines, for CI logs
 """
 
@@ -359,6 +361,18 @@ def cmd_report(args: list[str]) -> int:
     return 1 if drifted else 0
 
 
+# --- serve ---------------------------------------------------------------------------------------
+
+def serve_task(cfg) -> None:
+    from specflow.config import validate
+    from specflow.serving.app import serve
+
+    try:
+        serve(validate(cfg))
+    except SpecflowError as exc:
+        raise SystemExit(fail(str(exc))) from None
+
+
 # --- plugins -------------------------------------------------------------------------------------
 
 def cmd_plugins(args: list[str]) -> int:
@@ -389,6 +403,7 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "run": lambda args: _hydra_app(run_task, "config", "run", args),
     "sim": lambda args: _hydra_app(sim_task, "sim", "sim", args),
     "calibrate": lambda args: _hydra_app(calibrate_task, "calibrate", "calibrate", args),
+    "serve": lambda args: _hydra_app(serve_task, "serve", "serve", args),
     "ab": cmd_ab,
     "report": cmd_report,
     "plugins": cmd_plugins,

@@ -52,6 +52,8 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None     # "stop" | "eos" | "length" | "abort" once finished
     result: GenerationResult | None = None   # the whole result (stats included) once finished
+    logprobs: list[float] | None = None  # of token_ids, when the request asked for logprobs
+    top_logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass
@@ -134,6 +136,7 @@ class Engine:
                 del self.active[slot]
                 self.free.append(slot)
                 self.aborted.append(request_id)
+                self.recorder.forget(request_id)
                 self.pipe.hook.specflow_request_end(slot=slot, request=row.request,
                                                     finish_reason="abort")
                 return
@@ -201,6 +204,7 @@ class Engine:
             del self.active[row.slot]
             self.free.append(row.slot)
             self.streams.pop(rid, None)
+            recorder.forget(rid)      # its stats live on in the result; the run's totals stay
         return outputs
 
     def _admit(self) -> None:
@@ -247,6 +251,10 @@ class Engine:
         out = RequestOutput(row.request.request_id, generated[stream.sent.tokens:n],
                             shown[len(stream.sent.text):] if shown.startswith(stream.sent.text)
                             else shown)
+        if row.request.logprobs is not None:
+            out.logprobs = row.logprobs[stream.sent.tokens:n]
+            out.top_logprobs = row.top_logprobs[stream.sent.tokens:n] if row.request.logprobs \
+                else None
         stream.sent = _Sent(n, shown)
         return out
 

@@ -188,6 +188,12 @@ class MetricsRecorder:
         if result.sim_time:
             _add(self.total.sim_time, result.sim_time)
 
+    def forget(self, request_id: int) -> None:
+        """Drop a request's own counters once it has ended (a long-running engine would keep
+        every request's otherwise); the totals keep what it added."""
+        self.requests.pop(request_id, None)
+        self.round_commits.pop(request_id, None)
+
     def add_prefill(self, request_id: int, seconds: float) -> None:
         for counters in (self.requests[request_id], self.total):
             counters.add_seconds({"prefill": seconds})

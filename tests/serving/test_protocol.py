@@ -1,0 +1,73 @@
+"""Request bodies in, engine arguments out: what a request may set, and one clear error (naming
+the field) for what it may not."""
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from specflow.serving import protocol
+
+LIMITS = protocol.Limits(max_tokens=100, max_prompt_tokens=50)
+
+
+def parse(body, chat=False, configured=None):
+    return protocol.parse(body, chat, LIMITS, configured or {"greedy": True},
+                          lambda messages: "|".join(m["content"] for m in messages))
+
+
+def test_completion_and_chat_bodies_become_engine_arguments():
+    p = parse({"prompt": ["a", "b"], "max_tokens": 7, "stop": "\n", "seed": 3, "n": 2,
+               "logprobs": 2, "stream": True, "stream_options": {"include_usage": True}})
+    assert (p.prompts, p.max_tokens, p.stop, p.seed, p.n, p.logprobs, p.stream,
+            p.include_usage) == (["a", "b"], 7, ["\n"], 3, 2, 2, True, True)
+    c = parse({"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+               "top_logprobs": 3, "max_completion_tokens": 9}, chat=True)
+    assert (c.prompts, c.logprobs, c.max_tokens) == (["hi"], 3, 9)
+    assert parse({"prompt": "x"}).max_tokens == LIMITS.default_max_tokens
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"prompt": "x", "max_tokens": 101}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": "5"}, "max_tokens"),
+    ({"prompt": "x", "n": 17}, "n"),
+    ({"prompt": "x", "logprobs": 6}, "logprobs"),
+    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"prompt": "x", "seed": -1}, "seed"),
+    ({"prompt": "x", "stream": "yes"}, "stream"),
+    ({"prompt": "x", "top_p": 0.5}, "top_p"),
+    ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"prompt": ["a", ""]}, "prompt"),
+])
+def test_refusals_name_the_field(body, field):
+    with pytest.raises(protocol.BadRequest) as info:
+        parse(body)
+    assert info.value.param == field and info.value.body()["error"]["param"] == field
+
+
+def test_chat_needs_text_messages():
+    with pytest.raises(protocol.BadRequest, match="messages must be"):
+        parse({"messages": [{"role": "user"}]}, chat=True)
+    with pytest.raises(protocol.BadRequest, match="top_logprobs needs logprobs=true"):
+        parse({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, chat=True)
+
+
+def test_sampling_settings_may_repeat_the_server_s_own():
+    cfg = OmegaConf.create({"logits": {"temperature": {"name": "temperature", "value": 0.7},
+                                       "top_p": {"name": "top_p", "p": 0.9}}})
+    configured = protocol.configured_sampling(cfg)
+    assert configured == {"temperature": 0.7, "top_p": 0.9, "greedy": False}
+    parse({"prompt": "x", "temperature": 0.7, "top_p": 0.9, "top_k": -1}, configured=configured)
+    with pytest.raises(protocol.BadRequest, match="temperature=1.0: this server was started "
+                                                  "with temperature=0.7, top_p=0.9"):
+        parse({"prompt": "x", "temperature": 1.0}, configured=configured)
+    greedy = protocol.configured_sampling(OmegaConf.create({"logits": {}}))
+    parse({"prompt": "x", "temperature": 0, "top_p": 1.0}, configured=greedy)
+    with pytest.raises(protocol.BadRequest, match="started with greedy decoding"):
+        parse({"prompt": "x", "temperature": 0.8}, configured=greedy)
+
+
+def test_prompt_length_limit():
+    protocol.check_prompt_length(50, LIMITS, "prompt")
+    with pytest.raises(protocol.BadRequest, match="prompt has 51 tokens; this server admits "
+                                                  "at most 50"):
+        protocol.check_prompt_length(51, LIMITS, "prompt")

@@ -9,7 +9,9 @@ Two things are learned online, nothing is hand-set:
 - cost: the target pass time as a linear function of the tokens it scores (sum over rows of
   k+1) and the draft time per step as a linear function of the rows drafting, fitted by
   exponentially weighted least squares on the measured stage times (the synthetic backend's
-  simulated clock when there is one).
+  simulated clock when there is one). A real target's fit starts from two passes timed when the
+  policy is built (one position in one row; k_max+1 in every slot): steady rounds alone cannot
+  tell the fixed cost of a pass from its cost per position.
 
 Each round, each sequence takes the k that maximises its own expected tokens per unit of its own
 cost: E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j over a_t/B + b_t (k+1) + k (b_d + a_d/B), where the
@@ -127,14 +129,56 @@ def choose_k(acceptance: torch.Tensor, a_t: float, b_t: float, a_d: float, b_d: 
     return choice.tolist()
 
 
+def measured_target_cost(target, positions: int, rows: int) -> tuple[float, float] | None:
+    """(a_t, b_t) seconds from two timed passes of a real target (one position in one row, and
+    `positions` in each of `rows` rows), or None for a simulated one (its clock is the truth).
+
+    The online fit alone cannot find b_t when every round scores about the same number of
+    tokens (a full batch at a steady k): the data then only say a_t + b_t x at that x, and a
+    prior of b_t = 0 made extra positions look free, so k never fell under load."""
+    from specflow.models.threads import pass_seconds
+
+    if getattr(target, "clock", None) is not None or not hasattr(target, "truncate") \
+            or rows * positions <= 1:
+        return None
+    one = pass_seconds(target, 5)
+    full = pass_seconds(target, 5, positions, rows)
+    b = max(0.0, (full - one) / (rows * positions - 1))
+    return max(one - b, 0.0), b
+
+
+def measured_draft_cost(ctx) -> tuple[float, float] | None:
+    """(a_d, b_d) seconds per draft step and per drafting row, from one-position passes of the
+    draft model in one row and in every slot; None unless the proposer is the draft model."""
+    from specflow.models.threads import pass_seconds
+
+    proposer = ctx.cfg.get("proposer") if getattr(ctx, "cfg", None) is not None else None
+    rows = int(getattr(ctx, "slots", 1))
+    if proposer is None or proposer.get("name") != "draft" or rows <= 1:
+        return None
+    draft = ctx.draft
+    one, full = pass_seconds(draft, 5), pass_seconds(draft, 5, 1, rows)
+    b = max(0.0, (full - one) / (rows - 1))
+    return max(one - b, 0.0), b
+
+
 class GoodputPolicy:
     def __init__(self, cfg: GoodputPolicyConfig, ctx=None):
         self.cfg = cfg
         self.global_rate = cfg.prior_acceptance
         # per sequence: discounted accepted / examined counts, per position [K] and in all
         self.counts: dict[int, list[torch.Tensor]] = {}
-        self.target_fit = LinearFit(cfg.cost_memory, 1.0)          # a_t + b_t tokens
-        self.draft_fit = LinearFit2(cfg.cost_memory, cfg.prior_draft_cost, 0.0)  # a_d steps + b_d row-steps
+        target = getattr(ctx, "target", None)
+        prior = measured_target_cost(target, cfg.k_max + 1, int(getattr(ctx, "slots", 1))) \
+            if target is not None else None
+        self.target_prior = prior or (1.0, 0.0)
+        self.target_fit = LinearFit(cfg.cost_memory, *self.target_prior)   # a_t + b_t tokens
+        # a_d steps + b_d row-steps: timed on a draft model like the target (when every row
+        # drafts the same k, steps and row-steps are collinear and the fit keeps the prior's
+        # split); else relative to one plain pass
+        draft = measured_draft_cost(ctx) if prior is not None else None
+        self.draft_prior = draft or (cfg.prior_draft_cost * sum(self.target_prior), 0.0)
+        self.draft_fit = LinearFit2(cfg.cost_memory, *self.draft_prior)
         self.rounds = 0
 
     # --- what the decision reads (the oracle overrides these) ---------------------------------

@@ -171,3 +171,32 @@ def test_oracle_is_refused_outside_the_synthetic_pair():
     from specflow import Pipeline
     with pytest.raises(ConfigError, match="policy=oracle knows the truth only"):
         Pipeline.from_config(["policy=oracle"])
+
+
+def test_goodput_seeds_its_costs_from_timed_passes_so_steady_rounds_cannot_hide_the_slope():
+    # steady full-batch rounds all score the same number of tokens: the fit alone cannot tell a
+    # pass's fixed cost from its cost per position, and with a flat prior it called extra
+    # positions free (k stayed high under load). Two timed passes of the real target at build
+    # time give the slope.
+    from specflow import Pipeline
+
+    pipe = Pipeline.from_config(["model=demo", "proposer=draft", "policy=goodput",
+                                 "max_batch_size=16", "threads=2", "max_new_tokens=4"])
+    pol = pipe.pm.get_plugin("policy.goodput")
+    a_t, b_t = pol.target_prior
+    assert a_t > 0 and b_t > 0 and pol.draft_prior[0] > 0
+    fit = LinearFit(0.05, a_t, b_t)
+    for _ in range(200):                         # 16 rows x (k+1 = 5), every round alike
+        fit.add(80.0, a_t + 80 * b_t)
+    assert fit.coef()[1] == pytest.approx(b_t, rel=0.05)
+    flat = LinearFit(0.05, 1.0, 0.0)             # the old prior: the slope is lost
+    for _ in range(200):
+        flat.add(80.0, a_t + 80 * b_t)
+    assert flat.coef()[1] < b_t / 5
+    # k falls with the batch under the measured costs
+    acc = torch.full((1, 8), 0.75)
+    ks = [choose_k(acc.expand(b, 8), a_t, b_t, *pol.draft_prior)[0] for b in (1, 16, 64)]
+    assert ks == sorted(ks, reverse=True) and ks[-1] < ks[0]
+    # the synthetic pair keeps its simulated clock's prior (nothing is timed)
+    synth = Pipeline.from_config(["model=synthetic", "draft=synthetic", "policy=goodput"])
+    assert synth.pm.get_plugin("policy.goodput").target_prior == (1.0, 0.0)

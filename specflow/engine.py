@@ -105,13 +105,19 @@ class Engine:
 
     def add_request(self, prompt: str, max_new_tokens: int | None = None,
                     stop: Sequence[str] | None = None, seed: int | None = None,
-                    logprobs: int | None = None, request_id: int | None = None) -> int:
+                    logprobs: int | None = None, request_id: int | None = None,
+                    sampling: dict | None = None) -> int:
         """Queue a prompt; it joins the running batch at the next step with a free slot.
-        Returns its id (also its seed offset: seed + id)."""
+        Returns its id. `seed`: this request's sampling seed as given (default: the config's
+        seed + its id). `sampling`: its own values of the pipeline's sampling processors (see
+        Pipeline.generate)."""
         rid = self.next_id if request_id is None else request_id
         if rid in self.streams:
             raise InputError(f"request_id={rid} is already in use; leave it out for a new one")
-        request = self.pipe._requests([prompt], max_new_tokens, stop, seed, logprobs, [rid])[0]
+        request = self.pipe._requests([prompt], max_new_tokens, stop, seed, logprobs, [rid],
+                                      [sampling])[0]
+        if seed is not None:
+            request.seed = seed           # as given: the same seed, the same tokens
         self.enqueue(request)
         return rid
 
@@ -137,6 +143,7 @@ class Engine:
                 self.free.append(slot)
                 self.aborted.append(request_id)
                 self.recorder.forget(request_id)
+                self.pipe.row_sampling.pop(request_id, None)
                 self.pipe.hook.specflow_request_end(slot=slot, request=row.request,
                                                     finish_reason="abort")
                 return
@@ -204,6 +211,7 @@ class Engine:
             del self.active[row.slot]
             self.free.append(row.slot)
             self.streams.pop(rid, None)
+            pipe.row_sampling.pop(rid, None)
             recorder.forget(rid)      # its stats live on in the result; the run's totals stay
         return outputs
 
@@ -217,6 +225,8 @@ class Engine:
                 device=pipe.target.device).manual_seed(req.seed)
             self.active[slot] = row = Row(req, slot, list(req.prompt_ids), gen)
             admitted.append(row)
+            if req.sampling:
+                pipe.row_sampling[req.request_id] = req.sampling
             recorder.start(req.request_id)
             t0 = time.perf_counter()
             pipe.hook.specflow_request_start(slot=slot, request=req)
@@ -269,6 +279,7 @@ class Engine:
                                                     finish_reason="abort")
             except Exception:   # noqa: BLE001 - the original error is the one to report
                 pass
+            self.pipe.row_sampling.pop(row.request.request_id, None)
         self.active.clear()
 
     def close(self) -> None:

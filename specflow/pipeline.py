@@ -37,7 +37,7 @@ from specflow.plugins import blame, check_hooks, get_registry, new_plugin_manage
 from specflow.stages.cache import TargetCacheSync
 from specflow.stages.empty_rows import EmptyDistributionError, EmptyRowLog, ShapeCall, describe, \
     mark_empty
-from specflow.stages.logits import is_greedy
+from specflow.stages.logits import check_request_sampling, is_greedy
 from specflow.stages.score import TargetScorer
 from specflow.state import PAD, DecodeBatch, Proposal, RoundResult, ShapingBatch, VerifyOutput
 
@@ -101,6 +101,8 @@ class Pipeline:
         self.greedy = is_greedy(cfg.get("logits"))
         self.clock = SimClock()
         self.empty_rows = EmptyRowLog()     # this round's shape() calls, checked after verify
+        self.sampling_settings: list[str] = []   # what a request may set for itself (sampling=)
+        self.row_sampling: dict[int, dict] = {}  # request id -> its own settings, while it runs
         ctx = BuildContext(cfg=cfg, slots=int(cfg.max_batch_size), clock=self.clock,
                            device=resolve_device(str(cfg.device)))
         ctx.target = self.target = self._build("model", ctx)
@@ -127,6 +129,8 @@ class Pipeline:
             processor = self._build_node("logits", node, ctx)
             if self.greedy and getattr(processor, "samples", False):
                 continue   # cannot change the argmax
+            if getattr(processor, "key", ""):
+                self.sampling_settings.append(processor.key)
             self._register(processor, f"logits.{key}")
         # observers (a tracer, an exporter) come last: a wrapper=True observer wraps every stage
         for key, node in (cfg.get("observer") or {}).items():
@@ -197,8 +201,9 @@ class Pipeline:
         ends with no finite logit (or a NaN) is marked and replaced by zeros; the round's check
         raises EmptyDistributionError if the round actually reached it (stages/empty_rows.py).
         """
+        own = [self.row_sampling.get(r) for r in request_ids] if self.row_sampling else None
         shaping = ShapingBatch(logits.float(), token_ids, draft_token_ids, first_draft_index,
-                               request_ids, source)
+                               request_ids, source, own)
         if source == "target":     # the model's own verdict, before a stage may edit in place
             raw_unusable = ~torch.isfinite(shaping.logits.amax(-1))                   # [B, P]
         self.hook.specflow_mask_logits(shaping=shaping)
@@ -238,7 +243,7 @@ class Pipeline:
     # --- generation --------------------------------------------------------------------------
 
     def _requests(self, prompts, max_new_tokens, stop, seed, logprobs,
-                  indices=None) -> list[Request]:
+                  indices=None, sampling=None) -> list[Request]:
         if isinstance(prompts, str):
             prompts = [prompts]
         if isinstance(prompts, (bytes, dict)) or not hasattr(prompts, "__iter__"):
@@ -279,8 +284,20 @@ class Pipeline:
         if len(indices) != len(prompts) or len(set(indices)) != len(indices):
             raise InputError(f"indices must give one distinct index per prompt "
                              f"({len(indices)} for {len(prompts)} prompts)")
+        if sampling is None or isinstance(sampling, dict):
+            sampling = [sampling] * len(prompts)
+        elif not isinstance(sampling, (list, tuple)) or len(sampling) != len(prompts) \
+                or not all(s is None or isinstance(s, dict) for s in sampling):
+            raise InputError(f"sampling must be a dict (every prompt) or a list of dicts or "
+                             f"None, one per prompt ({len(prompts)})")
+        configured = set(self.sampling_settings)
+        try:
+            sampling = [check_request_sampling(s, configured, i) if s else None
+                        for i, s in zip(indices, sampling)]
+        except ConfigError as exc:
+            raise InputError(str(exc)) from None
         requests = []
-        for i, prompt in zip(indices, prompts):
+        for i, prompt, own in zip(indices, prompts, sampling):
             if not prompt:
                 raise InputError(f"prompt {i} is empty; every prompt needs at least one character")
             ids = list(self.tokenizer.encode(prompt))
@@ -291,7 +308,7 @@ class Pipeline:
                                  f"{limit}; shorten the prompt")
             room = max_new if limit is None else min(max_new, limit - len(ids))
             requests.append(Request(i, prompt, ids, room, stop, base_seed + i,
-                                    None if logprobs is None else int(logprobs)))
+                                    None if logprobs is None else int(logprobs), own))
         return requests
 
     def generate(self, prompts: Sequence[str] | str, max_new_tokens: int | None = None,
@@ -299,18 +316,24 @@ class Pipeline:
                  max_batch_size: int | None = None, progress: bool = False,
                  logprobs: int | None = None,
                  on_result: Callable[[GenerationResult], None] | None = None,
-                 indices: Sequence[int] | None = None) -> list[GenerationResult]:
+                 indices: Sequence[int] | None = None,
+                 sampling: dict | Sequence[dict | None] | None = None) -> list[GenerationResult]:
         """Generate a continuation of every prompt; results come back in prompt order.
 
         logprobs: None (off), 0 (each returned token's logprob under the target's shaped
         distribution, the one it was verified against) or n (also the top n alternatives).
         on_result: called with each result as its request finishes (write it out, stream it).
+        sampling: a request's own temperature / top_k / top_p / min_p, for all prompts (a dict)
+        or per prompt (a list of dicts or None), in a sampling pipeline whose config has those
+        processors (their configured values apply to the rest); temperature 0 makes that row
+        greedy. Speculation stays exact per row: draft and target share the shaping call.
         indices: each prompt's index in a larger list (default 0..n-1). A request's index is its
         result's `index` and its seed offset (seed + index), so resuming the unfinished part of a
         list reproduces the whole list's output (greedy always; sampling when draft lengths do
         not depend on the other requests).
         """
-        requests = self._requests(prompts, max_new_tokens, stop, seed, logprobs, indices)
+        requests = self._requests(prompts, max_new_tokens, stop, seed, logprobs, indices,
+                                  sampling)
         engine = Engine(self, max_batch_size, start_hooks=False)
         bar = _progress(len(requests)) if progress else None
         results: dict[int, GenerationResult] = {}
@@ -349,12 +372,13 @@ class Pipeline:
         return Engine(self, max_batch_size)
 
     def stream(self, prompt: str, max_new_tokens: int | None = None,
-               stop: Sequence[str] | None = None, seed: int | None = None) -> Iterator[str]:
+               stop: Sequence[str] | None = None, seed: int | None = None,
+               sampling: dict | None = None) -> Iterator[str]:
         """Yield the text of one prompt's continuation as rounds commit it (held back where a
         stop string may still form); the pieces join to generate()'s text for the same prompt.
         Closing the iterator early aborts the request and frees its slot."""
         with self.engine(1) as engine:
-            engine.add_request(prompt, max_new_tokens, stop, seed)
+            engine.add_request(prompt, max_new_tokens, stop, seed, sampling=sampling)
             while engine.has_unfinished():
                 for out in engine.step():
                     if out.text:

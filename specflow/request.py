@@ -16,6 +16,7 @@ class Request:
     stop: list[str] | None       # None: the config's stop strings
     seed: int
     logprobs: int | None = None  # None: off; 0: the chosen tokens' logprobs; n: also the top n
+    sampling: dict | None = None  # its own temperature / top_k / top_p / min_p (configured ones)
 
 
 @dataclass

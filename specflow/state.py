@@ -128,6 +128,9 @@ class ShapingBatch:
     request_ids: list[int]           # [B]
     source: str                      # "draft" or "target": for observers only; a processor that
                                      # branched on it would break losslessness
+    sampling: list[dict | None] | None = None   # [B] a request's own sampling settings
+                                     # (temperature, top_k, top_p, min_p) over the configured
+                                     # ones; None: the config's for every row
     _host: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     @property

@@ -117,7 +117,7 @@ def create_app(pipe, server_cfg):
                     handles.append(worker.submit(
                         loop, prompt=p, max_new_tokens=parsed.max_tokens, stop=parsed.stop,
                         seed=None if parsed.seed is None else parsed.seed + j,
-                        logprobs=parsed.logprobs))
+                        logprobs=parsed.logprobs, sampling=parsed.sampling))
         except (QueueFull, Draining) as exc:
             for h in handles:
                 worker.cancel(h)
@@ -221,7 +221,8 @@ def serve(cfg) -> None:
         def handle_exit(self, sig, frame):
             """SIGTERM / Ctrl-C: stop admitting, drain, exit 0 (uvicorn itself would re-raise
             the signal once drained, and the process would die of it); a second Ctrl-C forces."""
-            app.state.worker.drain()
+            # running requests get an error shortly before uvicorn would cut their connections
+            app.state.worker.drain(max(0.0, float(server_cfg.grace_seconds) - 1.0))
             if self.should_exit and sig == signal.SIGINT:
                 self.force_exit = True
             self.should_exit = True

@@ -7,10 +7,10 @@ sends reaches the config (so never a key that imports code).
 
 What a request may set: prompt / messages, max_tokens, stop, seed, n, stream (+
 stream_options.include_usage), logprobs (completions: 0-5; chat: logprobs + top_logprobs).
-Sampling settings (temperature, top_p, top_k, min_p) and response_format are the server's
-config (`logits=...`, `constraint=...` at start): a request may repeat them or leave them out;
-one that asks for different ones is refused with the setting to start the server with, since
-per-request sampling settings are not supported yet.
+temperature / top_p / top_k / min_p: a request may set the ones the server runs processors for
+(`logits=[temperature,top_p,top_k,min_p]` at start; the configured values are the defaults);
+others only at their neutral value. response_format: per-request grammars are not supported yet
+(the server's `constraint=...` applies to every response).
 """
 from __future__ import annotations
 
@@ -54,6 +54,7 @@ class Parsed:
     stream: bool
     include_usage: bool
     chat: bool
+    sampling: dict | None = None  # the request's own values of the server's sampling processors
 
 
 def _int(body: dict, name: str, lo: int, hi: int | None, default=None) -> int | None:
@@ -81,27 +82,34 @@ def _stop(body: dict) -> list[str] | None:
     return stop
 
 
-def check_sampling(body: dict, configured: dict[str, float]) -> None:
-    """temperature / top_p / top_k / min_p may only repeat what the server applies: its
-    configured values, or the neutral value of a setting it does not use (temperature 0 when
-    it decodes greedily, 1 when it samples without one; top_p 1; top_k 0 or -1; min_p 0)."""
+def request_sampling(body: dict, configured: dict) -> dict | None:
+    """temperature / top_p / top_k / min_p of a request -> its own sampling settings.
+
+    A setting the server runs a processor for (`logits=[temperature,top_p,...]` at start) may be
+    set per request; one it does not run may only be left out or given its neutral value
+    (temperature 0 when the server decodes greedily, 1 when it samples without one; top_p 1;
+    top_k 0 or -1; min_p 0). A greedy server runs none."""
     greedy = bool(configured.get("greedy"))
     neutral = {"temperature": 0 if greedy else 1.0, "top_p": 1.0, "top_k": (0, -1), "min_p": 0.0}
+    own = {}
     for name, default in neutral.items():
         value = body.get(name)
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise BadRequest(f"{name}={value!r} must be a number", name)
-        have = configured.get(name)
-        same = value == have if have is not None else (
-            value in default if isinstance(default, tuple) else value == default)
-        if not same:
-            now = "greedy decoding" if greedy else ", ".join(
-                f"{k}={v}" for k, v in configured.items() if k != "greedy")
-            raise BadRequest(f"{name}={value}: this server was started with {now}, and "
-                             f"per-request sampling settings are not supported yet; start it with "
-                             f"the {name} you need (e.g. specflow serve logits=[{name}] ...)", name)
+        if name in configured and not greedy:
+            own[name] = value
+            continue
+        if value in default if isinstance(default, tuple) else value == default:
+            continue
+        now = "greedy decoding" if greedy else ", ".join(
+            f"{k}={v}" for k, v in configured.items() if k != "greedy")
+        raise BadRequest(f"{name}={value}: this server was started with {now}, without a {name} "
+                         f"processor, so a request cannot set it; start the server with the "
+                         f"processors requests may set (e.g. specflow serve "
+                         f"logits=[temperature,top_p,top_k] ...)", name)
+    return own or None
 
 
 def parse(body: Any, chat: bool, limits: Limits, configured: dict, chat_prompt) -> Parsed:
@@ -149,9 +157,9 @@ def parse(body: Any, chat: bool, limits: Limits, configured: dict, chat_prompt) 
         raise BadRequest("response_format: per-request grammars are not supported yet; start "
                          "the server with constraint=json_schema constraint.schema=... to "
                          "constrain every response", "response_format")
-    check_sampling(body, configured)
+    sampling = request_sampling(body, configured)
     return Parsed(prompts, n, max_tokens, _stop(body), seed, logprobs, stream, include_usage,
-                  chat)
+                  chat, sampling)
 
 
 def check_prompt_length(tokens: int, limits: Limits, field: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 
 from specflow.engine import RequestOutput
@@ -48,6 +49,7 @@ class EngineWorker:
         self.in_flight = 0                    # submitted and not finished
         self.handles: dict[int, Handle] = {}
         self.draining = False
+        self.deadline: float | None = None    # draining: when requests still running are ended
         self.stopped = False
         self.finished: dict[str, int] = {}     # finish_reason -> requests
         self.prompt_tokens = 0
@@ -86,10 +88,14 @@ class EngineWorker:
     def running(self) -> int:
         return len(self.engine.active)
 
-    def drain(self) -> None:
-        """Admit nothing new; requests already submitted run to their end."""
+    def drain(self, grace: float | None = None) -> None:
+        """Admit nothing new; requests already submitted run to their end, or for `grace`
+        seconds, after which each is ended with an error its client receives (before the HTTP
+        server gives up on the connection)."""
         with self.lock:
             self.draining = True
+            if grace is not None and self.deadline is None:
+                self.deadline = time.monotonic() + grace
         self.wake.set()
 
     def close(self, timeout: float = 5.0) -> None:
@@ -105,6 +111,9 @@ class EngineWorker:
         try:
             while not self.stopped:
                 self._take_inbox()
+                if self.deadline is not None and time.monotonic() > self.deadline:
+                    self._end_all("the server shut down before this request finished "
+                                  "(server.grace_seconds ran out)")
                 if engine.has_unfinished():
                     self._step()
                 else:
@@ -132,6 +141,13 @@ class EngineWorker:
                 self.prompt_tokens += len(self.engine.queue[-1].prompt_ids)
             elif handle.request_id is not None and not handle.done:
                 self.engine.abort(handle.request_id)
+
+    def _end_all(self, why: str) -> None:
+        for handle in list(self.handles.values()):
+            if handle.request_id is not None:
+                self.engine.abort(handle.request_id)
+            self._finish(handle, RuntimeError(why))
+        self.engine.aborted.clear()          # their clients have the error already
 
     def _step(self) -> None:
         try:

@@ -94,39 +94,99 @@ class MinPConfig:
 
 
 class LogitProcessor:
-    """Base for processors: `samples` ones (temperature, top-k/p, min-p) are skipped under greedy."""
+    """Base for processors: `samples` ones (temperature, top-k/p, min-p) are skipped under greedy.
+
+    A request may set its own value of a configured sampling processor (`ShapingBatch.sampling`,
+    from `generate(sampling=...)` or the server): rows with one are shaped with it, the others
+    with the config's. Draft and target go through the same call, so each row stays exact.
+    """
 
     samples = True
+    key = ""           # the request setting this processor reads (temperature, top_k, ...)
+    field = ""         # and its value's name in the processor's config
 
     def __init__(self, cfg, ctx=None):
         self.cfg = cfg
 
-    def process(self, logits: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+    def apply(self, logits: torch.Tensor, value) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def process(self, logits: torch.Tensor) -> torch.Tensor:
+        return self.apply(logits, getattr(self.cfg, self.field))
 
     @hookimpl
     def specflow_process_logits(self, shaping):
-        shaping.logits = self.process(shaping.logits)
+        rows = shaping.sampling
+        if rows is None or all(r is None or self.key not in r for r in rows):
+            shaping.logits = self.process(shaping.logits)                      # [B, P, V]
+            return
+        own = getattr(self.cfg, self.field)
+        values = [own if r is None or self.key not in r else r[self.key] for r in rows]
+        shaping.logits = torch.stack([self.apply(shaping.logits[b], v)           # [P, V] each
+                                      for b, v in enumerate(values)])            # [B, P, V]
+
+
+def apply_temperature_or_argmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """temperature > 0 divides; 0 (a request asking for greedy in a sampling pipeline) keeps the
+    argmax alone, so the row's distribution is one-hot: rejection sampling then accepts a draft
+    exactly when it is the target's argmax, which is greedy verification."""
+    if temperature > 0:
+        return apply_temperature(logits, temperature)
+    top = logits.argmax(-1, keepdim=True)                                      # [..., 1]
+    return torch.full_like(logits, NEG_INF).scatter(-1, top, 0.0)
 
 
 class Temperature(LogitProcessor):
-    def process(self, logits):
-        return apply_temperature(logits, self.cfg.value)
+    key, field = "temperature", "value"
+
+    def apply(self, logits, value):
+        return apply_temperature_or_argmax(logits, float(value))
 
 
 class TopK(LogitProcessor):
-    def process(self, logits):
-        return apply_top_k(logits, self.cfg.k)
+    key, field = "top_k", "k"
+
+    def apply(self, logits, value):
+        return apply_top_k(logits, int(value))
 
 
 class TopP(LogitProcessor):
-    def process(self, logits):
-        return apply_top_p(logits, self.cfg.p)
+    key, field = "top_p", "p"
+
+    def apply(self, logits, value):
+        return apply_top_p(logits, float(value))
 
 
 class MinP(LogitProcessor):
-    def process(self, logits):
-        return apply_min_p(logits, self.cfg.p)
+    key, field = "min_p", "p"
+
+    def apply(self, logits, value):
+        return apply_min_p(logits, float(value))
+
+
+def check_request_sampling(sampling: dict, configured: set[str], index: int) -> dict:
+    """A request's sampling settings: only processors the pipeline runs, with valid values
+    (the configs' own checks). -> the settings as floats / ints."""
+    configs = {"temperature": (TemperatureConfig, "value", float), "top_k": (TopKConfig, "k", int),
+               "top_p": (TopPConfig, "p", float), "min_p": (MinPConfig, "p", float)}
+    out = {}
+    for key, value in sampling.items():
+        if key not in configs:
+            raise ConfigError(f"prompt {index}: sampling setting {key!r} is not one of "
+                              f"{', '.join(configs)}")
+        if key not in configured:
+            raise ConfigError(f"prompt {index}: sampling {key}={value} needs the {key} processor "
+                              f"in the pipeline (a sampling pipeline with logits=[...,{key}]); "
+                              f"requests may only change the values of configured processors")
+        cls, name, kind = configs[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"prompt {index}: sampling {key}={value!r} must be a number")
+        try:
+            cls(**{name: kind(value)})
+        except ConfigError as exc:
+            raise ConfigError(f"prompt {index}: {exc}") from None
+        out[key] = kind(value)
+    return out
 
 
 def is_greedy(logits_cfg) -> bool:

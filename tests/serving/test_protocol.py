@@ -51,17 +51,21 @@ def test_chat_needs_text_messages():
         parse({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, chat=True)
 
 
-def test_sampling_settings_may_repeat_the_server_s_own():
+def test_requests_set_the_sampling_processors_the_server_runs():
     cfg = OmegaConf.create({"logits": {"temperature": {"name": "temperature", "value": 0.7},
                                        "top_p": {"name": "top_p", "p": 0.9}}})
     configured = protocol.configured_sampling(cfg)
     assert configured == {"temperature": 0.7, "top_p": 0.9, "greedy": False}
-    parse({"prompt": "x", "temperature": 0.7, "top_p": 0.9, "top_k": -1}, configured=configured)
-    with pytest.raises(protocol.BadRequest, match="temperature=1.0: this server was started "
-                                                  "with temperature=0.7, top_p=0.9"):
-        parse({"prompt": "x", "temperature": 1.0}, configured=configured)
+    p = parse({"prompt": "x", "temperature": 0.3, "top_p": 0.5, "top_k": -1, "min_p": 0},
+              configured=configured)
+    assert p.sampling == {"temperature": 0.3, "top_p": 0.5}       # neutral top_k, min_p dropped
+    assert parse({"prompt": "x"}, configured=configured).sampling is None
+    with pytest.raises(protocol.BadRequest, match="top_k=5: this server was started with "
+                                                  "temperature=0.7, top_p=0.9, without a top_k"):
+        parse({"prompt": "x", "top_k": 5}, configured=configured)
     greedy = protocol.configured_sampling(OmegaConf.create({"logits": {}}))
-    parse({"prompt": "x", "temperature": 0, "top_p": 1.0}, configured=greedy)
+    assert parse({"prompt": "x", "temperature": 0, "top_p": 1.0}, configured=greedy).sampling \
+        is None
     with pytest.raises(protocol.BadRequest, match="started with greedy decoding"):
         parse({"prompt": "x", "temperature": 0.8}, configured=greedy)
 

@@ -3,6 +3,7 @@ outputs equal to Pipeline.generate's, streaming, bad requests, load, disconnects
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import pathlib
 import signal
@@ -177,6 +178,34 @@ def test_sigterm_lets_requests_in_flight_finish_and_exits_0(tmp_path):
     assert [r.choices[0].finish_reason for r in results] == ["length"] * 4
     assert all(r.usage.completion_tokens == 8000 for r in results)
     assert s.proc.wait(60) == 0
+
+
+def test_requests_outliving_the_grace_period_get_an_error_and_the_server_exits_0(tmp_path):
+    s = Server("server.grace_seconds=3", "max_batch_size=2", tmp_path=tmp_path)
+    body = {"model": "specflow", "prompt": "def long():", "max_tokens": 99000, "stream": True}
+    with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: {")
+        s.proc.send_signal(signal.SIGTERM)
+        rest = list(lines)
+    events = [json.loads(x[6:]) for x in rest if x.startswith("data: {")]
+    assert "shut down before this request finished" in events[-1]["error"]["message"]
+    assert rest[-2:] == ["data: [DONE]", ""] or rest[-1] == "data: [DONE]"
+    assert s.proc.wait(30) == 0
+
+
+def test_a_sampling_server_takes_each_request_s_temperature(tmp_path):
+    sampling = ["logits=[temperature,top_k]", "logits.temperature.value=1.0", "logits.top_k.k=20"]
+    s = Server(*sampling, tmp_path=tmp_path)
+    try:
+        own = {"temperature": 0.6, "top_k": 5}
+        want = Pipeline.from_config([*CONFIG, *sampling]).generate(
+            ["def fib(n):"], seed=11, sampling=own)[0].text
+        r = s.client.completions.create(model="specflow", prompt="def fib(n):", max_tokens=16,
+                                        seed=11, temperature=0.6, extra_body={"top_k": 5})
+        assert r.choices[0].text == want
+    finally:
+        assert s.stop() == 0
 
 
 def test_a_full_queue_answers_429_with_retry_after(tmp_path):

@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 PLUGINS := plugins/specflow-suffix plugins/specflow-trace
 
 # the example plugins' tests run in their own pytest session (autoload on)
-.PHONY: demo test test-slow test-all bench bench-policies sim calibrate wheel-check clean
+.PHONY: demo test test-slow test-all bench bench-policies sim calibrate demo-head wheel-check clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -50,6 +50,16 @@ sim: $(VENV)/.installed
 
 calibrate: $(VENV)/.installed
 	$(VENV)/bin/specflow calibrate
+
+# retrain the EAGLE-3 head shipped for the demo target (the README's head card: ~30 min on 2 cores)
+DEMO_HEAD := build/demo-head
+demo-head: $(VENV)/.installed
+	$(VENV)/bin/specflow train-head model=demo workload.limit=2048 train_head.prompts=2048 \
+	  train_head.steps=1500 train_head.ttt_steps=4 train_head.lr=0.001 \
+	  train_head.draft_vocab_size=2048 train_head.intermediate_size=512 'train_head.layers=[1,2,3]' \
+	  train_head.checkpoint_every=100 train_head.output=$(DEMO_HEAD) hydra.run.dir=$(DEMO_HEAD)/run
+	mkdir -p specflow/models/demo/eagle
+	cp $(DEMO_HEAD)/config.json $(DEMO_HEAD)/model.safetensors specflow/models/demo/eagle/
 
 # build the wheel, install it (not editable) in a fresh venv, run one command from a foreign folder
 wheel-check: $(VENV)/.installed

@@ -3,7 +3,7 @@
 Greedy, held-out code prompts (100-200 tokens), 128 new tokens, batch 1, 2 threads. Arms are
 interleaved prompt by prompt so machine drift hits every arm alike:
   HF generate (plain), HF assisted generation (default; best tuned constant-k setting),
-  HF prompt lookup, specflow none / draft / ngram.
+  HF prompt lookup, specflow none / draft / ngram / eagle.
 Reports median tokens/s and ratios to HF plain, exact output equality per prompt, alpha, tau,
 measured c, and the formula's predicted speedup beside the measured one; then specflow throughput
 at batch 1 / 4 / 16. Writes bench/results/bench.{json,md} and the README's benchmark section.
@@ -81,7 +81,8 @@ def main() -> None:
     base = ["model=demo", "draft=demo", f"device={dev}", f"threads={args.threads}"]
     sf_arms = {"specflow none": ["proposer=none"],
                "specflow draft": ["proposer=draft", f"proposer.k={args.k}"],
-               "specflow ngram": ["proposer=ngram", f"proposer.k={args.k}"]}
+               "specflow ngram": ["proposer=ngram", f"proposer.k={args.k}"],
+               "specflow eagle": ["proposer=eagle", f"proposer.k={args.k}"]}
 
     def build(name: str, batch: int) -> Pipeline:
         """The arm as a user would configure it for `batch` running sequences (pack=auto
@@ -122,6 +123,7 @@ def main() -> None:
         "specflow none": sf_arm("specflow none"),
         "specflow draft": sf_arm("specflow draft"),
         "specflow ngram": sf_arm("specflow ngram"),
+        "specflow eagle": sf_arm("specflow eagle"),
     }
     for fn in arms.values():          # warm-up
         fn(prompts[0][:200])

@@ -17,32 +17,14 @@ import argparse
 import json
 import math
 import pathlib
-import sysconfig
 import time
-import zlib
 
 import torch
 import torch.nn.functional as F
 
+from specflow.experiments.stdlib_corpus import is_heldout, stdlib_files
+
 EOS = "<|endoftext|>"
-EXCLUDED_PARTS = ("test", "tests", "idle_test", "site-packages", "lib2to3")
-
-
-def stdlib_files() -> list[tuple[str, pathlib.Path]]:
-    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    out = []
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root).as_posix()
-        parts = rel.split("/")
-        if any(p in EXCLUDED_PARTS or p.startswith("test_") for p in parts):
-            continue
-        out.append((rel, path))
-    return out
-
-
-def is_heldout(rel: str) -> bool:
-    return zlib.crc32(rel.encode()) % 50 == 0
-
 
 def train_tokenizer(texts: list[str], vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

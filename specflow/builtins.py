@@ -7,6 +7,7 @@ from specflow.constraints.grammar import (ChoiceConfig, GrammarConstraint, JsonS
                                           RegexConfig)
 from specflow.experiments.workloads import (DemoWorkload, DemoWorkloadConfig, FileWorkload,
                                             FileWorkloadConfig)
+from specflow.experiments.stdlib_corpus import StdlibWorkload, StdlibWorkloadConfig
 from specflow.models.hf import HFModelConfig
 from specflow.models.synthetic import SyntheticBackend, SyntheticDraftConfig, SyntheticModelConfig
 from specflow.plugins import hookimpl
@@ -19,6 +20,7 @@ from specflow.policies.static import StaticPolicy, StaticPolicyConfig
 from specflow.stages import logits, penalties
 from specflow.stages.hf_processor import HFLogitsProcessor, HFProcessorConfig
 from specflow.stages.proposers.draft import DraftModelProposer, DraftProposerConfig
+from specflow.stages.proposers.eagle import EagleProposer, EagleProposerConfig
 from specflow.stages.proposers.ngram import NgramProposer, NgramProposerConfig
 from specflow.stages.proposers.none import NoneProposer, NoneProposerConfig
 from specflow.stages.stop import StopConfig, StopTrimmer
@@ -76,6 +78,7 @@ def specflow_register(registry):
     add("proposer", "none", NoneProposer, NoneProposerConfig)
     add("proposer", "draft", DraftModelProposer, DraftProposerConfig)
     add("proposer", "ngram", NgramProposer, NgramProposerConfig)
+    add("proposer", "eagle", EagleProposer, EagleProposerConfig)
     add("logits", "temperature", logits.Temperature, logits.TemperatureConfig)
     add("logits", "top_k", logits.TopK, logits.TopKConfig)
     add("logits", "top_p", logits.TopP, logits.TopPConfig)
@@ -102,3 +105,4 @@ def specflow_register(registry):
     add("policy", "oracle", OraclePolicy, OraclePolicyConfig)
     add("workload", "demo", DemoWorkload, DemoWorkloadConfig)
     add("workload", "file", FileWorkload, FileWorkloadConfig)
+    add("workload", "stdlib", StdlibWorkload, StdlibWorkloadConfig)

@@ -21,6 +21,8 @@ commands:
   sim       the articles' formula tables on the synthetic pair (JSON + PNG + tables);
             studies=[policy_mix]: the policies on an interleaved code/chat mix
   calibrate load sweep with speculation on and off; writes policy/calibrated.yaml + a PNG
+  train-head  self-distil an EAGLE-3 draft head for the target (proposer=eagle reads it):
+            specflow train-head model=demo train_head.output=heads/demo
   serve     an OpenAI-compatible server (pip install 'specflow[serve]'), e.g.
             specflow serve proposer=draft policy=goodput server.host=127.0.0.1 server.port=8000
   ab        an A/B experiment as a Hydra multirun: specflow ab experiment=demo_proposers
@@ -28,8 +30,8 @@ commands:
   report    specflow report ab/<name> [--baseline old/report.json --max-acceptance-drop 0.05]
   plugins   list loaded plugins: name, package, version, hooks, components (--json)
 
-Hydra options work after run, sim, calibrate, serve and ab: --cfg job, --help, hydra.run.dir=...
---quiet (run, sim, calibrate, ab, report): no progress bars or Hydra log lines, for CI logs
+Hydra options work after run, sim, calibrate, train-head, serve and ab: --cfg job, --help, hydra.run.dir=...
+--quiet (run, sim, calibrate, train-head, ab, report): no progress bars or Hydra log lines, for CI logs
 """
 
 # Hydra flags whose value is the next argument
@@ -246,6 +248,43 @@ def calibrate_task(cfg) -> None:
                   f"{png}[/]")
 
 
+# --- train-head ----------------------------------------------------------------------------------
+
+def train_head_task(cfg) -> None:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, \
+        TimeRemainingColumn
+
+    from specflow.app.prompts import read_prompts
+    from specflow.config import validate
+    from specflow.console import console
+    from specflow.training import train_head
+
+    try:
+        cfg = validate(cfg)
+        prompts = read_prompts(cfg)
+        with Progress(TextColumn("{task.description}"), BarColumn(),
+                      TextColumn("{task.completed}/{task.total}"), TextColumn("{task.fields[info]}"),
+                      TimeElapsedColumn(), TimeRemainingColumn(), console=console,
+                      disable=os.environ.get("SPECFLOW_QUIET") == "1") as bar:
+            def phase(description: str, total: int):
+                task = bar.add_task(description, total=total, info="")
+
+                def advance(n: int = 1, loss: float | None = None, acc: float | None = None):
+                    info = "" if loss is None else f"loss {loss:.3f}  step-1 acc {acc:.2f}"
+                    bar.update(task, advance=n, info=info)
+                return advance
+            summary = train_head.run(cfg, prompts, phase)
+    except SpecflowError as exc:
+        raise SystemExit(fail(str(exc))) from None
+    fig = summary.get("heldout_greedy") or {}
+    console.print(f"head: {summary['params'] / 1e6:.2f}M parameters, draft vocabulary covers "
+                  f"{summary['draft_vocab_coverage']:.1%} of generated tokens; held-out greedy "
+                  f"tau at k=4: {fig.get('tau', float('nan')):.2f}, acceptance by step "
+                  f"{[round(a, 2) for a in fig.get('acceptance_by_step', [])]}")
+    console.print(f"[dim]wrote {cfg.train_head.output} (config.json, model.safetensors); use "
+                  f"proposer=eagle proposer.path={cfg.train_head.output}[/]")
+
+
 # --- ab / report -----------------------------------------------------------------------------------
 
 def cmd_ab(args: list[str]) -> int:
@@ -403,6 +442,7 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "run": lambda args: _hydra_app(run_task, "config", "run", args),
     "sim": lambda args: _hydra_app(sim_task, "sim", "sim", args),
     "calibrate": lambda args: _hydra_app(calibrate_task, "calibrate", "calibrate", args),
+    "train-head": lambda args: _hydra_app(train_head_task, "train_head", "train-head", args),
     "serve": lambda args: _hydra_app(serve_task, "serve", "serve", args),
     "ab": cmd_ab,
     "report": cmd_report,

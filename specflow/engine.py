@@ -106,16 +106,16 @@ class Engine:
     def add_request(self, prompt: str, max_new_tokens: int | None = None,
                     stop: Sequence[str] | None = None, seed: int | None = None,
                     logprobs: int | None = None, request_id: int | None = None,
-                    sampling: dict | None = None) -> int:
+                    sampling: dict | None = None, grammar: dict | None = None) -> int:
         """Queue a prompt; it joins the running batch at the next step with a free slot.
         Returns its id. `seed`: this request's sampling seed as given (default: the config's
-        seed + its id). `sampling`: its own values of the pipeline's sampling processors (see
-        Pipeline.generate)."""
+        seed + its id). `sampling`: its own values of the pipeline's sampling processors;
+        `grammar`: its own grammar (see Pipeline.generate)."""
         rid = self.next_id if request_id is None else request_id
         if rid in self.streams:
             raise InputError(f"request_id={rid} is already in use; leave it out for a new one")
         request = self.pipe._requests([prompt], max_new_tokens, stop, seed, logprobs, [rid],
-                                      [sampling])[0]
+                                      [sampling], [grammar])[0]
         if seed is not None:
             request.seed = seed           # as given: the same seed, the same tokens
         self.enqueue(request)

@@ -37,7 +37,8 @@ from specflow.plugins import blame, check_hooks, get_registry, new_plugin_manage
 from specflow.stages.cache import TargetCacheSync
 from specflow.stages.empty_rows import EmptyDistributionError, EmptyRowLog, ShapeCall, describe, \
     mark_empty
-from specflow.stages.logits import check_request_sampling, is_greedy
+from specflow.stages.logits import is_greedy
+from specflow.stages.request_settings import check_request_sampling
 from specflow.stages.score import TargetScorer
 from specflow.state import PAD, DecodeBatch, Proposal, RoundResult, ShapingBatch, VerifyOutput
 
@@ -124,6 +125,7 @@ class Pipeline:
         for kind in groups.STAGES:
             if cfg.get(kind) is not None:
                 self._register(self._build(kind, ctx), f"{kind}.{cfg[kind].name}")
+        self.grammars = self._grammar_stage(ctx)     # compiles requests' own grammars
         # pluggy calls the last registered first: register in reverse so config order holds
         for key, node in reversed(list((cfg.get("logits") or {}).items())):
             processor = self._build_node("logits", node, ctx)
@@ -152,6 +154,21 @@ class Pipeline:
         """The product forms the target's lean forward timed and chose (they round apart)."""
         lean = getattr(self.target, "lean", None)
         return lean.kernels.describe() if lean is not None else None
+
+    def _grammar_stage(self, ctx: BuildContext):
+        """The grammar stage that takes requests' own grammars: the configured constraint, or an
+        unconfigured one registered for them (None where the tokenizer is not a transformers
+        one: the synthetic model)."""
+        from specflow.constraints.grammar import GrammarConstraint
+
+        for plugin in self.pm.get_plugins():
+            if isinstance(plugin, GrammarConstraint):
+                return plugin
+        if getattr(self.tokenizer, "tok", None) is None:
+            return None
+        stage = GrammarConstraint(None, ctx)
+        self._register(stage, "constraint.request")
+        return stage
 
     def _check_k_fits(self, cfg: DictConfig) -> None:
         limit = self.target.max_length
@@ -243,7 +260,7 @@ class Pipeline:
     # --- generation --------------------------------------------------------------------------
 
     def _requests(self, prompts, max_new_tokens, stop, seed, logprobs,
-                  indices=None, sampling=None) -> list[Request]:
+                  indices=None, sampling=None, grammar=None) -> list[Request]:
         if isinstance(prompts, str):
             prompts = [prompts]
         if isinstance(prompts, (bytes, dict)) or not hasattr(prompts, "__iter__"):
@@ -296,6 +313,7 @@ class Pipeline:
                         for i, s in zip(indices, sampling)]
         except ConfigError as exc:
             raise InputError(str(exc)) from None
+        grammar = self._request_grammars(grammar, indices)
         requests = []
         for i, prompt, own in zip(indices, prompts, sampling):
             if not prompt:
@@ -308,8 +326,26 @@ class Pipeline:
                                  f"{limit}; shorten the prompt")
             room = max_new if limit is None else min(max_new, limit - len(ids))
             requests.append(Request(i, prompt, ids, room, stop, base_seed + i,
-                                    None if logprobs is None else int(logprobs), own))
+                                    None if logprobs is None else int(logprobs), own,
+                                    grammar[len(requests)]))
         return requests
+
+    def _request_grammars(self, grammar, indices: list[int]) -> list[dict | None]:
+        """One grammar (or None) per prompt, each compiled now (cached), so a bad one is an
+        InputError here and never an error inside the round loop."""
+        n = len(indices)
+        if grammar is None or isinstance(grammar, dict):
+            grammar = [grammar] * n
+        elif not isinstance(grammar, (list, tuple)) or len(grammar) != n:
+            raise InputError(f"grammar must be a dict (every prompt) or a list of dicts or None, "
+                             f"one per prompt ({n})")
+        if any(g is not None for g in grammar) and self.grammars is None:
+            raise InputError("grammar= needs a transformers tokenizer (model=demo or model=hf); "
+                             "the synthetic model has none")
+        for i, g in zip(indices, grammar):
+            if g is not None:
+                self.grammars.compile(g, i)
+        return list(grammar)
 
     def generate(self, prompts: Sequence[str] | str, max_new_tokens: int | None = None,
                  stop: Sequence[str] | None = None, seed: int | None = None,
@@ -317,7 +353,8 @@ class Pipeline:
                  logprobs: int | None = None,
                  on_result: Callable[[GenerationResult], None] | None = None,
                  indices: Sequence[int] | None = None,
-                 sampling: dict | Sequence[dict | None] | None = None) -> list[GenerationResult]:
+                 sampling: dict | Sequence[dict | None] | None = None,
+                 grammar: dict | Sequence[dict | None] | None = None) -> list[GenerationResult]:
         """Generate a continuation of every prompt; results come back in prompt order.
 
         logprobs: None (off), 0 (each returned token's logprob under the target's shaped
@@ -326,14 +363,17 @@ class Pipeline:
         sampling: a request's own temperature / top_k / top_p / min_p, for all prompts (a dict)
         or per prompt (a list of dicts or None), in a sampling pipeline whose config has those
         processors (their configured values apply to the rest); temperature 0 makes that row
-        greedy. Speculation stays exact per row: draft and target share the shaping call.
+        greedy; the repetition / frequency / presence penalties likewise, greedy or not.
+        grammar: a request's own grammar, for all prompts or per prompt: {"json_schema": schema},
+        {"regex": pattern} or {"choice": [strings]}; it replaces the configured constraint for
+        that request. Speculation stays exact per row: draft and target share the shaping call.
         indices: each prompt's index in a larger list (default 0..n-1). A request's index is its
         result's `index` and its seed offset (seed + index), so resuming the unfinished part of a
         list reproduces the whole list's output (greedy always; sampling when draft lengths do
         not depend on the other requests).
         """
         requests = self._requests(prompts, max_new_tokens, stop, seed, logprobs, indices,
-                                  sampling)
+                                  sampling, grammar)
         engine = Engine(self, max_batch_size, start_hooks=False)
         bar = _progress(len(requests)) if progress else None
         results: dict[int, GenerationResult] = {}
@@ -373,12 +413,13 @@ class Pipeline:
 
     def stream(self, prompt: str, max_new_tokens: int | None = None,
                stop: Sequence[str] | None = None, seed: int | None = None,
-               sampling: dict | None = None) -> Iterator[str]:
+               sampling: dict | None = None, grammar: dict | None = None) -> Iterator[str]:
         """Yield the text of one prompt's continuation as rounds commit it (held back where a
         stop string may still form); the pieces join to generate()'s text for the same prompt.
         Closing the iterator early aborts the request and frees its slot."""
         with self.engine(1) as engine:
-            engine.add_request(prompt, max_new_tokens, stop, seed, sampling=sampling)
+            engine.add_request(prompt, max_new_tokens, stop, seed, sampling=sampling,
+                               grammar=grammar)
             while engine.has_unfinished():
                 for out in engine.step():
                     if out.text:

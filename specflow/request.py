@@ -16,7 +16,8 @@ class Request:
     stop: list[str] | None       # None: the config's stop strings
     seed: int
     logprobs: int | None = None  # None: off; 0: the chosen tokens' logprobs; n: also the top n
-    sampling: dict | None = None  # its own temperature / top_k / top_p / min_p (configured ones)
+    sampling: dict | None = None  # its own temperature / top_k / top_p / min_p / penalties
+    grammar: dict | None = None   # its own grammar: {"json_schema": ...} | {"regex": ...} | {"choice": [...]}
 
 
 @dataclass

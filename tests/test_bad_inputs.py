@@ -146,6 +146,10 @@ ROWS = [
                                       "logits.min_new_tokens.min_tokens=6", "prompt=def f(x):"],
      "generate:['def f(x):']", "constraint.choice allows only 1 token(s) here and "
      "logits.min_new_tokens forbids all of them", None),
+    ("a draft head on the synthetic model", [*SYN, "proposer=eagle"], "build",
+     "proposer=eagle reads the hidden states of a transformers target", None),
+    ("a folder that is not a draft head", ["proposer=eagle", "proposer.path={tmp}/empty-model"],
+     "build", "has no config.json, so it is not a draft head", None),
     ("a plugin that raises", [*SYN, "proposer=boom"], "plugin",
      "plugin proposer.boom (fake-specflow-boom 1.2.0) raised ZeroDivisionError: table is empty "
      "in hook specflow_propose", None),

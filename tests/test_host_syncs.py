@@ -123,6 +123,7 @@ PROMPTS = ["def add(a, b):\n    return", "import os\nimport sys\n", "class Stack
     (["proposer=none"], 1),                       # no drafts: only the verifier's output
     (["proposer=ngram"], 1),                      # drafts made on the host
     (["proposer=draft"], 2),
+    (["proposer=eagle"], 2),                      # the head reads the target's states on device
     (["proposer=draft", "logits=[temperature,top_p]"], 2),
     (["proposer=ngram", "logits=[repetition_penalty,temperature]"], 1),
     # a grammar walks each draft step's new token on the host: one read per draft step more

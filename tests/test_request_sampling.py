@@ -66,3 +66,31 @@ def test_only_configured_processors_with_valid_values(make_pipeline):
     assert pipe.row_sampling == {}                    # nothing left behind by refusals
     pipe.generate(PROMPTS[:2], sampling={"temperature": 0.7}, max_new_tokens=4)
     assert pipe.row_sampling == {}                    # released when the requests ended
+
+
+@pytest.mark.parametrize("proposer", ["draft", "eagle"])
+def test_a_request_s_own_penalties_in_a_greedy_pipeline(proposer):
+    """The penalties change the argmax, so a greedy pipeline takes them per request too (demo
+    pair: the EAGLE head reads the target's states)."""
+    from specflow import Pipeline
+
+    def make_pipeline(*overrides):
+        return Pipeline.from_config(["model=demo", "draft=demo", *overrides])
+
+    base = make_pipeline(f"proposer={proposer}", "max_new_tokens=32", "max_batch_size=4",
+                         "logits=[repetition_penalty,frequency_penalty]",
+                         "logits.repetition_penalty.penalty=1.0", "logits.frequency_penalty.value=0")
+    own = {"repetition_penalty": 1.5, "frequency_penalty": 0.8}
+    mixed = base.generate(PROMPTS, sampling=[own, None, None, own])
+    tuned = make_pipeline("proposer=none", "max_new_tokens=32",
+                          "logits=[repetition_penalty,frequency_penalty]",
+                          "logits.repetition_penalty.penalty=1.5",
+                          "logits.frequency_penalty.value=0.8").generate(PROMPTS)
+    plain = make_pipeline("proposer=none", "max_new_tokens=32").generate(PROMPTS)
+    assert [mixed[i].token_ids for i in (0, 3)] == [tuned[i].token_ids for i in (0, 3)]
+    assert [mixed[i].token_ids for i in (1, 2)] == [plain[i].token_ids for i in (1, 2)]
+    assert mixed[0].token_ids != plain[0].token_ids or mixed[3].token_ids != plain[3].token_ids
+    with pytest.raises(InputError, match="presence_penalty=3.0 needs the presence_penalty"):
+        base.generate("a", sampling={"presence_penalty": 3.0})
+    with pytest.raises(InputError, match=r"frequency_penalty.value=3.0 must be in \[-2, 2\]"):
+        base.generate("a", sampling={"frequency_penalty": 3.0})

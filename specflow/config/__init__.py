@@ -25,7 +25,7 @@ GROUPS = groups.KINDS + groups.OVERLAYS
 # keys whose values are free text (JSON, regexes, code): quoted for Hydra when given bare, and
 # `${` kept literal (never an interpolation: a prompt may hold shell or JS templates)
 FREE_TEXT_KEYS = ("prompt", "constraint.schema", "constraint.pattern", "constraint.model",
-                  "workload.path", "model.path", "draft.path", "calibrate.output")
+                  "workload.path", "model.path", "draft.path", "proposer.path", "calibrate.output")
 # maps whose keys are the user's (token ids, kwargs, fields): `key={...}` may add keys, which
 # Hydra's struct mode refuses for a plain override, so it is given as `++key={...}` (a merge)
 FREE_DICT_KEYS = ("logits.logit_bias.bias", "logits.hf.kwargs", "workload.where",

@@ -8,15 +8,20 @@ state: the target's mask gives it probability 0, so the verifier rejects it and 
 after it are never used (pitfall 1 in docs/design.md). The draft model is masked by this same stage, so it never
 proposes what the target cannot accept (pitfall 4 in docs/design.md). EOS is allowed only where the grammar can end;
 an EOS accepted mid-window ends the request through the stop trimmer.
+
+A request may bring its own grammar (`generate(grammar=...)`, the server's `response_format`):
+it replaces the configured one for that request. Without `constraint=...` the pipeline still
+registers this stage, unconfigured, for such requests; rows without a grammar are not masked.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import torch
 
 from specflow.constraints.index import (choice_regex, compile_index, load_schema, schema_regex)
-from specflow.errors import ConfigError
+from specflow.errors import ConfigError, InputError
 from specflow.plugins import hookimpl
 from specflow.state import PAD
 
@@ -61,78 +66,161 @@ def constraint_regex(cfg) -> tuple[str, str]:
     return choice_regex(list(cfg.choices)), "constraint.choices"
 
 
+def request_regex(spec, index: int) -> tuple[str, str]:
+    """A request's grammar -> (regex, what to name in errors). `spec`: {"json_schema": a schema
+    (dict or JSON text)}, {"regex": pattern} or {"choice": [strings]}. A schema is never read
+    from a path here: request fields do not reach the file system."""
+    kinds = ("json_schema", "regex", "choice")
+    if not isinstance(spec, dict) or len(spec) != 1 or next(iter(spec)) not in kinds:
+        raise InputError(f"prompt {index}: grammar={spec!r} must be one of {{'json_schema': "
+                         f"schema}}, {{'regex': pattern}}, {{'choice': [strings]}}")
+    kind, value = next(iter(spec.items()))
+    what = f"prompt {index}: grammar {kind}"
+    try:
+        if kind == "json_schema":
+            text = value if isinstance(value, str) else json.dumps(value)
+            if not isinstance(value, (str, dict)) or not text.lstrip().startswith("{"):
+                raise InputError(f"{what} must be a JSON Schema object")
+            return schema_regex(load_schema(text, None), None), what
+        if kind == "regex":
+            if not isinstance(value, str) or not value:
+                raise InputError(f"{what} must be a non-empty regular expression")
+            return value, what
+        if not isinstance(value, list) or not value or \
+                not all(isinstance(c, str) and c for c in value):
+            raise InputError(f"{what} must be a non-empty list of non-empty strings")
+        return choice_regex(value), what
+    except ConfigError as exc:
+        raise InputError(f"{what}: {str(exc).replace('constraint.schema ', '')}") from None
+
+
 class GrammarConstraint:
     def __init__(self, cfg, ctx):
         tok = getattr(ctx.tokenizer, "tok", None)
         if tok is None:
             raise ConfigError("grammar constraints need a transformers tokenizer (model=hf or "
                               "model=demo), not the synthetic model's")
+        self.tok = tok
         self.eos_id = ctx.target.eos_token_id
-        regex, what = constraint_regex(cfg)
-        self.index = compile_index(regex, tok, self.eos_id, what)
+        self.index = None                          # the configured grammar (None: requests' only)
+        if cfg is not None:
+            regex, what = constraint_regex(cfg)
+            self.index = compile_index(regex, tok, self.eos_id, what)
         self.V = ctx.target.vocab_size
+        self.indexes: dict[int, object] = {}      # request id -> its grammar, while it runs
         self.state: dict[int, int] = {}           # committed DFA state per request
         self.seen: dict[int, int] = {}            # committed tokens already walked
-        self._masks: dict[int, torch.Tensor] = {}  # DFA state -> allowed [V] (bool)
+        self._masks: dict[tuple[int, int], torch.Tensor] = {}  # (grammar, state) -> allowed [V]
+        self._compiled: dict[str, object] = {}     # requests' grammars by spec, 64 most recent
+
+    def compile(self, spec, index: int):
+        """A request's grammar, compiled (cached per spec); InputError names what is wrong."""
+        try:
+            key = json.dumps(spec, sort_keys=True)
+        except (TypeError, ValueError):
+            key = None
+        if key is not None and key in self._compiled:
+            self._compiled[key] = self._compiled.pop(key)         # most recently used last
+            return self._compiled[key]
+        regex, what = request_regex(spec, index)
+        try:
+            compiled = compile_index(regex, self.tok, self.eos_id, what)
+        except ConfigError as exc:
+            raise InputError(str(exc)) from None
+        if key is not None:
+            self._compiled[key] = compiled
+            while len(self._compiled) > 64:
+                self._release(self._compiled.pop(next(iter(self._compiled))))
+        return compiled
+
+    def _release(self, index) -> None:
+        """Drop the cached masks of a grammar nothing holds any more (masks are keyed by the
+        object's id, which a new grammar could reuse once this one is freed)."""
+        if index is self.index or any(i is index for i in self.indexes.values()) \
+                or any(i is index for i in self._compiled.values()):
+            return
+        for key in [k for k in self._masks if k[0] == id(index)]:
+            del self._masks[key]
 
     # --- DFA helpers ---------------------------------------------------------------------------
 
-    def step(self, state: int, token: int) -> int:
+    def step(self, state: int, token: int, index=None) -> int:
+        index = self.index if index is None else index
         if state == DEAD:
             return DEAD
         if token == self.eos_id:
-            return state if self.index.is_final_state(state) else DEAD
-        nxt = self.index.get_next_state(state, token)
+            return state if index.is_final_state(state) else DEAD
+        nxt = index.get_next_state(state, token)
         return DEAD if nxt is None else nxt
 
-    def allowed(self, state: int) -> torch.Tensor:
-        mask = self._masks.get(state)
+    def allowed(self, state: int, index=None) -> torch.Tensor:
+        index = self.index if index is None else index
+        key = (id(index), state)
+        mask = self._masks.get(key)
         if mask is None:
             mask = torch.zeros(self.V, dtype=torch.bool)
             if state == DEAD:
                 mask[:] = True            # never reached: a rejected draft sits before it
             else:
-                mask[self.index.get_allowed_tokens(state)] = True
+                mask[index.get_allowed_tokens(state)] = True
                 if self.eos_id is not None:        # EOS exactly where the grammar may end
-                    mask[self.eos_id] = bool(self.index.is_final_state(state))
-            self._masks[state] = mask
+                    mask[self.eos_id] = bool(index.is_final_state(state))
+            self._masks[key] = mask
         return mask
 
     # --- hooks ----------------------------------------------------------------------------------
 
     @hookimpl
     def specflow_request_start(self, slot, request):
-        self.state[request.request_id] = self.index.get_initial_state()
+        grammar = getattr(request, "grammar", None)
+        index = self.compile(grammar, request.request_id) if grammar else self.index
+        if index is None:
+            return
+        self.indexes[request.request_id] = index
+        self.state[request.request_id] = index.get_initial_state()
         self.seen[request.request_id] = len(request.prompt_ids)
 
     @hookimpl
     def specflow_request_end(self, slot, request, finish_reason):
+        index = self.indexes.pop(request.request_id, None)
         self.state.pop(request.request_id, None)
         self.seen.pop(request.request_id, None)
+        if index is not None:
+            self._release(index)
 
     @hookimpl
     def specflow_sync_cache(self, batch, result):
         for rid, ids in zip(batch.request_ids, batch.token_ids):
+            index = self.indexes.get(rid)
+            if index is None:
+                continue
             state = self.state[rid]
             for t in ids[self.seen[rid]:]:
-                state = self.step(state, t)
+                state = self.step(state, t, index)
             self.state[rid], self.seen[rid] = state, len(ids)
 
     @hookimpl
     def specflow_mask_logits(self, shaping):
+        if not self.indexes or not any(r in self.indexes for r in shaping.request_ids):
+            return                     # no row here has a grammar
         B, P, V = shaping.logits.shape
         drafts = shaping.draft_id_lists()
+        everything = torch.ones(self.V, dtype=torch.bool)
         masks = []
         for b, rid in enumerate(shaping.request_ids):
+            index = self.indexes.get(rid)
+            if index is None:
+                masks += [everything] * P
+                continue
             state = self.state[rid]
             row = drafts[b]
             for j in range(shaping.first_draft_index):          # drafts before position 0
-                state = self.step(state, row[j]) if row[j] != PAD else state
+                state = self.step(state, row[j], index) if row[j] != PAD else state
             for p in range(P):
-                masks.append(self.allowed(state))
+                masks.append(self.allowed(state, index))
                 j = shaping.first_draft_index + p
                 if p + 1 < P and j < len(row) and row[j] != PAD:
-                    state = self.step(state, row[j])
+                    state = self.step(state, row[j], index)
         allowed = torch.stack(masks).view(B, P, -1).to(shaping.logits.device)          # [B, P, V']
         logits = shaping.logits
         if allowed.shape[-1] < V:        # rows past the tokenizer's vocabulary: never allowed

@@ -278,6 +278,12 @@ class HFBackend(Backend):
         # Mistral attends to the last `sliding_window` keys only; the explicit mask says so
         self.window = getattr(config, "sliding_window", None) if config.model_type == "mistral" else None
         self.lean = self._lean_forward(cfg.forward, role, cfg.device_map)
+        self.num_layers = num_layers
+        self.hidden_size = config.hidden_size
+        # draft heads read hidden states of the target's own pass (no extra forward): the
+        # inputs of these layers, handed to hidden_sink(slots, starts, lens, hidden [B, T, nE])
+        self.capture_layers: tuple[int, ...] = ()
+        self.hidden_sink = None
 
     def _lean_forward(self, choice: str, role: str, device_map: str | None):
         from specflow.models.lean_llama import LeanLlama, unsupported_reason
@@ -308,6 +314,7 @@ class HFBackend(Backend):
         B, T = input_ids.shape
         slot_list = slots.tolist()
         lens = input_lens.tolist()
+        starts = [self.cache.lengths[s] for s in slot_list]       # where each row's input goes
         positions, kv_len = self.cache.begin(slot_list, lens, T, self.device)    # [B, T]
         windowed = self.window is not None and kv_len > self.window
         mask = None          # one query attends to the whole cached row: no mask to build
@@ -320,16 +327,24 @@ class HFBackend(Backend):
                 B, 1, T, kv_len, dtype=self.model.dtype, device=self.device).masked_fill(
                 ~allowed[:, None], torch.finfo(self.model.dtype).min)
         ids = input_ids.clamp(min=0).to(self.device)
+        capture = self.capture_layers if self.hidden_sink is not None else ()
         if self.lean is not None:
-            out = self.lean(ids, positions, mask, self.cache, logits_to_keep=0 if logits else 1)
+            captured: list[torch.Tensor] = []
+            out = self.lean(ids, positions, mask, self.cache, logits_to_keep=0 if logits else 1,
+                            capture=capture, captured=captured)
             self.cache.commit(slot_list, lens)
+            if capture:
+                self.hidden_sink(slot_list, starts, lens, torch.cat(captured, -1))  # [B, T, nE]
             return out.float() if logits else None
         extra = {self._cache_kw: self.cache}
         if not logits and self._keeps_logits:
             extra["logits_to_keep"] = 1      # prefill: skip the LM head over the whole prompt
         out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
-                         use_cache=True, **extra)
+                         use_cache=True, output_hidden_states=bool(capture), **extra)
         self.cache.commit(slot_list, lens)
+        if capture:     # hidden_states[i] is the input of layer i (i < num_layers)
+            self.hidden_sink(slot_list, starts, lens,
+                             torch.cat([out.hidden_states[i] for i in capture], -1))
         return out.logits.float() if logits else None                                # [B, T, V]
 
     def prefill(self, slot: int, ids: list[int]) -> None:

@@ -250,7 +250,11 @@ class LeanLlama:
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
-                 cache, logits_to_keep: int = 0) -> torch.Tensor:
+                 cache, logits_to_keep: int = 0, capture: tuple[int, ...] = (),
+                 captured: list | None = None) -> torch.Tensor:
+        """Logits [B, T or logits_to_keep, V]. `capture`: layer indices whose *input* (the
+        residual stream entering layer i, as transformers' hidden_states[i]) is appended to
+        `captured` [B, T, E] each, for draft heads that read the target's hidden states."""
         B, T = input_ids.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         mm = self.mm
@@ -259,6 +263,8 @@ class LeanLlama:
         cos, sin = self._rope(positions, x.dtype, cache.get_seq_length() + 1)         # [B, 1, T, D]
         gqa = {"enable_gqa": True} if self.gqa_in_sdpa else {}
         for i, (ln1, wqkv, bqkv, wo, bo, ln2, wgu, wdown) in enumerate(self.layers):
+            if i in capture:
+                captured.append(x)                                                    # [B, T, E]
             qkv = mm(self._rms(x, ln1), wqkv)                                         # [B, T, (H+2Hkv)D]
             if bqkv is not None:
                 qkv = qkv + bqkv

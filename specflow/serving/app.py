@@ -93,6 +93,24 @@ def create_app(pipe, server_cfg):
     async def chat_completions(request: fastapi.Request):
         return await handle(request, chat=True)
 
+    def check_request(parsed) -> None:
+        """A request's own sampling values and grammar (compiled now, cached for its run)."""
+        from specflow.errors import SpecflowError
+        from specflow.stages.request_settings import check_request_sampling
+
+        field = "response_format"
+        try:
+            for field, value in (parsed.sampling or {}).items():
+                check_request_sampling({field: value}, set(pipe.sampling_settings), 0)
+            if parsed.grammar is not None:
+                field = "response_format"
+                if pipe.grammars is None:
+                    raise protocol.BadRequest("response_format needs a model with a "
+                                              "transformers tokenizer", field)
+                pipe.grammars.compile(parsed.grammar, 0)
+        except SpecflowError as exc:
+            raise protocol.BadRequest(str(exc).removeprefix("prompt 0: "), field) from None
+
     async def handle(request, chat: bool):
         try:
             body = json.loads(await request.body() or b"null")
@@ -110,6 +128,10 @@ def create_app(pipe, server_cfg):
         except protocol.BadRequest as exc:
             return error(exc)
         loop = asyncio.get_running_loop()
+        try:     # checked here, so a bad value is a 400 naming its field, not a failed generation
+            await loop.run_in_executor(None, check_request, parsed)
+        except protocol.BadRequest as exc:
+            return error(exc)
         handles = []
         try:
             for p in parsed.prompts:
@@ -117,7 +139,8 @@ def create_app(pipe, server_cfg):
                     handles.append(worker.submit(
                         loop, prompt=p, max_new_tokens=parsed.max_tokens, stop=parsed.stop,
                         seed=None if parsed.seed is None else parsed.seed + j,
-                        logprobs=parsed.logprobs, sampling=parsed.sampling))
+                        logprobs=parsed.logprobs, sampling=parsed.sampling,
+                        grammar=parsed.grammar))
         except (QueueFull, Draining) as exc:
             for h in handles:
                 worker.cancel(h)

@@ -7,9 +7,10 @@ sends reaches the config (so never a key that imports code).
 
 What a request may set: prompt / messages, max_tokens, stop, seed, n, stream (+
 stream_options.include_usage), logprobs (completions: 0-5; chat: logprobs + top_logprobs).
-temperature / top_p / top_k / min_p: a request may set the ones the server runs processors for
-(`logits=[temperature,top_p,top_k,min_p]` at start; the configured values are the defaults);
-others only at their neutral value. response_format: per-request grammars are not supported yet
+temperature / top_p / top_k / min_p and the repetition / frequency / presence penalties: a
+request may set the ones the server runs processors for (`logits=[temperature,top_p,
+frequency_penalty,...]` at start; the configured values are the defaults); others only at their
+neutral value. response_format: per-request grammars are not supported yet
 (the server's `constraint=...` applies to every response).
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 MAX_N = 16
+PENALTIES = ("repetition_penalty", "frequency_penalty", "presence_penalty")   # greedy servers too
 MAX_LOGPROBS = 5
 FINISH = {"stop": "stop", "eos": "stop", "length": "length"}
 
@@ -55,6 +57,7 @@ class Parsed:
     include_usage: bool
     chat: bool
     sampling: dict | None = None  # the request's own values of the server's sampling processors
+    grammar: dict | None = None   # response_format as a grammar: {"json_schema": schema}
 
 
 def _int(body: dict, name: str, lo: int, hi: int | None, default=None) -> int | None:
@@ -83,14 +86,16 @@ def _stop(body: dict) -> list[str] | None:
 
 
 def request_sampling(body: dict, configured: dict) -> dict | None:
-    """temperature / top_p / top_k / min_p of a request -> its own sampling settings.
+    """temperature / top_p / top_k / min_p / the penalties of a request -> its own settings.
 
     A setting the server runs a processor for (`logits=[temperature,top_p,...]` at start) may be
     set per request; one it does not run may only be left out or given its neutral value
     (temperature 0 when the server decodes greedily, 1 when it samples without one; top_p 1;
-    top_k 0 or -1; min_p 0). A greedy server runs none."""
+    top_k 0 or -1; min_p 0; repetition_penalty 1; frequency and presence penalties 0). A greedy
+    server takes only the penalties it runs (they change the argmax)."""
     greedy = bool(configured.get("greedy"))
-    neutral = {"temperature": 0 if greedy else 1.0, "top_p": 1.0, "top_k": (0, -1), "min_p": 0.0}
+    neutral = {"temperature": 0 if greedy else 1.0, "top_p": 1.0, "top_k": (0, -1), "min_p": 0.0,
+               "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
     own = {}
     for name, default in neutral.items():
         value = body.get(name)
@@ -98,7 +103,7 @@ def request_sampling(body: dict, configured: dict) -> dict | None:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise BadRequest(f"{name}={value!r} must be a number", name)
-        if name in configured and not greedy:
+        if name in configured and (not greedy or name in PENALTIES):
             own[name] = value
             continue
         if value in default if isinstance(default, tuple) else value == default:
@@ -152,14 +157,31 @@ def parse(body: Any, chat: bool, limits: Limits, configured: dict, chat_prompt) 
         raise BadRequest("stream must be true or false", "stream")
     options = body.get("stream_options") or {}
     include_usage = bool(isinstance(options, dict) and options.get("include_usage"))
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise BadRequest("response_format: per-request grammars are not supported yet; start "
-                         "the server with constraint=json_schema constraint.schema=... to "
-                         "constrain every response", "response_format")
+    grammar = response_grammar(body.get("response_format"))
     sampling = request_sampling(body, configured)
     return Parsed(prompts, n, max_tokens, _stop(body), seed, logprobs, stream, include_usage,
-                  chat, sampling)
+                  chat, sampling, grammar)
+
+
+def response_grammar(fmt: Any) -> dict | None:
+    """response_format -> the request's grammar (None: free text)."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_schema": {"type": "object"}}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise BadRequest("response_format.json_schema.schema must be a JSON Schema object",
+                             "response_format")
+        return {"json_schema": schema}
+    raise BadRequest("response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                     "{\"type\": \"json_schema\", \"json_schema\": {\"schema\": {...}}}",
+                     "response_format")
 
 
 def check_prompt_length(tokens: int, limits: Limits, field: str) -> None:
@@ -263,6 +285,10 @@ def configured_sampling(cfg) -> dict:
             out["top_k"] = int(node.get("k"))
         elif name == "min_p":
             out["min_p"] = float(node.get("p"))
+        elif name == "repetition_penalty":
+            out[name] = float(node.get("penalty"))
+        elif name in ("frequency_penalty", "presence_penalty"):
+            out[name] = float(node.get("value"))
     out["greedy"] = not any(k in out for k in ("top_p", "top_k", "min_p")) and \
         out.get("temperature", 0) == 0
     return out

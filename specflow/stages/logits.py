@@ -164,31 +164,6 @@ class MinP(LogitProcessor):
         return apply_min_p(logits, float(value))
 
 
-def check_request_sampling(sampling: dict, configured: set[str], index: int) -> dict:
-    """A request's sampling settings: only processors the pipeline runs, with valid values
-    (the configs' own checks). -> the settings as floats / ints."""
-    configs = {"temperature": (TemperatureConfig, "value", float), "top_k": (TopKConfig, "k", int),
-               "top_p": (TopPConfig, "p", float), "min_p": (MinPConfig, "p", float)}
-    out = {}
-    for key, value in sampling.items():
-        if key not in configs:
-            raise ConfigError(f"prompt {index}: sampling setting {key!r} is not one of "
-                              f"{', '.join(configs)}")
-        if key not in configured:
-            raise ConfigError(f"prompt {index}: sampling {key}={value} needs the {key} processor "
-                              f"in the pipeline (a sampling pipeline with logits=[...,{key}]); "
-                              f"requests may only change the values of configured processors")
-        cls, name, kind = configs[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"prompt {index}: sampling {key}={value!r} must be a number")
-        try:
-            cls(**{name: kind(value)})
-        except ConfigError as exc:
-            raise ConfigError(f"prompt {index}: {exc}") from None
-        out[key] = kind(value)
-    return out
-
-
 def is_greedy(logits_cfg) -> bool:
     """Greedy unless a sampling processor is selected (temperature 0 keeps it greedy)."""
     if not logits_cfg:

@@ -153,9 +153,13 @@ class PrefixProcessor:
 
 
 class CountingProcessor(PrefixProcessor):
-    """A processor that reads how often each token occurs in the prefix."""
+    """A processor that reads how often each token occurs in the prefix. A request may set its
+    own value (`sampling={"frequency_penalty": ...}`, the server's request fields) where the
+    pipeline runs the processor; the other rows keep the config's."""
 
     include_prompt = False
+    key = ""           # the request setting (repetition_penalty, frequency_penalty, ...)
+    field = ""         # its name in the config
 
     def __init__(self, cfg, ctx):
         super().__init__(cfg, ctx)
@@ -173,28 +177,43 @@ class CountingProcessor(PrefixProcessor):
     def specflow_request_end(self, slot, request, finish_reason):
         self.tokens.end(request)
 
+    def value(self, shaping) -> float | torch.Tensor:
+        """The config's value, or [B, 1, 1] per row where requests set their own."""
+        own = getattr(self.cfg, self.field)
+        rows = shaping.sampling
+        if rows is None or all(r is None or self.key not in r for r in rows):
+            return own
+        values = [own if r is None or self.key not in r else r[self.key] for r in rows]
+        return torch.tensor(values, dtype=shaping.logits.dtype,
+                            device=shaping.logits.device)[:, None, None]             # [B, 1, 1]
+
 
 class RepetitionPenalty(CountingProcessor):
     include_prompt = True
+    key, field = "repetition_penalty", "penalty"
 
     @hookimpl
     def specflow_process_logits(self, shaping):
         seen = self.tokens.at_positions(shaping) > 0                                   # [B, P, V]
-        x, pen = shaping.logits, self.cfg.penalty
+        x, pen = shaping.logits, self.value(shaping)
         shaping.logits = torch.where(seen, torch.where(x > 0, x / pen, x * pen), x)
 
 
 class FrequencyPenalty(CountingProcessor):
+    key, field = "frequency_penalty", "value"
+
     @hookimpl
     def specflow_process_logits(self, shaping):
-        shaping.logits = shaping.logits - self.cfg.value * self.tokens.at_positions(shaping)
+        shaping.logits = shaping.logits - self.value(shaping) * self.tokens.at_positions(shaping)
 
 
 class PresencePenalty(CountingProcessor):
+    key, field = "presence_penalty", "value"
+
     @hookimpl
     def specflow_process_logits(self, shaping):
         seen = (self.tokens.at_positions(shaping) > 0).float()
-        shaping.logits = shaping.logits - self.cfg.value * seen
+        shaping.logits = shaping.logits - self.value(shaping) * seen
 
 
 class MinNewTokens(PrefixProcessor):

@@ -38,7 +38,7 @@ def plain_json():
     return [r.token_ids for r in pipe("proposer=none", *JSON).generate(PROMPTS, max_new_tokens=120)]
 
 
-@pytest.mark.parametrize("proposer", ["draft", "ngram"])
+@pytest.mark.parametrize("proposer", ["draft", "ngram", "eagle"])
 @pytest.mark.parametrize("sampling", [False, True])
 def test_fifty_generations_parse_and_validate(proposer, sampling, plain_json):
     extra = ["logits=[temperature]", "logits.temperature.value=0.8"] if sampling else []
@@ -57,7 +57,7 @@ def test_fifty_generations_parse_and_validate(proposer, sampling, plain_json):
     ["constraint=regex", "constraint.pattern='(def|class) [a-z_]{1,12}\\(\\):'"],
     ["constraint=choice", "constraint.choices=[yes,no,maybe,'not sure']"],
 ])
-@pytest.mark.parametrize("proposer", ["draft", "ngram"])
+@pytest.mark.parametrize("proposer", ["draft", "ngram", "eagle"])
 def test_regex_and_choice_are_exact_under_speculation(constraint, proposer):
     prompts = CODE[:6]
     expected = pipe("proposer=none", *constraint).generate(prompts, max_new_tokens=40)
@@ -189,3 +189,40 @@ def test_index_cache_is_keyed_by_the_vocabulary_not_the_object_id():
 def test_constraint_model_must_be_a_pydantic_model(path):
     with pytest.raises(ConfigError, match="is not a pydantic model class"):
         Pipeline.from_config(["proposer=ngram", "constraint=json_schema", f"constraint.model={path}"])
+
+
+@pytest.mark.parametrize("proposer", ["draft", "ngram"])
+def test_a_request_s_own_grammar_beside_free_rows(proposer, plain_json):
+    """grammar= per prompt: those rows equal a pipeline configured with that constraint, the
+    others stay free text, in one batch, speculation exact."""
+    free = pipe("proposer=none").generate(PROMPTS[:6], max_new_tokens=120)
+    p = pipe(f"proposer={proposer}")
+    schema = {"json_schema": SCHEMA}
+    got = p.generate(PROMPTS[:6], max_new_tokens=120,
+                     grammar=[schema, None, schema, None, None, schema])
+    for i, r in enumerate(got):
+        if i in (0, 2, 5):
+            assert r.token_ids == plain_json[i]
+            jsonschema.validate(json.loads(r.text), SCHEMA)
+        else:
+            assert r.token_ids == free[i].token_ids
+    grammar = p.grammars
+    assert grammar.indexes == {} and grammar.state == {}       # released with their requests
+    text = "".join(p.stream(PROMPTS[0], max_new_tokens=120, grammar=schema))
+    assert text == got[0].text
+
+
+def test_bad_request_grammars_are_one_clear_error():
+    from specflow import InputError
+
+    p = pipe("proposer=none")
+    with pytest.raises(InputError, match=r"prompt 0: grammar=.* must be one of"):
+        p.generate("x", grammar={"xml": "<a/>"})
+    with pytest.raises(InputError, match="prompt 1: grammar json_schema: is not a valid JSON "
+                                         "Schema"):
+        p.generate(["x", "y"], grammar=[None, {"json_schema": {"type": "objekt"}}])
+    with pytest.raises(InputError, match="must be a JSON Schema object"):
+        p.generate("x", grammar={"json_schema": "/etc/passwd"})     # never read as a path
+    with pytest.raises(InputError, match="grammar= needs a transformers tokenizer"):
+        Pipeline.from_config(["model=synthetic", "draft=synthetic"]).generate(
+            "x", grammar={"regex": "a+"})

@@ -35,13 +35,25 @@ def test_completion_and_chat_bodies_become_engine_arguments():
     ({"prompt": "x", "seed": -1}, "seed"),
     ({"prompt": "x", "stream": "yes"}, "stream"),
     ({"prompt": "x", "top_p": 0.5}, "top_p"),
-    ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"prompt": "x", "response_format": {"type": "xml"}}, "response_format"),
+    ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {}}},
+     "response_format"),
     ({"prompt": ["a", ""]}, "prompt"),
 ])
 def test_refusals_name_the_field(body, field):
     with pytest.raises(protocol.BadRequest) as info:
         parse(body)
     assert info.value.param == field and info.value.body()["error"]["param"] == field
+
+
+def test_response_format_becomes_the_request_s_grammar():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    body = {"prompt": "x", "response_format": {"type": "json_schema",
+                                               "json_schema": {"name": "t", "schema": schema}}}
+    assert parse(body).grammar == {"json_schema": schema}
+    assert parse({"prompt": "x", "response_format": {"type": "json_object"}}).grammar == \
+        {"json_schema": {"type": "object"}}
+    assert parse({"prompt": "x", "response_format": {"type": "text"}}).grammar is None
 
 
 def test_chat_needs_text_messages():

@@ -35,11 +35,11 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, *overrides: str, tmp_path):
+    def __init__(self, *overrides: str, tmp_path, config=CONFIG):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
-            [SPECFLOW, "serve", *CONFIG, *LIMITS, f"server.port={self.port}", *overrides,
+            [SPECFLOW, "serve", *config, *LIMITS, f"server.port={self.port}", *overrides,
              f"hydra.run.dir={tmp_path}/serve-{self.port}", "--quiet"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -204,6 +204,41 @@ def test_a_sampling_server_takes_each_request_s_temperature(tmp_path):
         r = s.client.completions.create(model="specflow", prompt="def fib(n):", max_tokens=16,
                                         seed=11, temperature=0.6, extra_body={"top_k": 5})
         assert r.choices[0].text == want
+    finally:
+        assert s.stop() == 0
+
+
+def test_response_format_and_penalties_per_request_on_the_demo_pair(tmp_path):
+    """json_schema responses validate, a bad schema is a 400 naming response_format, and a
+    request's own penalties give the tokens of a pipeline configured with them (EAGLE head)."""
+    import jsonschema
+
+    demo = ["model=demo", "draft=demo", "proposer=eagle", "max_batch_size=4",
+            "logits=[frequency_penalty]", "logits.frequency_penalty.value=0"]
+    s = Server(tmp_path=tmp_path, config=demo)
+    try:
+        schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                                   "ok": {"type": "boolean"}},
+                  "required": ["name", "ok"]}
+        r = s.client.chat.completions.create(
+            model="specflow", messages=[{"role": "user", "content": "# record\n"}],
+            max_tokens=60, response_format={"type": "json_schema",
+                                            "json_schema": {"name": "rec", "schema": schema}})
+        jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+        bad = httpx.post(s.url + "/v1/completions", timeout=30, json={
+            "prompt": "x", "response_format": {"type": "json_schema",
+                                               "json_schema": {"schema": {"type": "objekt"}}}})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format"
+        far = httpx.post(s.url + "/v1/completions", timeout=30,
+                         json={"prompt": "x", "frequency_penalty": 5})
+        assert far.status_code == 400 and far.json()["error"]["param"] == "frequency_penalty"
+        want = Pipeline.from_config(["model=demo", "draft=demo", "proposer=none",
+                                     "logits=[frequency_penalty]",
+                                     "logits.frequency_penalty.value=1.5"]).generate(
+            ["def fib(n):"], max_new_tokens=24)[0].text
+        got = s.client.completions.create(model="specflow", prompt="def fib(n):", max_tokens=24,
+                                          frequency_penalty=1.5)
+        assert got.choices[0].text == want
     finally:
         assert s.stop() == 0
 

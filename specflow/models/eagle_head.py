@@ -1,0 +1,408 @@
+"""An EAGLE-3 draft head: one decoder layer that reads the target's own hidden states.
+
+The head drafts from the target's features instead of running a second model from scratch
+(Li et al., EAGLE-3, 2025; the format below is the one SafeAILab's EAGLE repository trains and
+vLLM's `llama_eagle3.py` and SGLang's load):
+
+    h    = fc(cat(h_a, h_b, h_c))          # three target layers' inputs, [.., 3E] -> [.., E]
+    x    = cat(input_layernorm(embed(tok)), hidden_norm(h))           # [.., 2E], embeds first
+    h    = h + o_proj(attention(x))        # its own KV cache, RoPE at the pair's position
+    h    = h + mlp(post_attention_layernorm(h))
+    q    = lm_head(norm(h))                # over a reduced draft vocabulary
+    target id = draft id + d2t[draft id]
+
+Pair t is (the target's hidden state at position t, the token at t + 1) at RoPE position t, and
+predicts the token at t + 2. A later draft step feeds back the head's own pre-norm `h` in place of
+fc(...) (its width is already E, so fc is skipped), with the token it just drafted.
+
+Checkpoints: `config.json` (a Llama config with num_hidden_layers 1, `draft_vocab_size`,
+`target_hidden_size`, `eagle_config.eagle_aux_hidden_state_layer_ids`) and safetensors with
+`fc.weight`, `midlayer.*` (or vLLM's `layers.0.*`), `norm.weight`, `lm_head.weight`, `d2t`, `t2d`.
+The token embedding is the target's (published heads leave it out).
+"""
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specflow.errors import ConfigError
+
+ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "LlamaForCausalLM")
+
+
+@dataclass
+class HeadShape:
+    """What a head's config.json says, in the fields this module uses."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    draft_vocab_size: int
+    target_hidden_size: int
+    layer_ids: list[int] = field(default_factory=list)
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+
+    @property
+    def dim(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    def to_config(self) -> dict:
+        """config.json as published EAGLE-3 heads have it (vLLM and SGLang read these names)."""
+        return {
+            "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": 1, "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.dim,
+            "hidden_act": "silu", "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta, "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size, "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.target_hidden_size, "tie_word_embeddings": False,
+            "torch_dtype": "float16",
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.layer_ids),
+                             "use_aux_hidden_state": True},
+        }
+
+
+def default_layer_ids(num_layers: int) -> list[int]:
+    """The target layers (inputs of) a head reads when its config names none: EAGLE-3's low,
+    middle and high layers (2, L/2, L-3), which vLLM and SafeAILab use; de-duplicated for
+    shallow targets."""
+    ids = sorted({min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 1)})
+    while len(ids) < 3:     # a 1-3 layer target: repeat the top one (the format wants three)
+        ids.append(ids[-1])
+    return ids
+
+
+class _Attention(nn.Module):
+    def __init__(self, s: HeadShape):
+        super().__init__()
+        E, D = s.hidden_size, s.dim
+        self.q_proj = nn.Linear(2 * E, s.num_attention_heads * D, bias=False)
+        self.k_proj = nn.Linear(2 * E, s.num_key_value_heads * D, bias=False)
+        self.v_proj = nn.Linear(2 * E, s.num_key_value_heads * D, bias=False)
+        self.o_proj = nn.Linear(s.num_attention_heads * D, E, bias=False)
+
+
+class _MLP(nn.Module):
+    def __init__(self, s: HeadShape):
+        super().__init__()
+        self.gate_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=False)
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, n: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:      # four plain ops: F.rms_norm costs ~40 us a call on a
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        x32 = x.float()                   # CPU for a one-row step, ~4x these
+
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class _Midlayer(nn.Module):
+    def __init__(self, s: HeadShape):
+        super().__init__()
+        self.input_layernorm = _RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.hidden_norm = _RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.post_attention_layernorm = _RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.self_attn = _Attention(s)
+        self.mlp = _MLP(s)
+
+
+class Eagle3Head(nn.Module):
+    """The head's weights and its computation; `embed` is the target's token embedding (shared,
+    not a parameter of the head)."""
+
+    def __init__(self, shape: HeadShape, embed: torch.Tensor):
+        super().__init__()
+        self.shape = shape
+        self.fc = nn.Linear(len(shape.layer_ids) * shape.target_hidden_size, shape.hidden_size,
+                            bias=False)
+        self.midlayer = _Midlayer(shape)
+        self.norm = _RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.lm_head = nn.Linear(shape.hidden_size, shape.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(shape.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(shape.vocab_size, dtype=torch.bool))
+        self.embed = embed.detach()                     # [V, E], the target's, never trained
+        self._cos = self._sin = None
+        self._mm = None                                 # set by prepare(): inference products
+
+    def prepare(self) -> None:
+        """For drafting: q/k/v and gate/up fused *in place* (the modules' weights become views,
+        nothing is held twice) and products in the form measured fastest for a few rows on this
+        machine (`kernels.pick`, as the lean forward does). Training leaves the head unprepared
+        (nn.Linear, autograd)."""
+        from specflow.models.kernels import pick
+        from specflow.models.lean_llama import fuse_in_place
+
+        m = self.midlayer
+        with torch.no_grad():
+            self._wqkv = fuse_in_place([m.self_attn.q_proj, m.self_attn.k_proj, m.self_attn.v_proj])
+            self._wgu = fuse_in_place([m.mlp.gate_proj, m.mlp.up_proj])
+        self._mm = pick([self.fc.weight, self._wqkv, m.self_attn.o_proj.weight, self._wgu,
+                         m.mlp.down_proj.weight, self.lm_head.weight]).matmul
+
+    # --- vocabulary ------------------------------------------------------------------------
+
+    def set_vocab(self, used: torch.Tensor) -> None:
+        """The draft vocabulary: `used` [Vd] target ids, sorted (EAGLE-3 keeps them by id)."""
+        used = used.sort().values
+        self.d2t.copy_(used - torch.arange(len(used)))
+        self.t2d.zero_()
+        self.t2d[used] = True
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        """Target id of each draft-vocabulary entry [Vd]."""
+        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+
+    # --- computation -----------------------------------------------------------------------
+
+    def rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, 1, T, D] at positions [B, T], from a table grown on demand."""
+        need = int(positions.max()) + 1 if positions.numel() else 1
+        if self._cos is None or self._cos.shape[0] < need or self._cos.dtype != dtype:
+            D = self.shape.dim
+            inv = 1.0 / (self.shape.rope_theta ** (torch.arange(0, D, 2).float() / D))  # [D/2]
+            rows = max(256, 1 << (need - 1).bit_length())
+            freqs = torch.arange(rows).float()[:, None] * inv[None]                     # [P, D/2]
+            emb = torch.cat([freqs, freqs], -1).to(positions.device)                     # [P, D]
+            self._cos, self._sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        return self._cos[positions][:, None], self._sin[positions][:, None]
+
+    @staticmethod
+    def _rotate(x, cos, sin):
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+
+    def layer_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fc over concatenated target states [.., nE_t] -> [.., E]; a head state passes as is."""
+        if hidden.shape[-1] == self.shape.hidden_size:
+            return hidden
+        return self._mm(hidden, self.fc.weight) if self._mm else self.fc(hidden)
+
+    def qkv(self, h: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor):
+        """The attention inputs of pairs (h [B, T, E], tokens [B, T]) at positions [B, T]:
+        q [B, H, T, D], k and v [B, Hkv, T, D]."""
+        s, m = self.shape, self.midlayer
+        B, T, _ = h.shape
+        x = torch.cat([m.input_layernorm(F.embedding(tokens, self.embed).to(h.dtype)),
+                       m.hidden_norm(h)], -1)                                     # [B, T, 2E]
+        cos, sin = self.rope(positions, h.dtype)
+        H, Hkv, D = s.num_attention_heads, s.num_key_value_heads, s.dim
+        if self._mm is not None:
+            q, k, v = self._mm(x, self._wqkv).split([H * D, Hkv * D, Hkv * D], -1)
+        else:
+            q, k, v = m.self_attn.q_proj(x), m.self_attn.k_proj(x), m.self_attn.v_proj(x)
+        q = q.reshape(B, T, H, D).transpose(1, 2)                                  # [B, H, T, D]
+        k = k.reshape(B, T, Hkv, D).transpose(1, 2)
+        v = v.reshape(B, T, Hkv, D).transpose(1, 2)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin), v
+
+    def finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Residual, MLP: the layer's pre-norm output [B, T, E] from attn [B, H, T, D]."""
+        m = self.midlayer
+        B, _, T, _ = attn.shape
+        a = attn.transpose(1, 2).reshape(B, T, -1)                                   # [B, T, HD]
+        mm = self._mm
+        if mm is None:
+            h = h + m.self_attn.o_proj(a)
+            y = m.post_attention_layernorm(h)
+            return h + m.mlp.down_proj(F.silu(m.mlp.gate_proj(y)) * m.mlp.up_proj(y))
+        h = h + mm(a, m.self_attn.o_proj.weight)
+        gate, up = mm(m.post_attention_layernorm(h), self._wgu).chunk(2, -1)          # [B, T, I] x2
+        return h + mm(F.silu(gate) * up, m.mlp.down_proj.weight)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [.., Vd] of pre-norm states [.., E]."""
+        if self._mm is None:
+            return self.lm_head(self.norm(h))
+        return self._mm(self.norm(h), self.lm_head.weight)
+
+    def attend(self, q, k, v, mask):
+        gqa = self.shape.num_attention_heads // self.shape.num_key_value_heads
+        if gqa > 1:
+            k, v = k.repeat_interleave(gqa, 1), v.repeat_interleave(gqa, 1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def scale_check(self) -> None:
+        """Refuse weights that are not finite (a torn or garbage checkpoint)."""
+        for name, p in self.state_dict().items():
+            if p.is_floating_point() and not torch.isfinite(p).all():
+                raise ConfigError(f"draft head weight {name} holds NaN or inf; train or copy the "
+                                  f"head again")
+
+
+# --- files -----------------------------------------------------------------------------------
+
+def _read_config(folder: pathlib.Path, what: str) -> dict:
+    from specflow.io import read_json
+
+    config = folder / "config.json"
+    if not config.is_file():
+        raise ConfigError(f"{what} has no config.json, so it is not a draft head; point "
+                          f"proposer.path at a folder with an EAGLE-3 head (config.json and "
+                          f"model.safetensors), e.g. one `specflow train-head` wrote")
+    parsed = read_json(config, f"{what}: config.json", "copy the head again", ConfigError)
+    if not isinstance(parsed, dict):
+        raise ConfigError(f"{what}: config.json is not a JSON object; copy the head again")
+    return parsed
+
+
+def head_shape(config: dict, target, what: str) -> HeadShape:
+    """The head's shape from its config.json, checked against the target it will read."""
+    arch = (config.get("architectures") or [""])[0]
+    if config.get("num_hidden_layers", 1) != 1 or "draft_vocab_size" not in config and \
+            "Eagle" not in arch:
+        raise ConfigError(f"{what} is not an EAGLE-3 head (architectures={arch!r}, "
+                          f"num_hidden_layers={config.get('num_hidden_layers')}); a head has one "
+                          f"layer and draft_vocab_size in config.json: for a whole draft model use "
+                          f"proposer=draft draft.path=<folder>")
+    try:
+        E = int(config["hidden_size"])
+        eagle = config.get("eagle_config") or {}
+        ids = eagle.get("eagle_aux_hidden_state_layer_ids",
+                        config.get("eagle_aux_hidden_state_layer_ids"))
+        shape = HeadShape(
+            hidden_size=E, intermediate_size=int(config["intermediate_size"]),
+            num_attention_heads=int(config["num_attention_heads"]),
+            num_key_value_heads=int(config.get("num_key_value_heads")
+                                    or config["num_attention_heads"]),
+            vocab_size=int(config["vocab_size"]),
+            draft_vocab_size=int(config.get("draft_vocab_size") or config["vocab_size"]),
+            target_hidden_size=int(config.get("target_hidden_size") or E),
+            layer_ids=[int(i) for i in ids] if ids else default_layer_ids(target.num_layers),
+            head_dim=config.get("head_dim"), rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(config.get("rope_theta", 10000.0)),
+            max_position_embeddings=int(config.get("max_position_embeddings", 2048)))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{what}: config.json lacks or garbles {exc}; copy the head again") \
+            from None
+    problems = []
+    if shape.target_hidden_size != target.hidden_size:
+        problems.append(f"it reads hidden states of width {shape.target_hidden_size}, the target's "
+                        f"are {target.hidden_size}")
+    if shape.vocab_size != target.vocab_size:
+        problems.append(f"vocabulary {shape.vocab_size} vs the target's {target.vocab_size}")
+    bad = [i for i in shape.layer_ids if not 0 <= i < target.num_layers]
+    if bad:
+        problems.append(f"layers {bad} of a {target.num_layers}-layer target")
+    if shape.hidden_size != target.hidden_size:
+        problems.append(f"its width {shape.hidden_size} differs from the target's embedding "
+                        f"{target.hidden_size}")
+    if problems:
+        raise ConfigError(f"{what} was trained for another target ({'; '.join(problems)}); use a "
+                          f"head trained on this target (specflow train-head)")
+    return shape
+
+
+def _strip(name: str) -> str:
+    for prefix in ("model.",):
+        if name.startswith(prefix) and not name.startswith("model.lm_head"):
+            name = name[len(prefix):]
+    return name.replace("layers.0.", "midlayer.", 1)
+
+
+def load_head(path: str, target, device: torch.device, dtype: torch.dtype) -> Eagle3Head:
+    """A published (or train-head) EAGLE-3 head folder, checked against `target` (an HFBackend)."""
+    from safetensors import safe_open
+
+    folder = pathlib.Path(path).expanduser()
+    what = f"proposer.path={path!r}"
+    if not folder.is_dir():
+        raise ConfigError(f"{what} is not a folder; point it at a folder with an EAGLE-3 head "
+                          f"(config.json and model.safetensors)")
+    shape = head_shape(_read_config(folder, what), target, what)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{what} has no .safetensors weights; copy the head's model.safetensors "
+                          f"into the folder")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as fh:
+                for key in fh.keys():
+                    weights[_strip(key)] = fh.get_tensor(key)
+        except Exception as exc:
+            raise ConfigError(f"{what}: {file.name} is damaged ({type(exc).__name__}); copy the "
+                              f"head again") from exc
+    embed = target.model.get_input_embeddings().weight
+    head = Eagle3Head(shape, embed)
+    weights.pop("embed_tokens.weight", None)           # the target's embedding is used
+    if shape.draft_vocab_size == shape.vocab_size:
+        weights.setdefault("d2t", torch.zeros(shape.draft_vocab_size, dtype=torch.long))
+        weights.setdefault("t2d", torch.ones(shape.vocab_size, dtype=torch.bool))
+    weights.setdefault("t2d", _t2d(weights.get("d2t"), shape.vocab_size))
+    expected = head.state_dict()
+    missing = sorted(set(expected) - set(weights))
+    if missing:
+        raise ConfigError(f"{what} lacks weights {missing[:4]}{' ...' if len(missing) > 4 else ''};"
+                          f" it is not a complete EAGLE-3 head: copy it again")
+    for name, tensor in expected.items():
+        if tuple(weights[name].shape) != tuple(tensor.shape):
+            raise ConfigError(f"{what}: {name} has shape {tuple(weights[name].shape)} but its "
+                              f"config.json says {tuple(tensor.shape)}; the folder mixes two heads")
+    head.load_state_dict({k: weights[k] for k in expected}, strict=True)
+    head.to(device=device, dtype=dtype)
+    head.d2t, head.t2d = head.d2t.long(), head.t2d.bool()
+    head.scale_check()
+    ids = head.draft_ids
+    if int(ids.min()) < 0 or int(ids.max()) >= shape.vocab_size:
+        raise ConfigError(f"{what}: d2t maps draft ids outside the target's vocabulary; copy the "
+                          f"head again")
+    head.eval().requires_grad_(False)
+    head.prepare()
+    return head
+
+
+def _t2d(d2t: torch.Tensor | None, vocab: int) -> torch.Tensor:
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    if d2t is not None:
+        ids = torch.arange(len(d2t)) + d2t.long()
+        t2d[ids.clamp(0, vocab - 1)] = True
+    return t2d
+
+
+def save_head(head: Eagle3Head, folder: str | pathlib.Path, extra: dict | None = None) -> None:
+    """config.json + model.safetensors (fp16 weights, int64 d2t, bool t2d), the published layout."""
+    from safetensors.torch import save_file
+
+    folder = pathlib.Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {k: (v.half() if v.is_floating_point() else v).contiguous().cpu()
+               for k, v in head.state_dict().items()}
+    tmp = folder / "model.safetensors.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    tmp.replace(folder / "model.safetensors")
+    config = head.shape.to_config()
+    if extra:
+        config["specflow"] = extra
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def init_head(shape: HeadShape, embed: torch.Tensor, seed: int = 0) -> Eagle3Head:
+    """A freshly initialised head (Llama's init: normal(0, 0.02), norms 1)."""
+    torch.manual_seed(seed)
+    head = Eagle3Head(shape, embed)
+    for module in head.modules():
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.02 / math.sqrt(1.0))
+    return head

@@ -1,0 +1,1 @@
+"""Training draft heads on the target's own outputs (`specflow train-head`)."""

@@ -1,0 +1,231 @@
+"""proposer=eagle: hidden states from the target's pass, an EAGLE-3 head, exact speculation."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specflow import ConfigError, Pipeline
+from specflow.app.prompts import read_prompts
+from specflow.config import compose
+from specflow.models.eagle_head import HeadShape, init_head, load_head, save_head
+
+PROMPTS = ["def fib(n):\n    ", "import os", "class Stack:\n    def __init__(self):\n        self",
+           "x", "for i in range(10):\n", "return {", "# utilities for json", "with open(path) as f:"]
+
+
+def pipeline(models, *overrides, target="llama"):
+    return Pipeline.from_config(["model=hf", f"model.path={models[target]}", "draft=none",
+                                 "max_batch_size=8", *overrides])
+
+
+TRAIN = ["model=hf", "draft=none", "workload.limit=40", "workload.chars=200",
+         "train_head.prompts=40", "train_head.new_tokens=48", "train_head.steps=150",
+         "train_head.seq=48", "train_head.draft_vocab_size=200", "train_head.checkpoint_every=50",
+         "train_head.lr=0.003", "train_head.heldout=0.2"]
+
+
+@pytest.fixture(scope="module")
+def tiny_head(hf_models, tmp_path_factory):
+    """A head trained for a few steps on the tiny llama target by train-head's own code."""
+    from specflow.training import train_head
+
+    out = tmp_path_factory.mktemp("head")
+    cfg = compose(TRAIN + [f"model.path={hf_models['llama']}", f"train_head.output={out}"],
+                  "train_head")
+    summary = train_head.run(cfg, read_prompts(cfg), lambda *a: (lambda *b, **c: None))
+    return out, summary
+
+
+def test_captured_states_are_the_layer_inputs_transformers_reports(hf_models):
+    """The lean and the transformers forward hand out the same states (inputs of each layer)."""
+    got = {}
+    for forward in ("lean", "hf"):
+        pipe = pipeline(hf_models, "proposer=none", f"model.forward={forward}")
+        target = pipe.target
+        seen = []
+        target.capture_layers = (0, 1)
+        target.hidden_sink = lambda slots, starts, lens, h, seen=seen: seen.append(
+            (starts, lens, h.clone()))
+        ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, -1]])
+        target.forward(torch.tensor([0, 1]), ids, torch.tensor([4, 3]))
+        got[forward] = seen[0]
+    (s1, l1, h1), (s2, l2, h2) = got["lean"], got["hf"]
+    assert s1 == s2 == [0, 0] and l1 == l2 == [4, 3]
+    assert h1.shape == (2, 4, 2 * 64)
+    torch.testing.assert_close(h1[0], h2[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(h1[1, :3], h2[1, :3], atol=1e-5, rtol=1e-5)
+
+
+def test_a_head_written_in_the_published_layout_loads_back(hf_models, tmp_path):
+    pipe = pipeline(hf_models, "proposer=none")
+    shape = HeadShape(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=pipe.target.vocab_size,
+                      draft_vocab_size=100, target_hidden_size=64, layer_ids=[0, 1, 1])
+    head = init_head(shape, pipe.target.model.get_input_embeddings().weight, seed=3)
+    head.set_vocab(torch.arange(0, 300, 3))
+    save_head(head, tmp_path / "h")
+    config = json.loads((tmp_path / "h" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["draft_vocab_size"] == 100
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 1]
+    back = load_head(str(tmp_path / "h"), pipe.target, torch.device("cpu"), torch.float32)
+    for name, value in head.state_dict().items():
+        torch.testing.assert_close(back.state_dict()[name], value.half().to(value.dtype))
+    assert back.draft_ids.tolist() == list(range(0, 300, 3))
+
+    # vLLM's names (layers.0.*, a model. prefix) load too
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(tmp_path / "h" / "model.safetensors")
+    renamed = {("model." + k.replace("midlayer.", "layers.0.")) if k.startswith("midlayer.")
+               else k: v for k, v in tensors.items()}
+    (tmp_path / "v").mkdir()
+    save_file(renamed, tmp_path / "v" / "model.safetensors")
+    (tmp_path / "v" / "config.json").write_text(json.dumps(config))
+    again = load_head(str(tmp_path / "v"), pipe.target, torch.device("cpu"), torch.float32)
+    torch.testing.assert_close(again.state_dict()["midlayer.self_attn.q_proj.weight"],
+                               back.state_dict()["midlayer.self_attn.q_proj.weight"])
+
+
+def test_training_time_test_computes_what_drafting_computes(hf_models, tiny_head):
+    """Step j of the training forward at root t equals the j-th draft step at inference after
+    pairs 0..t (the diagonal attention stands for the draft's own cache)."""
+    from specflow.models.slot_cache import SlotKVCache
+    from specflow.stages.proposers.eagle import EagleProposer, EagleProposerConfig
+    from specflow.training.ttt import chain_attention
+
+    pipe = pipeline(hf_models, "proposer=eagle", f"proposer.path={tiny_head[0]}")
+    prop = next(p for p in pipe.pm.get_plugins() if isinstance(p, EagleProposer))
+    head = prop.head
+    T, steps = 10, 3
+    gen = torch.Generator().manual_seed(0)
+    states = torch.randn(1, T, 3 * 64, generator=gen)
+    tokens = torch.randint(0, 300, (1, T + 1 + steps), generator=gen)
+    # training: all roots at once
+    h = head.layer_input(states)
+    keys, values, train_out = [], [], []
+    pos = torch.arange(T)[None]
+    for j in range(steps):
+        q, k, v = head.qkv(h, tokens[:, 1 + j:1 + j + T], pos + j)
+        keys.append(k)
+        values.append(v)
+        h = head.finish(h, chain_attention(q, keys, values, 2))
+        train_out.append(h)
+    # inference: root t, through the proposer's cached forward
+    assert isinstance(EagleProposerConfig().k, int)
+    prop.cache = SlotKVCache(1, 1, 64)
+    for t in (0, 4, T - 1):
+        prop.cache.reset(0)
+        out = prop._forward([0], states[:, :t + 1], tokens[:, 1:t + 2], [t + 1])
+        g = out[:, t:t + 1]
+        torch.testing.assert_close(g[0, 0], train_out[0][0, t], atol=1e-5, rtol=1e-4)
+        for j in range(1, steps):
+            g = prop._forward([0], g, tokens[:, t + 1 + j:t + 2 + j], [1])
+            torch.testing.assert_close(g[0, 0], train_out[j][0, t], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("forward", ["lean", "hf"])
+def test_greedy_eagle_equals_greedy_plain(hf_models, tiny_head, batch, forward):
+    plain = pipeline(hf_models, "proposer=none", f"model.forward={forward}")
+    expected = [plain.generate([p], max_new_tokens=32, max_batch_size=1)[0] for p in PROMPTS]
+    pipe = pipeline(hf_models, "proposer=eagle", f"proposer.path={tiny_head[0]}",
+                    f"model.forward={forward}")
+    got = pipe.generate(PROMPTS, max_new_tokens=32, max_batch_size=batch)
+    assert [r.token_ids for r in got] == [r.token_ids for r in expected]
+    s = pipe.last_stats
+    assert s["num_draft_tokens"] > 0 and s["num_accepted_tokens"] > 0
+    assert pipe.target.hidden_sink is not None
+
+
+def test_states_are_released_with_their_requests(hf_models, tiny_head):
+    from specflow.stages.proposers.eagle import EagleProposer
+
+    pipe = pipeline(hf_models, "proposer=eagle", f"proposer.path={tiny_head[0]}",
+                    "logits=[temperature]")
+    pipe.generate(PROMPTS * 2, max_new_tokens=40, max_batch_size=4, seed=1)
+    prop = next(p for p in pipe.pm.get_plugins() if isinstance(p, EagleProposer))
+    assert prop.pending == {}
+    assert all(n == 0 for n in prop.cache.lengths)
+
+
+def test_train_head_reports_held_out_acceptance(tiny_head):
+    out, summary = tiny_head
+    fig = summary["heldout_greedy"]
+    assert 1.0 <= fig["tau"] <= 5.0 and len(fig["acceptance_by_step"]) == 4
+    assert fig["acceptance_by_step"][0] > 0.2        # it learnt something in 150 steps
+    assert fig["positions"] > 200                    # 8 held-out sequences, generated parts
+    config = json.loads((out / "config.json").read_text())
+    assert config["specflow"]["recipe"]["steps"] == 150
+    assert (out / "checkpoint.pt").is_file()
+
+
+def test_train_head_resumes_from_its_checkpoint(hf_models, tiny_head, tmp_path):
+    import shutil
+
+    from specflow.training import train_head
+
+    out = tmp_path / "again"
+    shutil.copytree(tiny_head[0], out)
+    seen = []
+
+    def progress(description, total):
+        return lambda n=1, **info: seen.append((description, n))
+
+    cfg = compose(TRAIN + [f"model.path={hf_models['llama']}", f"train_head.output={out}",
+                           "train_head.steps=170"], "train_head")
+    train_head.run(cfg, read_prompts(cfg), progress)
+    phases = {d for d, _ in seen}
+    assert not any("target" in d for d in phases)        # the recorded data was reused
+    trained = [n for d, n in seen if d.startswith("training")]
+    assert trained[0] == 150 and sum(trained) == 170     # resumed at step 150
+
+
+# --- bad input ---------------------------------------------------------------------------------
+
+def test_eagle_on_the_synthetic_model_is_one_clear_error():
+    with pytest.raises(ConfigError, match="proposer=eagle reads the hidden states"):
+        Pipeline.from_config(["model=synthetic", "proposer=eagle"])
+
+
+def test_a_head_for_another_target_is_refused(hf_models, tiny_head, tmp_path):
+    import shutil
+
+    bad = tmp_path / "other"
+    shutil.copytree(tiny_head[0], bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["target_hidden_size"] = 4096
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="trained for another target.*4096"):
+        pipeline(hf_models, "proposer=eagle", f"proposer.path={bad}")
+    config["target_hidden_size"] = 64
+    config["vocab_size"] = 128256
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="vocabulary 128256"):
+        pipeline(hf_models, "proposer=eagle", f"proposer.path={bad}")
+
+
+def test_missing_corrupt_or_non_head_folders_are_refused(hf_models, tiny_head, tmp_path):
+    import shutil
+
+    with pytest.raises(ConfigError, match="is not a folder"):
+        pipeline(hf_models, "proposer=eagle", f"proposer.path={tmp_path / 'nope'}")
+    with pytest.raises(ConfigError, match="has no config.json"):
+        pipeline(hf_models, "proposer=eagle", f"proposer.path={tmp_path}")
+    with pytest.raises(ConfigError, match="not an EAGLE-3 head"):     # a whole model
+        pipeline(hf_models, "proposer=eagle", f"proposer.path={hf_models['llama_draft']}")
+    torn = tmp_path / "torn"
+    shutil.copytree(tiny_head[0], torn)
+    data = (torn / "model.safetensors").read_bytes()
+    (torn / "model.safetensors").write_bytes(data[:len(data) // 2])
+    with pytest.raises(ConfigError, match="damaged"):
+        pipeline(hf_models, "proposer=eagle", f"proposer.path={torn}")
+    (torn / "model.safetensors").unlink()
+    with pytest.raises(ConfigError, match="no .safetensors"):
+        pipeline(hf_models, "proposer=eagle", f"proposer.path={torn}")
+
+
+def test_a_target_without_a_built_in_head_needs_a_path(hf_models):
+    with pytest.raises(ConfigError, match="proposer.path"):
+        pipeline(hf_models, "proposer=eagle")

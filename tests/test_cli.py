@@ -73,7 +73,7 @@ def _bad_file(tmp_path, kind):
 
 # the README's bad-input table is tests/test_bad_inputs.py; these are the other bad inputs
 BAD_INPUTS = [
-    (["proposer=ngarm"], "valid options for proposer: draft, ngram, none"),
+    (["proposer=ngarm"], "valid options for proposer: draft, eagle, ngram, none"),
     (["logits=[top_k]", "logits.top_k.k=0"], "top_k.k=0 must be >= 1"),
     (["workload=file", "workload.path={tmp}/missing.jsonl"], "cannot read prompt file"),
     (["model.max_length=8", "proposer.k=7"], "proposer.k=7 leaves no room"),

@@ -176,9 +176,12 @@ class Eagle3Head(nn.Module):
 
     # --- computation -----------------------------------------------------------------------
 
-    def rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [B, 1, T, D] at positions [B, T], from a table grown on demand."""
-        need = int(positions.max()) + 1 if positions.numel() else 1
+    def rope(self, positions: torch.Tensor, dtype, needed: int | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, 1, T, D] at positions [B, T], from a table grown on demand to `needed`
+        rows (drafting passes it from the host: reading positions.max() would sync a device)."""
+        need = needed if needed is not None else \
+            (int(positions.max()) + 1 if positions.numel() else 1)
         if self._cos is None or self._cos.shape[0] < need or self._cos.dtype != dtype:
             D = self.shape.dim
             inv = 1.0 / (self.shape.rope_theta ** (torch.arange(0, D, 2).float() / D))  # [D/2]
@@ -199,14 +202,15 @@ class Eagle3Head(nn.Module):
             return hidden
         return self._mm(hidden, self.fc.weight) if self._mm else self.fc(hidden)
 
-    def qkv(self, h: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor):
-        """The attention inputs of pairs (h [B, T, E], tokens [B, T]) at positions [B, T]:
-        q [B, H, T, D], k and v [B, Hkv, T, D]."""
+    def qkv(self, h: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+            needed: int | None = None):
+        """The attention inputs of pairs (h [B, T, E], tokens [B, T]) at positions [B, T]
+        (all below `needed` when given): q [B, H, T, D], k and v [B, Hkv, T, D]."""
         s, m = self.shape, self.midlayer
         B, T, _ = h.shape
         x = torch.cat([m.input_layernorm(F.embedding(tokens, self.embed).to(h.dtype)),
                        m.hidden_norm(h)], -1)                                     # [B, T, 2E]
-        cos, sin = self.rope(positions, h.dtype)
+        cos, sin = self.rope(positions, h.dtype, needed)
         H, Hkv, D = s.num_attention_heads, s.num_key_value_heads, s.dim
         if self._mm is not None:
             q, k, v = self._mm(x, self._wqkv).split([H * D, Hkv * D, Hkv * D], -1)

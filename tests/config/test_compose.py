@@ -67,7 +67,7 @@ def test_unknown_option_lists_the_valid_ones():
     with pytest.raises(ConfigError) as err:
         compose(["proposer=ngarm"])
     msg = str(err.value)
-    assert "proposer/ngarm" in msg and "draft, ngram, none" in msg and "\n" not in msg
+    assert "proposer/ngarm" in msg and "draft, eagle, ngram, none" in msg and "\n" not in msg
 
 
 def test_unknown_key_names_the_keys_that_exist():

@@ -150,7 +150,7 @@ class EagleProposer:
         B, T = tokens.shape
         positions, kv_len = self.cache.begin(slots, lens, T, self.device)             # [B, T]
         x = head.layer_input(h)                                                       # [B, T, E]
-        q, k, v = head.qkv(x, tokens, positions)
+        q, k, v = head.qkv(x, tokens, positions, kv_len)        # every position < kv_len
         k_all, v_all = self.cache.update(k, v, 0)                                     # [B, Hkv, L, D]
         mask = None
         if not (B == 1 and T == 1):

@@ -61,7 +61,7 @@ def test_eagle_sampling_keeps_the_distribution():
 
     settings = ["logits=[repetition_penalty,temperature,top_p]", "logits.temperature.value=0.9",
                 "logits.top_p.p=0.9", "logits.repetition_penalty.penalty=1.3", "max_batch_size=64"]
-    prompt = "    def __init__(self"
+    prompt = "import "            # many likely first tokens
 
     def histogram(proposer, seed):
         pipe = Pipeline.from_config([f"proposer={proposer}", "proposer.k=3", *settings]
@@ -71,7 +71,7 @@ def test_eagle_sampling_keeps_the_distribution():
 
     spec, s = histogram("eagle", 0)
     plain, _ = histogram("none", 10_000)
-    assert s["num_accepted_tokens"] > 300
+    assert s["num_accepted_tokens"] > 200
     for depth in (1, 2):      # the first token alone, then the pair
         a = [x[:depth] for x in spec]
         b = [x[:depth] for x in plain]

@@ -39,6 +39,21 @@ def pending_inputs(token_ids: list[list[int]], cached: list[int]) -> tuple[torch
     return out, lens
 
 
+def spread(batch_size: int, rows: list[int], drafts: torch.Tensor, probs: torch.Tensor | None,
+           reasons: list[str | None]) -> Proposal:
+    """The drafts of the rows that drafted ([R, K], q [R, K, V] or None) placed into a proposal
+    for the whole batch (PAD and zero q elsewhere, with each skipped row's reason)."""
+    if len(rows) == batch_size:
+        return Proposal(drafts, probs)
+    full = Proposal.empty(batch_size, drafts.shape[1], device=drafts.device)
+    full.skip_reasons = reasons
+    full.draft_token_ids[rows] = drafts
+    if probs is not None:
+        full.draft_probs = probs.new_zeros(batch_size, *probs.shape[1:])
+        full.draft_probs[rows] = probs
+    return full
+
+
 def align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Draft logits [..., V_draft] on the target's vocabulary [..., V_target]: checkpoints of one
     family pad their embedding tables differently; rows past the tokenizer are never real tokens."""
@@ -87,15 +102,7 @@ class DraftModelProposer:
             return Proposal(Proposal.empty(batch.size).draft_token_ids, None, full_context)
         sub = batch.select(rows) if len(rows) < batch.size else batch   # only rows that draft run
         drafts, probs = self._draft(sub, [ks[b] for b in rows], K)
-        if sub is batch:
-            return Proposal(drafts, probs)
-        full = Proposal.empty(batch.size, K, device=drafts.device)
-        full.skip_reasons = full_context
-        full.draft_token_ids[rows] = drafts
-        if probs is not None:
-            full.draft_probs = probs.new_zeros(batch.size, K, probs.shape[-1])
-            full.draft_probs[rows] = probs
-        return full
+        return spread(batch.size, rows, drafts, probs, full_context)
 
     def _draft(self, batch, ks: list[int], K: int):
         """K autoregressive draft steps; a row stops being computed once it has its own k

@@ -23,6 +23,7 @@ import torch
 from specflow.errors import ConfigError
 from specflow.models.slot_cache import SlotKVCache
 from specflow.plugins import hookimpl
+from specflow.stages.proposers.draft import spread
 from specflow.stages.verify import sample_categorical
 from specflow.state import PAD, Proposal
 
@@ -123,15 +124,7 @@ class EagleProposer:
             return Proposal(Proposal.empty(batch.size).draft_token_ids, None, reasons)
         sub = batch.select(rows) if len(rows) < batch.size else batch
         drafts, probs = self._draft(sub, [ks[b] for b in rows], K)
-        if sub is batch:
-            return Proposal(drafts, probs)
-        full = Proposal.empty(batch.size, K, device=drafts.device)
-        full.skip_reasons = reasons
-        full.draft_token_ids[rows] = drafts
-        if probs is not None:
-            full.draft_probs = probs.new_zeros(batch.size, K, probs.shape[-1])
-            full.draft_probs[rows] = probs
-        return full
+        return spread(batch.size, rows, drafts, probs, reasons)
 
     def _have(self, slot: int, length: int) -> bool:
         """The target's states cover every pair the head has not read (positions up to length-2)."""

@@ -38,8 +38,10 @@ def plain_json():
     return [r.token_ids for r in pipe("proposer=none", *JSON).generate(PROMPTS, max_new_tokens=120)]
 
 
-@pytest.mark.parametrize("proposer", ["draft", "ngram", "eagle"])
-@pytest.mark.parametrize("sampling", [False, True])
+@pytest.mark.parametrize("proposer, sampling", [
+    ("draft", False), ("draft", True), ("ngram", False), ("ngram", True), ("eagle", False),
+    pytest.param("eagle", True, marks=pytest.mark.slow),        # 15 s: with the slow ones
+])
 def test_fifty_generations_parse_and_validate(proposer, sampling, plain_json):
     extra = ["logits=[temperature]", "logits.temperature.value=0.8"] if sampling else []
     p = pipe(f"proposer={proposer}", *JSON, *extra)

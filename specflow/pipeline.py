@@ -58,6 +58,9 @@ class BuildContext:
     tokenizer: Any = None
     build_draft: Any = field(default=None, repr=False)
     _draft: Any = field(default=None, repr=False)
+    # a proposer that drafts without a draft model (an EAGLE head) sets this: rows -> seconds of
+    # one draft step, which the goodput policy times at build as it times a draft model's pass
+    draft_step_seconds: Any = field(default=None, repr=False)
 
     @property
     def draft(self) -> Backend | None:

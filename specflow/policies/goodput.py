@@ -149,15 +149,20 @@ def measured_target_cost(target, positions: int, rows: int) -> tuple[float, floa
 
 def measured_draft_cost(ctx) -> tuple[float, float] | None:
     """(a_d, b_d) seconds per draft step and per drafting row, from one-position passes of the
-    draft model in one row and in every slot; None unless the proposer is the draft model."""
+    draft model (or steps of a draft head) in one row and in every slot; None for proposers
+    without either (n-gram)."""
     from specflow.models.threads import pass_seconds
 
     proposer = ctx.cfg.get("proposer") if getattr(ctx, "cfg", None) is not None else None
     rows = int(getattr(ctx, "slots", 1))
-    if proposer is None or proposer.get("name") != "draft" or rows <= 1:
+    step = getattr(ctx, "draft_step_seconds", None)      # a draft head (proposer=eagle)
+    if proposer is None or rows <= 1 or (proposer.get("name") != "draft" and step is None):
         return None
-    draft = ctx.draft
-    one, full = pass_seconds(draft, 5), pass_seconds(draft, 5, 1, rows)
+    if step is not None:
+        one, full = step(1), step(rows)
+    else:
+        draft = ctx.draft
+        one, full = pass_seconds(draft, 5), pass_seconds(draft, 5, 1, rows)
     b = max(0.0, (full - one) / (rows - 1))
     return max(one - b, 0.0), b
 

@@ -200,3 +200,21 @@ def test_goodput_seeds_its_costs_from_timed_passes_so_steady_rounds_cannot_hide_
     # the synthetic pair keeps its simulated clock's prior (nothing is timed)
     synth = Pipeline.from_config(["model=synthetic", "draft=synthetic", "policy=goodput"])
     assert synth.pm.get_plugin("policy.goodput").target_prior == (1.0, 0.0)
+
+
+def test_goodput_times_a_draft_head_s_step_as_it_times_a_draft_model():
+    """proposer=eagle has no draft model: the head's own step is timed at build (one row and
+    every slot), and the cache rows it used are empty afterwards."""
+    from specflow import Pipeline
+    from specflow.stages.proposers.eagle import EagleProposer
+
+    pipe = Pipeline.from_config(["model=demo", "proposer=eagle", "policy=goodput",
+                                 "max_batch_size=8", "threads=2", "max_new_tokens=4"])
+    pol = pipe.pm.get_plugin("policy.goodput")
+    a_d, b_d = pol.draft_prior
+    a_t, b_t = pol.target_prior
+    assert 0 < a_d < a_t and b_d >= 0        # a head step is cheaper than a target pass
+    head = next(p for p in pipe.pm.get_plugins() if isinstance(p, EagleProposer))
+    assert all(n == 0 for n in head.cache.lengths)
+    assert pipe.ctx._draft is None                # no draft model was loaded
+    assert pipe.generate("def f(x):", max_new_tokens=8)[0].token_ids

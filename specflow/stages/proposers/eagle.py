@@ -78,6 +78,39 @@ class EagleProposer:
         self.vocab_size = target.vocab_size
         self.draft_ids = self.head.draft_ids                      # [Vd] target id of each entry
         self.device = target.device
+        ctx.draft_step_seconds = self.step_seconds                # for policy=goodput's prior
+
+    @torch.inference_mode()
+    def step_seconds(self, rows: int, reps: int = 5, context: int = 64) -> float:
+        """Seconds of one draft step for `rows` rows (the head's forward of one pair each over a
+        `context`-pair cache, and its logits on the target's vocabulary), the median of `reps`
+        after a warm-up; the cache rows it used are emptied again."""
+        import statistics
+        import time
+
+        shape = self.head.shape
+        slots = list(range(rows))
+        dtype = self.head.fc.weight.dtype
+        width = len(shape.layer_ids) * shape.target_hidden_size
+        for s in slots:
+            self.cache.reset(s)
+        self._forward(slots, torch.zeros(rows, context, width, dtype=dtype, device=self.device),
+                      torch.zeros(rows, context, dtype=torch.long, device=self.device),
+                      [context] * rows)
+        g = torch.zeros(rows, 1, shape.hidden_size, dtype=dtype, device=self.device)
+        token = torch.zeros(rows, 1, dtype=torch.long, device=self.device)
+        times = []
+        for _ in range(reps + 1):
+            start = time.perf_counter()
+            out = self._forward(slots, g, token, [1] * rows)
+            self._on_target_vocab(self.head.logits(out[:, 0]).float())
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            times.append(time.perf_counter() - start)
+            self.cache.truncate(slots, [context] * rows)
+        for s in slots:
+            self.cache.reset(s)
+        return statistics.median(times[1:])
 
     # --- the target's hidden states, kept until their positions are read --------------------
 

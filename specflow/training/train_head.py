@@ -39,6 +39,9 @@ class TrainHeadConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if not self.output or self.output == "???":
+            raise ConfigError("train_head.output is not set; give the folder the head is "
+                              "written to, e.g. train_head.output=heads/mine")
         for name in ("prompts", "prompt_tokens", "new_tokens", "generate_batch", "steps",
                      "batch", "seq", "ttt_steps", "checkpoint_every"):
             if int(getattr(self, name)) < 1:

@@ -229,3 +229,14 @@ def test_missing_corrupt_or_non_head_folders_are_refused(hf_models, tiny_head, t
 def test_a_target_without_a_built_in_head_needs_a_path(hf_models):
     with pytest.raises(ConfigError, match="proposer.path"):
         pipeline(hf_models, "proposer=eagle")
+
+
+def test_train_head_refuses_a_missing_output_and_bad_settings():
+    from specflow.training.train_head import TrainHeadConfig
+
+    with pytest.raises(ConfigError, match="train_head.output is not set"):
+        TrainHeadConfig()
+    with pytest.raises(ConfigError, match="train_head.steps=0 must be >= 1"):
+        TrainHeadConfig(output="x", steps=0)
+    with pytest.raises(ConfigError, match=r"train_head.heldout=1.5 must be in \[0, 1\)"):
+        TrainHeadConfig(output="x", heldout=1.5)

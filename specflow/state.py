@@ -129,9 +129,17 @@ class ShapingBatch:
     source: str                      # "draft" or "target": for observers only; a processor that
                                      # branched on it would break losslessness
     sampling: list[dict | None] | None = None   # [B] a request's own sampling settings
-                                     # (temperature, top_k, top_p, min_p) over the configured
-                                     # ones; None: the config's for every row
+                                     # (temperature, top_k, top_p, min_p, penalties) over the
+                                     # configured ones; None: the config's for every row
     _host: tuple | None = field(default=None, init=False, repr=False, compare=False)
+
+    def row_values(self, key: str, default) -> list | None:
+        """Each row's value of setting `key` (its request's own, else `default`), or None when
+        no row here sets its own (then every row takes `default`)."""
+        rows = self.sampling
+        if rows is None or all(r is None or key not in r for r in rows):
+            return None
+        return [default if r is None or key not in r else r[key] for r in rows]
 
     @property
     def num_positions(self) -> int:

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specflow.errors import ConfigError
+from specflow.models.lean_llama import rotate
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "LlamaForCausalLM")
 
@@ -191,11 +192,6 @@ class Eagle3Head(nn.Module):
             self._cos, self._sin = emb.cos().to(dtype), emb.sin().to(dtype)
         return self._cos[positions][:, None], self._sin[positions][:, None]
 
-    @staticmethod
-    def _rotate(x, cos, sin):
-        half = x.shape[-1] // 2
-        return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
-
     def layer_input(self, hidden: torch.Tensor) -> torch.Tensor:
         """fc over concatenated target states [.., nE_t] -> [.., E]; a head state passes as is."""
         if hidden.shape[-1] == self.shape.hidden_size:
@@ -219,7 +215,7 @@ class Eagle3Head(nn.Module):
         q = q.reshape(B, T, H, D).transpose(1, 2)                                  # [B, H, T, D]
         k = k.reshape(B, T, Hkv, D).transpose(1, 2)
         v = v.reshape(B, T, Hkv, D).transpose(1, 2)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin), v
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
 
     def finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Residual, MLP: the layer's pre-norm output [B, T, E] from attn [B, H, T, D]."""
@@ -247,7 +243,7 @@ class Eagle3Head(nn.Module):
             k, v = k.repeat_interleave(gqa, 1), v.repeat_interleave(gqa, 1)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
-    def scale_check(self) -> None:
+    def check_finite(self) -> None:
         """Refuse weights that are not finite (a torn or garbage checkpoint)."""
         for name, p in self.state_dict().items():
             if p.is_floating_point() and not torch.isfinite(p).all():
@@ -367,7 +363,7 @@ def load_head(path: str, target, device: torch.device, dtype: torch.dtype) -> Ea
     head.load_state_dict({k: weights[k] for k in expected}, strict=True)
     head.to(device=device, dtype=dtype)
     head.d2t, head.t2d = head.d2t.long(), head.t2d.bool()
-    head.scale_check()
+    head.check_finite()
     ids = head.draft_ids
     if int(ids.min()) < 0 or int(ids.max()) >= shape.vocab_size:
         raise ConfigError(f"{what}: d2t maps draft ids outside the target's vocabulary; copy the "

@@ -67,6 +67,12 @@ def fuse_in_place(modules: list, attr: str = "weight") -> torch.Tensor | None:
     return fused
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [..., D] (halves rotated, as Llama's rotate_half)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+
+
 def _gqa_in_sdpa() -> bool:
     try:
         q = torch.zeros(1, 2, 1, 4)
@@ -242,12 +248,6 @@ class LeanLlama:
             self._sin = (emb.sin() * self.rope_scale).to(dtype)
         return self._cos[positions][:, None], self._sin[positions][:, None]
 
-    @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
-        return x * cos + rotated * sin
-
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
                  cache, logits_to_keep: int = 0, capture: tuple[int, ...] = (),
@@ -269,7 +269,7 @@ class LeanLlama:
             if bqkv is not None:
                 qkv = qkv + bqkv
             qk, v = qkv.split([(H + Hkv) * D, Hkv * D], -1)
-            qk = self._rotate(qk.view(B, T, H + Hkv, D).transpose(1, 2), cos, sin)    # [B, H+Hkv, T, D]
+            qk = rotate(qk.view(B, T, H + Hkv, D).transpose(1, 2), cos, sin)    # [B, H+Hkv, T, D]
             q, k = qk.split([H, Hkv], 1)                                              # one rotation
             v = v.view(B, T, Hkv, D).transpose(1, 2)                                  # [B, Hkv, T, D]
             k_all, v_all = cache.update(k, v, i)                                      # [B, Hkv, L, D]

@@ -10,8 +10,8 @@ stream_options.include_usage), logprobs (completions: 0-5; chat: logprobs + top_
 temperature / top_p / top_k / min_p and the repetition / frequency / presence penalties: a
 request may set the ones the server runs processors for (`logits=[temperature,top_p,
 frequency_penalty,...]` at start; the configured values are the defaults); others only at their
-neutral value. response_format: per-request grammars are not supported yet
-(the server's `constraint=...` applies to every response).
+neutral value. response_format ({"type": "json_schema" | "json_object" | "text"}) becomes the
+request's own grammar, in place of the server's `constraint=...` for that request.
 """
 from __future__ import annotations
 

@@ -116,12 +116,10 @@ class LogitProcessor:
 
     @hookimpl
     def specflow_process_logits(self, shaping):
-        rows = shaping.sampling
-        if rows is None or all(r is None or self.key not in r for r in rows):
+        values = shaping.row_values(self.key, getattr(self.cfg, self.field))
+        if values is None:
             shaping.logits = self.process(shaping.logits)                      # [B, P, V]
             return
-        own = getattr(self.cfg, self.field)
-        values = [own if r is None or self.key not in r else r[self.key] for r in rows]
         shaping.logits = torch.stack([self.apply(shaping.logits[b], v)           # [P, V] each
                                       for b, v in enumerate(values)])            # [B, P, V]
 

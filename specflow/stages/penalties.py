@@ -180,10 +180,9 @@ class CountingProcessor(PrefixProcessor):
     def value(self, shaping) -> float | torch.Tensor:
         """The config's value, or [B, 1, 1] per row where requests set their own."""
         own = getattr(self.cfg, self.field)
-        rows = shaping.sampling
-        if rows is None or all(r is None or self.key not in r for r in rows):
+        values = shaping.row_values(self.key, own)
+        if values is None:
             return own
-        values = [own if r is None or self.key not in r else r[self.key] for r in rows]
         return torch.tensor(values, dtype=shaping.logits.dtype,
                             device=shaping.logits.device)[:, None, None]             # [B, 1, 1]
 

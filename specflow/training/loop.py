@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from specflow.training.data import Sequences
-from specflow.training.ttt import chain_acceptance, ttt_loss
+from specflow.training.ttt import chain_acceptance, chain_states, ttt_loss
 
 
 @dataclass
@@ -130,15 +130,12 @@ def heldout_acceptance(head, windows: Windows, k: int) -> dict:
     """Greedy acceptance on held-out sequences the target wrote: at every generated position,
     how many consecutive head drafts (each step fed the head's own state, the true previous
     tokens, as after accepted drafts) equal the target's own next tokens. -> τ at draft length
-    k and α per step (k steps are run)."""
+    k and α per step (k steps are run; `windows` are drawn with steps >= k)."""
     seqs = windows.seqs
-    saved = windows.steps
-    windows.steps = k
     runs = []
-    gqa_T = windows.T
     for i in range(len(seqs)):
         n = len(seqs.tokens[i])
-        for o in range(0, max(1, n - 2), gqa_T):
+        for o in range(0, max(1, n - 2), windows.T):
             states, tokens, valid, offs, target_logits = windows.draw(1, None, [i], [o])
             hits = _hits(head, states, tokens, valid, offs, k)                     # [T, k]
             first = max(0, seqs.prompt_lens[i] - 2 - o)           # roots inside the continuation
@@ -146,7 +143,6 @@ def heldout_acceptance(head, windows: Windows, k: int) -> dict:
             h = hits[first:][ok]
             run = h.long().cumprod(-1).sum(-1)                    # consecutive hits from step 0
             runs.append(run)
-    windows.steps = saved
     runs_t = torch.cat(runs) if runs else torch.zeros(0)
     out = chain_acceptance(runs_t, k)
     out["positions"] = int(runs_t.numel())
@@ -156,18 +152,9 @@ def heldout_acceptance(head, windows: Windows, k: int) -> dict:
 def _hits(head, states, tokens, valid, offs, k) -> torch.Tensor:
     """[T, k] bool: step j's argmax (on the target vocabulary) equals the true token, where the
     token exists (missing tokens count as misses)."""
-    from specflow.training.ttt import chain_attention
-
     T = states.shape[1]
-    gqa = head.shape.num_attention_heads // head.shape.num_key_value_heads
-    positions = offs[:, None] + torch.arange(T, device=offs.device)[None]
-    h = head.layer_input(states)
-    keys, values, hits = [], [], []
-    for j in range(k):
-        q, kk, v = head.qkv(h, tokens[:, 1 + j:1 + j + T].clamp(min=0), positions + j)
-        keys.append(kk)
-        values.append(v)
-        h = head.finish(h, chain_attention(q, keys, values, gqa))
+    hits = []
+    for j, h in enumerate(chain_states(head, states, tokens, offs, k)):
         guess = head.draft_ids[head.logits(h).argmax(-1)]                           # [1, T]
         truth = tokens[:, 2 + j:2 + j + T]
         hits.append((guess == truth) & valid[:, 2 + j:2 + j + T])

@@ -39,26 +39,36 @@ def chain_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torc
     return out
 
 
-def ttt_loss(head, states: torch.Tensor, tokens: torch.Tensor, target_logits, steps: int,
-             offsets: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
-    """One window batch: states [B, T, nE] (target, at positions o..o+T-1), tokens [B, T + 1 +
-    steps] (tokens at o..), valid [B, T + 1 + steps] bool (real tokens), target_logits(j) ->
-    the target's draft-vocabulary logits [B, T, Vd] predicting the tokens at o + t + 2 + j.
-    Returns (loss, per-step top-1 accuracy over the positions scored)."""
-    B, T, _ = states.shape
+def chain_states(head, states: torch.Tensor, tokens: torch.Tensor, offsets: torch.Tensor,
+                 steps: int):
+    """The head's pre-norm state [B, T, E] at each of `steps` chain steps over a window:
+    states [B, T, nE] (target, positions o..o+T-1), tokens [B, >= T + steps] (tokens at o..,
+    -1 where none)."""
+    T = states.shape[1]
     gqa = head.shape.num_attention_heads // head.shape.num_key_value_heads
     positions = offsets[:, None] + torch.arange(T, device=states.device)[None]     # [B, T]
     h = head.layer_input(states)                                                   # [B, T, E]
     keys, values = [], []
-    loss = states.new_zeros(())
-    accuracy = []
-    t2d = head.t2d
     for j in range(steps):
         inp = tokens[:, 1 + j:1 + j + T].clamp(min=0)                              # [B, T]
         q, k, v = head.qkv(h, inp, positions + j)
         keys.append(k)
         values.append(v)
         h = head.finish(h, chain_attention(q, keys, values, gqa))                  # [B, T, E]
+        yield h
+
+
+def ttt_loss(head, states: torch.Tensor, tokens: torch.Tensor, target_logits, steps: int,
+             offsets: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
+    """One window batch: states [B, T, nE] (target, at positions o..o+T-1), tokens [B, T + 1 +
+    steps] (tokens at o..), valid [B, T + 1 + steps] bool (real tokens), target_logits(j) ->
+    the target's draft-vocabulary logits [B, T, Vd] predicting the tokens at o + t + 2 + j.
+    Returns (loss, per-step top-1 accuracy over the positions scored)."""
+    T = states.shape[1]
+    loss = states.new_zeros(())
+    accuracy = []
+    t2d = head.t2d
+    for j, h in enumerate(chain_states(head, states, tokens, offsets, steps)):
         logp = head.logits(h).float().log_softmax(-1)                              # [B, T, Vd]
         with torch.no_grad():
             tl = target_logits(j)                                                  # [B, T, Vd]

@@ -54,6 +54,39 @@ def spread(batch_size: int, rows: list[int], drafts: torch.Tensor, probs: torch.
     return full
 
 
+def draft_steps(batch, ks: list[int], K: int, vocab_size: int, device, step):
+    """K autoregressive draft steps, shared by the proposers that run a model: a row stops being
+    computed once it has its own ks[b] drafts (the cost follows sum(k), not rows x max(k)).
+
+    step(i, sub, keep, previous) -> the live rows' logits [L, V] on the target's vocabulary, where
+    sub = the rows still drafting, keep = their indices among the previous step's live rows (to
+    cut a proposer's own per-row state), previous [L] = the tokens they drafted at step i - 1
+    (None at i = 0). Each step's logits go through the pipeline's shape() and the draft is
+    sampled from that very q. -> (drafts [B, K] long, q [B, K, V] or None under greedy)."""
+    B = batch.size
+    drafts = torch.full((B, K), PAD, dtype=torch.long, device=device)              # [B, K]
+    probs = None if batch.greedy else torch.zeros(B, K, vocab_size, device=device)
+    live = list(range(B))                    # rows still drafting, as indices into batch
+    sub = batch
+    for i in range(K):
+        keep = [j for j, b in enumerate(live) if ks[b] > i]
+        if len(keep) < len(live):            # some rows are done: drop them from the step
+            live = [live[j] for j in keep]
+            sub = batch.select(live)
+        idx = torch.tensor(live, device=device)                                     # [L]
+        logits = step(i, sub, keep, drafts[idx, i - 1] if i else None)             # [L, V]
+        shaped = sub.shape(logits[:, None], drafts[idx, :i], first_draft_index=i,
+                           source="draft")[:, 0]
+        if batch.greedy:
+            x = shaped.argmax(-1)                                                   # [L]
+        else:
+            q = shaped.softmax(-1)                                                  # [L, V]
+            x = sample_categorical(q, sub.generators)
+            probs[idx, i] = q
+        drafts[idx, i] = x
+    return drafts, probs
+
+
 def align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Draft logits [..., V_draft] on the target's vocabulary [..., V_target]: checkpoints of one
     family pad their embedding tables differently; rows past the tokenizer are never real tokens."""
@@ -107,34 +140,18 @@ class DraftModelProposer:
     def _draft(self, batch, ks: list[int], K: int):
         """K autoregressive draft steps; a row stops being computed once it has its own k
         (the draft's cost follows sum(k), not rows x max(k)). -> ([B, K], [B, K, V] or None)."""
-        B = batch.size
         cached = [self.model.cache_length(s) for s in batch.slots.tolist()]
         inputs, lens = pending_inputs(batch.token_ids, cached)             # [B, T], [B]
         device = self.model.device
-        drafts = torch.full((B, K), PAD, dtype=torch.long, device=device)  # [B, K]
-        probs = None if batch.greedy else torch.zeros(B, K, self.vocab_size, device=device)
-        live = list(range(B))                    # rows still drafting, as indices into batch
-        sub = batch
-        for i in range(K):
-            still = [j for j, b in enumerate(live) if ks[b] > i]
-            if len(still) < len(live):           # some rows are done: drop them from the step
-                live = [live[j] for j in still]
-                sub = batch.select(live)
-                inputs, lens = inputs[still], lens[still]
-            idx = torch.tensor(live, device=device)                         # [L]
+
+        def step(i, sub, keep, previous):
+            nonlocal inputs, lens
+            if i > 0:      # each row's last draft (step 0 feeds its uncached committed tokens)
+                inputs, lens = previous[:, None], torch.ones(len(keep), dtype=torch.long)
             logits = self.model.forward(sub.slots, inputs, lens)           # [L, T, V_draft]
-            rows = torch.arange(len(live), device=device)
-            last = align_vocab(logits[rows, lens.to(device) - 1], self.vocab_size)[:, None]
-            shaped = sub.shape(last, drafts[idx, :i], first_draft_index=i, source="draft")[:, 0]
-            if batch.greedy:
-                x = shaped.argmax(-1)                                       # [L]
-            else:
-                q = shaped.softmax(-1)                                      # [L, V]
-                x = sample_categorical(q, sub.generators)
-                probs[idx, i] = q
-            drafts[idx, i] = x
-            inputs, lens = x[:, None], torch.ones(len(live), dtype=torch.long)   # [L, 1], [L]
-        return drafts, probs
+            rows = torch.arange(len(keep), device=device)
+            return align_vocab(logits[rows, lens.to(device) - 1], self.vocab_size)   # [L, V]
+        return draft_steps(batch, ks, K, self.vocab_size, device, step)
 
     @hookimpl
     def specflow_sync_cache(self, batch, result):

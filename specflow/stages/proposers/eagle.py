@@ -23,9 +23,8 @@ import torch
 from specflow.errors import ConfigError
 from specflow.models.slot_cache import SlotKVCache
 from specflow.plugins import hookimpl
-from specflow.stages.proposers.draft import spread
-from specflow.stages.verify import sample_categorical
-from specflow.state import PAD, Proposal
+from specflow.stages.proposers.draft import draft_steps, spread
+from specflow.state import Proposal
 
 DEMO_HEAD = pathlib.Path(__file__).resolve().parents[2] / "models" / "demo" / "eagle"
 
@@ -68,8 +67,6 @@ class EagleProposer:
                               f"proposer.path=<folder with an EAGLE-3 head> (train one with "
                               f"`specflow train-head`); only the demo target has one built in")
         self.cfg = cfg
-        self.path = path
-        self.target = target
         self.head = load_head(path, target, target.device, target.model.dtype)
         target.capture_layers = tuple(self.head.shape.layer_ids)
         target.hidden_sink = self._sink
@@ -218,29 +215,13 @@ class EagleProposer:
         g = out[rows, torch.tensor(lens, device=device) - 1][:, None]                 # [B, 1, E]
         read = [self.cache.lengths[s] for s in slots]     # pairs resting on the target's states
 
-        drafts = torch.full((B, K), PAD, dtype=torch.long, device=device)             # [B, K]
-        probs = None if batch.greedy else torch.zeros(B, K, self.vocab_size, device=device)
-        live = list(range(B))
-        sub = batch
-        for i in range(K):
-            still = [j for j, b in enumerate(live) if ks[b] > i]
-            if len(still) < len(live):
-                live = [live[j] for j in still]
-                sub = batch.select(live)
-                g = g[still]
-            idx = torch.tensor(live, device=device)                                   # [L]
+        def step(i, sub, keep, previous):
+            nonlocal g
+            if len(keep) < g.shape[0]:
+                g = g[keep]
             if i > 0:   # the head's own state and the token it just drafted, one position on
-                g = self._forward([slots[b] for b in live], g, drafts[idx, i - 1][:, None],
-                                  [1] * len(live))                                     # [L, 1, E]
-            logits = self._on_target_vocab(self.head.logits(g[:, 0]).float())        # [L, V]
-            shaped = sub.shape(logits[:, None], drafts[idx, :i], first_draft_index=i,
-                               source="draft")[:, 0]
-            if batch.greedy:
-                x = shaped.argmax(-1)                                                  # [L]
-            else:
-                q = shaped.softmax(-1)
-                x = sample_categorical(q, sub.generators)
-                probs[idx, i] = q
-            drafts[idx, i] = x
+                g = self._forward(sub.slots.tolist(), g, previous[:, None], [1] * len(keep))
+            return self._on_target_vocab(self.head.logits(g[:, 0]).float())            # [L, V]
+        drafts, probs = draft_steps(batch, ks, K, self.vocab_size, device, step)
         self.cache.truncate(slots, read)      # draft steps rest on the head's states: drop them
         return drafts, probs

@@ -8,7 +8,7 @@ the draft agrees with it often, as a trained draft would; a random pair would ac
 Both run in bfloat16 on CUDA. Then:
 
 1. batch 1, per prompt: HF `generate` (plain), HF assisted generation (the draft), specflow
-   `proposer=none | draft | ngram` (k = 4): tokens/s and ratios;
+   `proposer=none | draft | ngram` (k = 4) and a draft tree (topk 4, 16 nodes): tokens/s, ratios;
 2. batch 8 and 32: HF batched `generate` (left-padded) and the three specflow arms;
 3. greedy equality: specflow none against HF generate (batch 1), and draft / ngram against none
    at every batch, per prompt (in bf16 a position scored inside a wider pass may round
@@ -414,6 +414,11 @@ def main() -> None:
             pipes = {"none": Pipeline.from_config([*base, "proposer=none"])}
             for name in ("draft", "ngram"):
                 pipes[name] = Pipeline.from_config([*base, f"proposer={name}", f"proposer.k={args.k}"])
+            # token trees (docs/trees.md): where a pass is bound by the weight read, 17 positions
+            # should cost about what 5 do, and the tree's longer accepted paths should pay
+            pipes["draft tree"] = Pipeline.from_config(
+                [*base, "proposer=draft", f"proposer.k={args.k}", "proposer.topk=4",
+                 "proposer.num_draft_tokens=16"])
             lean = pipes["none"].target.lean
             say(f"target forward: {'lean, ' + lean.kernels.describe() if lean else 'transformers'}")
             return pipes

@@ -82,7 +82,13 @@ def main() -> None:
     sf_arms = {"specflow none": ["proposer=none"],
                "specflow draft": ["proposer=draft", f"proposer.k={args.k}"],
                "specflow ngram": ["proposer=ngram", f"proposer.k={args.k}"],
-               "specflow eagle": ["proposer=eagle", f"proposer.k={args.k}"]}
+               "specflow eagle": ["proposer=eagle", f"proposer.k={args.k}"],
+               # token trees (docs/trees.md): depth k, 4 children per node, 16 nodes
+               "specflow draft tree": ["proposer=draft", f"proposer.k={args.k}", "proposer.topk=4",
+                                       "proposer.num_draft_tokens=16"],
+               "specflow ngram tree": ["proposer=ngram", f"proposer.k={args.k}", "proposer.topk=4",
+                                       "proposer.num_draft_tokens=16"]}
+    TREES = ("specflow draft tree", "specflow ngram tree")
 
     def build(name: str, batch: int) -> Pipeline:
         """The arm as a user would configure it for `batch` running sequences (pack=auto
@@ -124,6 +130,7 @@ def main() -> None:
         "specflow draft": sf_arm("specflow draft"),
         "specflow ngram": sf_arm("specflow ngram"),
         "specflow eagle": sf_arm("specflow eagle"),
+        **{name: sf_arm(name) for name in TREES},
     }
     for fn in arms.values():          # warm-up
         fn(prompts[0][:200])
@@ -173,6 +180,9 @@ def main() -> None:
                        predicted_speedup=predicted, verify_cost=t_verify / t_plain,
                        predicted_priced=predicted_priced,
                        measured_speedup=med / statistics.median(speeds["specflow none"]))
+            if name in TREES:    # α per tree level; the chain formula and c per node do not apply
+                row.update(c=None, predicted_speedup=None, predicted_priced=None,
+                           nodes=k_mean)
         rows.append(row)
 
     batch_rows = []
@@ -233,7 +243,9 @@ def render(env, rows, batch_rows) -> str:
               "without drafts count as plain); measured = tokens/s over specflow none; "
               "predicted, priced = the same tokens per round divided by the round's measured cost "
               "in plain passes (a verification pass over k+1 positions costs more than a "
-              "one-position pass on a CPU, which the formula assumes away).", "",
+              "one-position pass on a CPU, which the formula assumes away). Tree arms: α is "
+              "the acceptance per tree level, the verify pass scores 17 positions; the chain "
+              "formula does not apply.", "",
               "| specflow arm | batch | packed | tokens/s | vs batch 1 | decode tokens/s | "
               "decode vs batch 1 | prefill share | vs none at same batch | α |",
               "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]

@@ -22,12 +22,14 @@ from specflow.stages.empty_rows import EmptyDistributionError
 from specflow.stages.proposers.ngram import ngram_draft
 from specflow.stages.stop import TrimResult
 from specflow.stages.verify import verify
+from specflow.stages.verify_tree import verify_tree
 from specflow.state import PAD, DecodeBatch, Proposal, RoundResult, ShapingBatch, VerifyOutput
 from specflow.version import __version__
 
 __all__ = [
     # running
-    "Pipeline", "GenerationResult", "Request", "Engine", "RequestOutput", "verify", "ngram_draft",
+    "Pipeline", "GenerationResult", "Request", "Engine", "RequestOutput", "verify", "verify_tree",
+    "ngram_draft",
     # writing plugins: the marker, the round's dataclasses, the registry, helpers
     "hookimpl", "HOOK_API_VERSION", "PAD", "DecodeBatch", "Proposal", "ShapingBatch",
     "VerifyOutput", "TrimResult", "RoundResult", "Registry", "reset_plugins",

@@ -184,7 +184,7 @@ class Engine:
         result, trim, shaped = pipe._round(batch, self.round_index)
         self.round_index += 1
         if any(r.request.logprobs is not None for r in rows):
-            pipe._record_logprobs(rows, shaped, trim.committed)
+            pipe._record_logprobs(rows, shaped, trim.committed, result.accepted_nodes)
         for b, row in enumerate(rows):
             rid = row.request.request_id
             reason = result.finish_reasons[b]

@@ -52,8 +52,13 @@ class Counters:
     rounds_without_drafts: Counter = field(default_factory=Counter)
     sim_time: dict[str, float] = field(default_factory=dict)   # synthetic backend's clock
 
-    def add_row(self, k: int, accepted: int, committed: int, skip_reason: str | None = None) -> None:
-        examined = min(accepted + 1, k)
+    def add_row(self, k: int, accepted: int, committed: int, skip_reason: str | None = None,
+                examined: int | None = None) -> None:
+        """One row of one round. k: drafts (a tree's nodes); examined: the tree levels the
+        verifier tried (a chain: min(accepted + 1, k)); per-position counts are per depth."""
+        tree = examined is not None
+        if examined is None:
+            examined = min(accepted + 1, k)
         if k == 0:
             self.rounds_without_drafts[skip_reason or "no proposal"] += 1
         self.num_rounds += 1
@@ -64,8 +69,9 @@ class Counters:
         self.num_accepted_tokens += accepted
         self.num_committed_tokens += committed
         self.tokens_per_step_histogram[committed] += 1
-        if k > len(self.examined_per_position):
-            grow = k - len(self.examined_per_position)
+        depth = examined if tree else k
+        if depth > len(self.examined_per_position):
+            grow = depth - len(self.examined_per_position)
             self.examined_per_position += [0] * grow
             self.accepted_per_position += [0] * grow
         for i in range(examined):
@@ -176,10 +182,12 @@ class MetricsRecorder:
     def specflow_observe(self, result):
         seconds = result.seconds
         reasons = result.skip_reasons or [None] * len(result.request_ids)
-        for rid, k, acc, committed, why in zip(result.request_ids, result.num_drafts,
-                                               result.num_accepted, result.committed, reasons):
+        examined = result.num_examined or [None] * len(result.request_ids)
+        for rid, k, acc, committed, why, seen in zip(result.request_ids, result.num_drafts,
+                                                     result.num_accepted, result.committed,
+                                                     reasons, examined):
             for counters in (self.requests[rid], self.total):
-                counters.add_row(k, acc, len(committed), why)
+                counters.add_row(k, acc, len(committed), why, seen)
             self.round_commits[rid].append(len(committed))
             self.requests[rid].add_seconds(seconds)
             if result.sim_time:

@@ -40,6 +40,8 @@ from specflow.stages.empty_rows import EmptyDistributionError, EmptyRowLog, Shap
 from specflow.stages.logits import is_greedy
 from specflow.stages.request_settings import check_request_sampling
 from specflow.stages.score import TargetScorer
+from specflow.stages.tree import along_path, check_parents, check_tree, examined_levels, layout_of, \
+    shape_tree
 from specflow.state import PAD, DecodeBatch, Proposal, RoundResult, ShapingBatch, VerifyOutput
 
 
@@ -110,9 +112,12 @@ class Pipeline:
         ctx = BuildContext(cfg=cfg, slots=int(cfg.max_batch_size), clock=self.clock,
                            device=resolve_device(str(cfg.device)))
         ctx.target = self.target = self._build("model", ctx)
+        self._check_k_fits(cfg)
         self.threads = choose_threads(cfg.get("threads", "auto"), self.target)
         spec_k = int(cfg.proposer.get("k", 0)) if cfg.get("proposer") is not None \
             and cfg.proposer.name != "none" else 0
+        if spec_k and int(cfg.proposer.get("topk", 1) or 1) > 1:   # a tree scores its nodes
+            spec_k = int(cfg.proposer.get("num_draft_tokens") or spec_k)
         self.packed = choose_pack(cfg.get("pack", "auto"), self.target, spec_k + 1,
                                   int(cfg.max_batch_size))
         ctx.tokenizer = self.tokenizer = self.target.tokenizer
@@ -120,7 +125,6 @@ class Pipeline:
             ctx.build_draft = lambda: self._build("draft", ctx)
         self.ctx = ctx
 
-        self._check_k_fits(cfg)
         self.speculates = cfg.proposer.name != "none"
         self.no_speculation_reason = f"proposer={cfg.proposer.name}"
         self._register(TargetScorer(self.target), "score.target")
@@ -179,6 +183,10 @@ class Pipeline:
         if limit is not None and k + 1 >= limit:
             raise ConfigError(f"proposer.k={k} leaves no room in the model's {limit}-token "
                               f"context; use a k well below {limit}")
+        nodes = cfg.proposer.get("num_draft_tokens") if cfg.get("proposer") is not None else None
+        if limit is not None and nodes is not None and int(nodes) + 1 >= limit:
+            raise ConfigError(f"proposer.num_draft_tokens={nodes} leaves no room in the model's "
+                              f"{limit}-token context; use a node budget well below {limit}")
 
     @classmethod
     def from_config(cls, overrides: Sequence[str] = (), config_name: str = "config",
@@ -213,7 +221,8 @@ class Pipeline:
     # --- the shaping call draft and target share ---------------------------------------------
 
     def shape(self, logits: torch.Tensor, token_ids: list[list[int]], draft_token_ids: torch.Tensor,
-              first_draft_index: int, request_ids: list[int], source: str) -> torch.Tensor:
+              first_draft_index: int, request_ids: list[int], source: str,
+              paths: list[list[int]] | None = None) -> torch.Tensor:
         """Grammar masks, then logit processors in config order: [B, P, V] -> [B, P, V] float32.
 
         Masks come first (as in vLLM and outlines), so top-k / top-p / min-p truncate among the
@@ -235,7 +244,7 @@ class Pipeline:
             # a draft row is never an error by itself: its stand-in q is exact (the draft is
             # sampled from it), and the target's row at the same prefix decides
             self.empty_rows.add(ShapeCall(source, list(request_ids), token_ids, draft_token_ids,
-                                          first_draft_index, unusable, raw_unusable))
+                                          first_draft_index, unusable, raw_unusable, paths))
         return shaped
 
     def _shaping_stages(self) -> list[tuple[str, Callable]]:
@@ -247,11 +256,13 @@ class Pipeline:
                     stages.append((impl.plugin_name, impl.function))
         return stages
 
-    def _check_empty_rows(self, batch: DecodeBatch, consumed: list[int]) -> None:
+    def _check_empty_rows(self, batch: DecodeBatch, consumed: list[int],
+                          accepted: list[list[int]] | None = None) -> None:
         """Raise for a shaped position with no usable token that plain decoding would have
         sampled from: position p of row b counts when p < consumed[b] (accepted drafts plus the
-        recovered or bonus token, cut after an EOS or stop)."""
-        hit = self.empty_rows.first_counted(batch.request_ids, consumed)
+        recovered or bonus token, cut after an EOS or stop) and, in a tree, the position lies
+        on the accepted path (`accepted`: each row's accepted nodes)."""
+        hit = self.empty_rows.first_counted(batch.request_ids, consumed, accepted)
         if hit is None:
             return
         call, row, position = hit
@@ -453,6 +464,34 @@ class Pipeline:
             reasons = [self.no_speculation_reason] * batch.size
         return torch.tensor(ks, dtype=torch.long), reasons
 
+    def _check_tree(self, proposal: Proposal, batch: DecodeBatch, num_nodes: list[int],
+                    packed: list[int], bad_ids: list[int], ks: list[int]):
+        """A proposer's tree: nodes packed at the front and inside the vocabulary, parents
+        before children, depth <= k, nodes within the context left. -> its layout."""
+        problem = check_parents(proposal.parents.cpu(), num_nodes)
+        if problem is None and packed != num_nodes:
+            problem = "returned a row with padding (-1) between nodes; pad only after them"
+        if problem is None and any(bad_ids):
+            problem = f"returned token ids outside the vocabulary [0, {self.target.vocab_size})"
+        if problem is None and not getattr(self.target, "supports_trees", False):
+            problem = (f"returned a tree, but the target backend {type(self.target).__name__} "
+                       f"cannot score trees; propose chains (parents=None)")
+        layout = None
+        if problem is None:
+            layout = layout_of(proposal)
+            limit = self.target.max_length
+            room = [None if limit is None else limit - len(ids) for ids in batch.token_ids]
+            problem = check_tree(layout, ks, room)
+        if problem:
+            self._proposer_error(problem)
+        return layout
+
+    def _proposer_error(self, problem: str):
+        name = self.cfg.proposer.name
+        owner = self.registry.get("proposer", name).plugin
+        raise PluginError(f"proposer {name!r} (or a plugin answering specflow_propose; "
+                          f"configured one from {owner}) {problem}: fix the proposer")
+
     def _check_drafts(self, num_drafts: list[int], packed: list[int], bad_ids: list[int],
                       ks: list[int]) -> None:
         """A proposer's drafts: at most k per row (the caps keep rows in context), packed at the
@@ -468,10 +507,7 @@ class Pipeline:
                 problem = (f"returned token ids outside the vocabulary [0, "
                            f"{self.target.vocab_size})")
             if problem:
-                name = self.cfg.proposer.name
-                owner = self.registry.get("proposer", name).plugin
-                raise PluginError(f"proposer {name!r} (or a plugin answering specflow_propose; "
-                                  f"configured one from {owner}) {problem}: fix the proposer")
+                self._proposer_error(problem)
 
     def _round(self, batch: DecodeBatch, round_index: int):
         try:
@@ -494,7 +530,11 @@ class Pipeline:
         counts = torch.stack([valid.sum(-1), valid.long().cumprod(-1).sum(-1),
                               ((ids < PAD) | (ids >= self.target.vocab_size)).sum(-1)])   # [3, B]
         num_drafts, packed, bad_ids = counts.tolist()
-        self._check_drafts(num_drafts, packed, bad_ids, k.tolist())
+        if proposal.parents is None:
+            layout = None
+            self._check_drafts(num_drafts, packed, bad_ids, k.tolist())
+        else:                        # a tree: num_drafts counts its nodes
+            layout = self._check_tree(proposal, batch, num_drafts, packed, bad_ids, k.tolist())
         for b, n in enumerate(num_drafts):   # asked for drafts, got none: say why
             if n == 0 and skip_reasons[b] is None:
                 given = proposal.skip_reasons[b] if proposal.skip_reasons else None
@@ -503,8 +543,12 @@ class Pipeline:
         logits = hook.specflow_score(batch=batch, proposal=proposal)                # [B, K+1, V]
         t3 = time.perf_counter()
         # the drafts as the host read them: prefix processors and grammars walk them on the host
-        shaped = self.shape(logits, batch.token_ids, proposal.host_draft_token_ids(), 0,
-                            batch.request_ids, "target")                             # [B, K+1, V]
+        if layout is None:
+            shaped = self.shape(logits, batch.token_ids, proposal.host_draft_token_ids(), 0,
+                                batch.request_ids, "target")                         # [B, K+1, V]
+        else:                        # each node shaped with its own root path as its prefix
+            shaped = shape_tree(self.shape, logits, batch, proposal.host_draft_token_ids(),
+                                layout)                                              # [B, N+1, V]
         # greedy verification reads only the argmax, which softmax does not change
         probs = shaped if batch.greedy else shaped.softmax(-1)
         verified = hook.specflow_verify(batch=batch, proposal=proposal, target_probs=probs)
@@ -512,8 +556,11 @@ class Pipeline:
         t4 = time.perf_counter()
         trim = hook.specflow_trim(batch=batch, verified=verified)
         # before the committed tokens join the prefixes the shape calls recorded
+        accepted = None if layout is None else \
+            [row[:n] for row, n in zip(verified.accepted_nodes.tolist(),
+                                       verified.num_accepted.tolist())]
         self._check_empty_rows(batch, trim.consumed if trim.consumed is not None
-                               else (verified.num_accepted + 1).tolist())
+                               else (verified.num_accepted + 1).tolist(), accepted)
         for ids, new in zip(batch.token_ids, trim.committed):
             ids.extend(new)
         t5 = time.perf_counter()
@@ -523,11 +570,17 @@ class Pipeline:
             num_accepted=verified.num_accepted.tolist(), committed=trim.committed,   # host: no sync
             finish_reasons=trim.finish_reasons, batch_size=batch.size, skip_reasons=skip_reasons,
             sim_time={s: v - sim_before.get(s, 0.0) for s, v in self.clock.by_source.items()
-                      if v != sim_before.get(s, 0.0)})
+                      if v != sim_before.get(s, 0.0)},
+            accepted_nodes=accepted,
+            num_examined=None if layout is None else examined_levels(layout, accepted),
+            tree_depths=None if layout is None else layout.depth.max(1).values.tolist())
         hook.specflow_sync_cache(batch=batch, result=result)
         t6 = time.perf_counter()
-        seconds.update(policy=t1 - t0, propose=t2 - t1, target=t3 - t2, verify=t4 - t3,
+        catch_up = proposal.catch_up_seconds          # a proposer caching prompts: prefill work
+        seconds.update(policy=t1 - t0, propose=t2 - t1 - catch_up, target=t3 - t2, verify=t4 - t3,
                        trim=t5 - t4, sync=t6 - t5)
+        if catch_up:
+            seconds["prefill"] = catch_up
         result.seconds = seconds
         hook.specflow_observe(result=result)
         hook.specflow_round_end(result=result, pipeline=self)
@@ -541,17 +594,28 @@ class Pipeline:
         round's second and last host sync (the first reads the drafts: host_draft_token_ids).
         """
         calls = self.empty_rows.calls
-        parts = [verified.out_token_ids, verified.num_accepted, *[c.unusable for c in calls]]
+        tree = verified.accepted_nodes is not None
+        parts = [verified.out_token_ids, verified.num_accepted,
+                 *([verified.accepted_nodes] if tree else []), *[c.unusable for c in calls]]
         device = verified.out_token_ids.device
         flat = torch.cat([p.to(device).long().flatten() for p in parts]).cpu()         # [N]
         pieces = flat.split([p.numel() for p in parts])
-        for call, piece in zip(calls, pieces[2:]):
+        first = 3 if tree else 2
+        for call, piece in zip(calls, pieces[first:]):
             call.unusable = piece.view(call.unusable.shape).bool()
-        return VerifyOutput(pieces[0].view(parts[0].shape), pieces[1].view(parts[1].shape))
+        return VerifyOutput(pieces[0].view(parts[0].shape), pieces[1].view(parts[1].shape),
+                            pieces[2].view(parts[2].shape) if tree else None)
 
     def _record_logprobs(self, rows: list[Row], shaped: torch.Tensor,
-                         committed: list[list[int]]) -> None:
-        """Logprobs of the committed tokens: committed token j was verified at position j."""
+                         committed: list[list[int]],
+                         accepted_nodes: list[list[int]] | None = None) -> None:
+        """Logprobs of the committed tokens: committed token j was verified at position j (of
+        the accepted path, for a tree)."""
+        if accepted_nodes is not None:
+            width = shaped.shape[1] - 1
+            nodes = torch.tensor([a + [PAD] * (width - len(a)) for a in accepted_nodes],
+                                 dtype=torch.long).view(len(accepted_nodes), width)
+            shaped = along_path(shaped, nodes)                                       # [B, N+1, V]
         lp = shaped.float().log_softmax(-1)                                          # [B, K+1, V]
         for b, (row, new) in enumerate(zip(rows, committed)):
             n_top = row.request.logprobs

@@ -79,7 +79,14 @@ class Proposal:
                                               # from; None = deterministic proposer (one-hot q)
     skip_reasons: list[str | None] | None = None  # [B] why a row asked for drafts got none
                                                   # (e.g. "draft context full"); None: no reason
+    parents: torch.Tensor | None = None       # [B, K] long, a tree: each node's parent (-1 = the
+                                              # last committed token, else an earlier node);
+                                              # None = a chain (node i follows node i - 1)
+    catch_up_seconds: float = 0.0             # host time spent caching rows' context before the
+                                              # draft steps (a new row's prompt): recorded as the
+                                              # round's prefill, not as drafting
     _host: tuple | None = field(default=None, init=False, repr=False, compare=False)
+    _layout: tuple | None = field(default=None, init=False, repr=False, compare=False)  # trees
 
     @property
     def num_draft_tokens(self) -> torch.Tensor:
@@ -175,6 +182,8 @@ class VerifyOutput:
 
     out_token_ids: torch.Tensor  # [B, K+1] long: accepted prefix, recovered or bonus, then PAD
     num_accepted: torch.Tensor   # [B] long: accepted draft tokens (the recovered/bonus not counted)
+    accepted_nodes: torch.Tensor | None = None   # [B, K] long, trees only: the accepted path's
+                                                 # node indices from the root, PAD after
 
     @classmethod
     def make_dummy(cls, num_accepted: list[int], k: int, vocab_size: int = 8) -> "VerifyOutput":
@@ -198,6 +207,17 @@ class RoundResult:
     seconds: dict[str, float] = field(default_factory=dict)  # stage -> wall seconds this round
     skip_reasons: list[str | None] = field(default_factory=list)  # [B] why a row ran with k = 0
     sim_time: dict[str, float] = field(default_factory=dict)  # simulated clock units this round
+    # trees only (None for chains): each row's accepted node indices from the root, and how
+    # many tree levels the verifier examined (the accepted ones, plus the one it rejected at
+    # unless the path ended at a leaf)
+    accepted_nodes: list[list[int]] | None = None
+    num_examined: list[int] | None = None
+    tree_depths: list[int] | None = None   # [B] each row's deepest node (num_drafts counts nodes)
+
+    def draft_lengths(self) -> list[int]:
+        """Per row, the most tokens the drafts could have added: k for a chain, the depth for
+        a tree (what a policy's k caps)."""
+        return self.tree_depths if self.tree_depths is not None else self.num_drafts
 
     @classmethod
     def make_dummy(cls, num_drafts: list[int], num_accepted: list[int]) -> "RoundResult":

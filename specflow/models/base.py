@@ -7,6 +7,7 @@ Slots are reused as requests come and go (continuous batching); `reset` empties 
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -32,6 +33,26 @@ class SimClock:
         self.by_source[source] = self.by_source.get(source, 0.0) + units
 
 
+@dataclass
+class TreeAttention:
+    """Who attends to whom in a forward over tree nodes. Every query sees the cached keys below
+    visible_below[b] (the committed prefix); among the keys from there on it sees those `see`
+    marks. Queries sit at their own rotary positions (the prefix length plus their depth), not
+    at the cache slots they are written to."""
+
+    positions: torch.Tensor       # [B, T] long, each query's position
+    visible_below: list[int]      # [B] keys [0, visible_below[b]) are visible to every query
+    see: torch.Tensor             # [B, T, R] bool: query t sees key visible_below[b] + r
+
+    @classmethod
+    def of_layout(cls, layout, starts: list[int]) -> "TreeAttention":
+        """A target tree pass: the root is written at starts[b], node i at starts[b] + 1 + i;
+        each sees its ancestors and itself (stages/tree.py TreeLayout)."""
+        T = layout.depth.shape[1]
+        start = torch.tensor(starts)
+        return cls(start[:, None] + layout.depth, list(starts), layout.ancestors()[:, :T, :T])
+
+
 class Backend(abc.ABC):
     """A causal LM with one rollback-able cache per slot."""
 
@@ -43,6 +64,9 @@ class Backend(abc.ABC):
     device: torch.device = torch.device("cpu")
     tokenizer: Tokenizer
     clock: SimClock | None = None
+    # a forward's cost follows rows x its longest input (rows are padded to one length), not the
+    # sum of the rows' lengths; the goodput policy prices a round's drafts by it
+    pads_rows: bool = True
 
     @abc.abstractmethod
     def reset(self, slot: int) -> None:
@@ -75,3 +99,22 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def truncate(self, slots: torch.Tensor, lengths: list[int]) -> None:
         """Roll each slot's cache back to its first `lengths[b]` tokens."""
+
+    # --- token trees (optional) -------------------------------------------------------------
+
+    supports_trees: bool = False         # forward_tree and keep_cached are implemented
+
+    def forward_tree(self, slots: torch.Tensor, input_ids: torch.Tensor, input_lens: torch.Tensor,
+                     layout) -> torch.Tensor:
+        """Append a tree per row: input_ids [B, N+1] = the row's last committed token, then its
+        draft nodes (PAD after input_lens[b]); `layout` (stages/tree.py TreeLayout) gives each
+        node's depth and ancestors. Node t sits at position start + depth(t) and attends to the
+        cached prefix and to its own ancestors only. The entries are cached in input order
+        (keep_cached later keeps the accepted path). Returns logits [B, N+1, V] float32."""
+        raise NotImplementedError(f"{type(self).__name__} cannot score token trees")
+
+    def keep_cached(self, slots: list[int], base: list[int], picks: list[list[int]]) -> None:
+        """After a tree pass: for each row, the cached entries base[b] + picks[b][i] move to
+        base[b] + i (in order), and the row's length becomes base[b] + len(picks[b])."""
+        raise NotImplementedError(f"{type(self).__name__} cannot score token trees")
+

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from specflow.errors import ConfigError
-from specflow.models.base import Backend
+from specflow.models.base import Backend, TreeAttention
 from specflow.models.slot_cache import SlotKVCache
 from specflow.state import PAD
 
@@ -308,9 +308,11 @@ class HFBackend(Backend):
     def cache_length(self, slot: int) -> int:
         return self.cache.lengths[slot]
 
+    supports_trees = True
+
     @torch.inference_mode()
     def forward(self, slots: torch.Tensor, input_ids: torch.Tensor,
-                input_lens: torch.Tensor, logits: bool = True) -> torch.Tensor | None:
+                input_lens: torch.Tensor, logits: bool = True, tree=None) -> torch.Tensor | None:
         B, T = input_ids.shape
         slot_list = slots.tolist()
         lens = input_lens.tolist()
@@ -318,11 +320,14 @@ class HFBackend(Backend):
         positions, kv_len = self.cache.begin(slot_list, lens, T, self.device)    # [B, T]
         windowed = self.window is not None and kv_len > self.window
         mask = None          # one query attends to the whole cached row: no mask to build
-        if not (B == 1 and T == 1 and not windowed):
+        if tree is not None:
+            positions, allowed = self._tree_mask(tree, kv_len)                      # [B, T], [B, T, L]
+        elif not (B == 1 and T == 1 and not windowed):
             keys = torch.arange(kv_len, device=self.device)                          # [L]
             allowed = keys[None, None, :] <= positions[:, :, None]                   # [B, T, L]
             if windowed:
                 allowed &= keys[None, None, :] > positions[:, :, None] - self.window
+        if tree is not None or not (B == 1 and T == 1 and not windowed):
             mask = allowed[:, None] if self._bool_mask else torch.zeros(
                 B, 1, T, kv_len, dtype=self.model.dtype, device=self.device).masked_fill(
                 ~allowed[:, None], torch.finfo(self.model.dtype).min)
@@ -346,6 +351,31 @@ class HFBackend(Backend):
             self.hidden_sink(slot_list, starts, lens,
                              torch.cat([out.hidden_states[i] for i in capture], -1))
         return out.logits.float() if logits else None                                # [B, T, V]
+
+    def forward_tree(self, slots: torch.Tensor, input_ids: torch.Tensor, input_lens: torch.Tensor,
+                     layout) -> torch.Tensor:
+        starts = [self.cache.lengths[s] for s in slots.tolist()]
+        return self.forward(slots, input_ids, input_lens, tree=TreeAttention.of_layout(layout, starts))
+
+    def _tree_mask(self, tree: TreeAttention, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary positions [B, T] and the attention mask [B, T, L] of a forward over tree
+        nodes: the committed prefix (sliding window applied) and the tree keys `see` marks."""
+        B, T, R = tree.see.shape
+        below = torch.tensor(tree.visible_below)                                     # [B]
+        keys = torch.arange(kv_len)                                                  # [L]
+        rel = keys[None, :] - below[:, None]                                         # [B, L]
+        in_tree = (rel >= 0) & (rel < R)                                             # [B, L]
+        tree_part = tree.see.gather(2, rel.clamp(0, max(R - 1, 0))[:, None, :].expand(B, T, kv_len))
+        prefix = (rel < 0)[:, None, :]                                               # [B, 1, L]
+        allowed = prefix | (in_tree[:, None, :] & tree_part)                         # [B, T, L]
+        positions = tree.positions
+        if self.window is not None:
+            allowed &= ~(prefix & (keys[None, None, :] <= positions[:, :, None] - self.window))
+        return positions.to(self.device), allowed.to(self.device)
+
+    @torch.inference_mode()
+    def keep_cached(self, slots: list[int], base: list[int], picks: list[list[int]]) -> None:
+        self.cache.keep(slots, base, picks)
 
     def prefill(self, slot: int, ids: list[int]) -> None:
         if ids:

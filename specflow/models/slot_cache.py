@@ -84,6 +84,18 @@ class SlotKVCache(Cache):
     def reset(self, slot: int) -> None:
         self.lengths[slot] = 0
 
+    def keep(self, slots: list[int], base: list[int], picks: list[list[int]]) -> None:
+        """Move each row's entries base + picks[i] to base + i, every layer (a tree pass's
+        accepted path into place); the row's length becomes base + len(picks)."""
+        for s, b, pick in zip(slots, base, picks):
+            if pick and pick != list(range(len(pick))):
+                src = torch.tensor(pick) + b                                           # [n]
+                for buf in (*self.keys, *self.values):
+                    if buf is not None:
+                        src_d = src.to(buf.device)
+                        buf[s, :, b:b + len(pick)] = buf[s].index_select(1, src_d)    # copy first
+            self.lengths[s] = b + len(pick)
+
     # --- what attention layers call ------------------------------------------------------------
 
     def _ensure(self, layer: int, like: torch.Tensor) -> None:

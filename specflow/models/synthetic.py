@@ -135,6 +135,7 @@ class SyntheticBackend(Backend):
     """Target (noise 0) or draft (noise > 0) over the same context-dependent tables."""
 
     name = "synthetic"
+    pads_rows = False          # the simulated clock charges each row's own tokens
 
     def __init__(self, cfg: SyntheticModelConfig, noise: float = 0.0, clock: SimClock | None = None,
                  source: str = "target", slots: int = 1, mismatch: float = 0.0):
@@ -180,7 +181,7 @@ class SyntheticBackend(Backend):
         return self.lengths[slot]
 
     def forward(self, slots: torch.Tensor, input_ids: torch.Tensor,
-                input_lens: torch.Tensor) -> torch.Tensor:
+                input_lens: torch.Tensor, tree=None) -> torch.Tensor:
         B, T = input_ids.shape
         slot_list, lens = slots.tolist(), input_lens.tolist()
         for s, n in zip(slot_list, lens):
@@ -190,6 +191,8 @@ class SyntheticBackend(Backend):
         prev_token = torch.where(starts > 0, last, torch.full_like(last, self.vocab_size))  # [B]
         ids = input_ids.clamp(min=0)                                                        # [B, T]
         prev = torch.cat([prev_token[:, None], ids[:, :-1]], 1)                            # [B, T]
+        if tree is not None:     # each query's previous token: its deepest visible tree entry
+            prev = self._tree_prev(slot_list, starts, ids, tree)
         ctx = self.context_of[prev, ids]                                                    # [B, T]
         noise = [self.slot_noise.get(s) for s in slot_list]
         if all(n is None for n in noise):
@@ -207,6 +210,62 @@ class SyntheticBackend(Backend):
             cost = self.cfg.step_cost + self.cfg.token_cost * sum(lens)
             self.clock.charge(self.source, cost)
         return logits
+
+    supports_trees = True
+
+    def _tree_prev(self, slots: list[int], starts: torch.Tensor, ids: torch.Tensor,
+                   tree) -> torch.Tensor:
+        """[B, T] the token before each tree query: the latest entry it sees other than itself
+        (ancestors are written before their children), else the last committed token."""
+        B, T = ids.shape
+        prev = torch.empty(B, T, dtype=torch.long)
+        for b, s in enumerate(slots):
+            below = tree.visible_below[b]
+            for t in range(T):
+                own = int(starts[b]) - below + t
+                seen = [r for r in tree.see[b, t].nonzero().flatten().tolist() if r != own]
+                if seen:
+                    prev[b, t] = self.history[s, below + max(seen)]
+                else:
+                    prev[b, t] = self.history[s, below - 1] if below > 0 else self.vocab_size
+        return prev
+
+    def forward_tree(self, slots: torch.Tensor, input_ids: torch.Tensor, input_lens: torch.Tensor,
+                     layout) -> torch.Tensor:
+        """A position's context is (its parent's token, its token): the root's parent is the
+        cached last token, a node's parent is its tree parent."""
+        B, T = input_ids.shape
+        par = layout.parents[:, :T - 1] + 1                                              # [B, T-1]
+        ids = input_ids.clamp(min=0)
+        # the previous token of each position: the cached one for the root, else the parent's
+        slot_list = slots.tolist()
+        starts = torch.tensor([self.lengths[s] for s in slot_list], dtype=torch.long)
+        for s, n in zip(slot_list, input_lens.tolist()):
+            self._ensure(s, self.lengths[s] + n)
+        last = self.history[slots, (starts - 1).clamp(min=0)]
+        root_prev = torch.where(starts > 0, last, torch.full_like(last, self.vocab_size))  # [B]
+        node_prev = ids.gather(1, par.clamp(min=0))                                       # [B, T-1]
+        prev = torch.cat([root_prev[:, None], node_prev], 1)                              # [B, T]
+        ctx = self.context_of[prev, ids]                                                  # [B, T]
+        noise = [self.slot_noise.get(s) for s in slot_list]
+        if all(n is None for n in noise):
+            logits = self.log_table[ctx]                                                  # [B, T, V]
+        else:
+            n = torch.tensor([self.noise if x is None else x for x in noise])[:, None, None]
+            logits = ((1 - n) * self.probs[ctx] + n / self.vocab_size).log()
+        for b, (s, n) in enumerate(zip(slot_list, input_lens.tolist())):
+            self.history[s, self.lengths[s]:self.lengths[s] + n] = input_ids[b, :n]
+            self.lengths[s] += n
+        if self.clock is not None:
+            self.clock.charge(self.source, self.cfg.step_cost
+                              + self.cfg.token_cost * int(input_lens.sum()))
+        return logits
+
+    def keep_cached(self, slots: list[int], base: list[int], picks: list[list[int]]) -> None:
+        for s, b, pick in zip(slots, base, picks):
+            if pick:
+                self.history[s, b:b + len(pick)] = self.history[s, torch.tensor(pick) + b]
+            self.lengths[s] = b + len(pick)
 
     def noise_of(self, slot: int) -> float:
         return self.slot_noise.get(slot, self.noise)

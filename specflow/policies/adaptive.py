@@ -75,7 +75,7 @@ class AdaptivePolicy:
     @hookimpl
     def specflow_observe(self, result):
         w = self.cfg.ewma
-        for rid, k, acc in zip(result.request_ids, result.num_drafts, result.num_accepted):
+        for rid, k, acc in zip(result.request_ids, result.draft_lengths(), result.num_accepted):
             old = self.acceptance.get(rid, self.cfg.initial_acceptance)
             if k > 0:
                 self.acceptance[rid] = (1 - w) * old + w * acc / min(acc + 1, k)

@@ -6,18 +6,24 @@ Two things are learned online, nothing is hand-set:
   own rate over all positions, which is shrunk towards the running global rate — so positions a
   sequence has not tried yet are estimated from what it has, and a new sequence starts from
   everyone's average;
-- cost: the target pass time as a linear function of the tokens it scores (sum over rows of
-  k+1) and the draft time per step as a linear function of the rows drafting, fitted by
+- cost: the target pass time as a linear function of the positions it computes (rows x (the
+  longest k + 1) for a real forward, which pads its rows to one length; the sum over rows of
+  k + 1 for the synthetic pair's clock) and the draft time per step as a linear function of the rows drafting, fitted by
   exponentially weighted least squares on the measured stage times (the synthetic backend's
   simulated clock when there is one). A real target's fit starts from two passes timed when the
   policy is built (one position in one row; k_max+1 in every slot): steady rounds alone cannot
   tell the fixed cost of a pass from its cost per position.
 
-Each round, each sequence takes the k that maximises its own expected tokens per unit of its own
-cost: E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j over a_t/B + b_t (k+1) + k (b_d + a_d/B), where the
-round's fixed costs (a_t for the target pass, a_d per draft step) are shared by the B running
-sequences. With a full queue this minimises the total cost of the work (each slot should turn
-tokens out as cheaply as it can); under load b_t (k+1) dominates and k falls towards 0 on its own.
+With padded rows (a real target) the round is priced as a whole: for each cap K the round costs
+a_t + b_t B (K+1) + a_d K + b_d sum(k), every row drafts the k <= K its own acceptance pays for,
+and the cap with the most expected tokens, sum over rows of E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j,
+per second of the round wins (choose_k_padded). Under load b_t B (K+1) dominates and K falls to 0
+for the whole batch; one row can no longer make every row score K + 1 positions.
+
+With rows priced separately (the synthetic clock) each sequence takes the k that maximises its
+own E(k) over a_t/B + b_t (k+1) + k (b_d + a_d/B), the round's fixed costs (a_t for the target
+pass, a_d per draft step) shared by the B running sequences (choose_k). With a full queue this
+minimises the total cost of the work; under load b_t (k+1) dominates and k falls to 0.
 `policy=oracle` is the same rule fed the synthetic pair's true acceptance and costs (the yardstick
 of the policy experiment).
 """
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specflow.errors import ConfigError
@@ -39,7 +46,8 @@ class GoodputPolicyConfig:
     cost_memory: float = 0.05      # weight of the newest round in the cost fits
     prior_acceptance: float = 0.7  # before anything is measured
     prior_draft_cost: float = 0.1  # draft step / target pass before anything is measured
-    explore_every: int = 50        # rounds; when every row is at k = 0, let one row probe k = 1
+    explore_every: int = 50        # rounds without drafts (x B with padded rows) before one
+                                   # row probes k = 1
     optimism: float = 0.5          # standard errors added to each acceptance estimate (exploration)
 
     def __post_init__(self) -> None:
@@ -78,55 +86,119 @@ class LinearFit2:
     RIDGE = 1e-3
 
     def __init__(self, memory: float, a: float, b: float):
-        self.memory, self.prior = memory, torch.tensor([a, b], dtype=torch.float64)
-        self.xx = torch.zeros(2, 2, dtype=torch.float64)
-        self.xy = torch.zeros(2, dtype=torch.float64)
+        self.memory, self.prior = memory, (a, b)
+        # discounted sums of x1 x1, x1 x2, x2 x2, x1 y, x2 y (plain floats: read every round)
+        self.s11 = self.s12 = self.s22 = self.s1y = self.s2y = 0.0
         self.n = 0.0
 
     def add(self, x1: float, x2: float, y: float) -> None:
-        x = torch.tensor([x1, x2], dtype=torch.float64)
         d = 1 - self.memory
-        self.xx, self.xy, self.n = d * self.xx + torch.outer(x, x), d * self.xy + x * y, d * self.n + 1
+        self.s11, self.s12, self.s22 = d * self.s11 + x1 * x1, d * self.s12 + x1 * x2, \
+            d * self.s22 + x2 * x2
+        self.s1y, self.s2y, self.n = d * self.s1y + x1 * y, d * self.s2y + x2 * y, d * self.n + 1
 
     def coef(self) -> tuple[float, float]:
         if self.n == 0:
-            return tuple(self.prior.tolist())
-        lam = self.RIDGE * self.xx.diagonal() + 1e-12               # per coefficient: scale-free
-        sol = torch.linalg.solve(self.xx + torch.diag(lam), self.xy + lam * self.prior)
-        a, b = sol.clamp(min=0).tolist()
-        return a, b
+            return self.prior
+        pa, pb = self.prior
+        l1, l2 = self.RIDGE * self.s11 + 1e-12, self.RIDGE * self.s22 + 1e-12   # scale-free ridge
+        m11, m22, m12 = self.s11 + l1, self.s22 + l2, self.s12
+        r1, r2 = self.s1y + l1 * pa, self.s2y + l2 * pb
+        det = m11 * m22 - m12 * m12                   # > 0: the ridge keeps it positive definite
+        a, b = (m22 * r1 - m12 * r2) / det, (m11 * r2 - m12 * r1) / det
+        return max(a, 0.0), max(b, 0.0)
 
 
-def expected_tokens(acceptance: torch.Tensor) -> torch.Tensor:
+def expected_tokens(acceptance) -> np.ndarray:
     """acceptance [B, K] (per position) -> E(k) [B, K+1] for k = 0..K."""
-    gain = acceptance.clamp(0, 1).cumprod(1)                                     # [B, K]
-    return torch.cat([torch.ones(len(gain), 1, dtype=gain.dtype), 1 + gain.cumsum(1)], 1)
+    gain = np.cumprod(np.clip(np.asarray(acceptance, dtype=np.float64), 0, 1), 1)  # [B, K]
+    return np.concatenate([np.ones((len(gain), 1)), 1 + np.cumsum(gain, 1)], 1)
 
 
-def choose_k(acceptance: torch.Tensor, a_t: float, b_t: float, a_d: float, b_d: float,
-             rounds: int = 3) -> list[int]:
-    """acceptance [B, K] -> per row, the k in 0..K maximising E(k) / its cost share.
+def choose_k(acceptance, a_t: float, b_t: float, a_d: float, b_d: float,
+             rounds: int = 3, positions=None) -> list[int]:
+    """acceptance [B, K] -> per row, the k in 0..K maximising E(k) / its cost share, for a
+    target whose pass costs the sum of its rows' positions (rows are not padded).
 
     A row's share of a round: a_t / B of the target pass's fixed cost, b_t per position it adds,
     b_d per draft step it takes, and a_d / n_i for its i-th draft step, which the n_i rows
     drafting at least i tokens share. n depends on everyone's k: a few fixed-point passes.
     """
-    B, K = acceptance.shape
+    E = expected_tokens(acceptance)                                              # [B, K+1]
+    B, K = E.shape[0], E.shape[1] - 1
     if B == 0:
         return []
-    E = expected_tokens(acceptance)                                              # [B, K+1]
-    k = torch.arange(K + 1, dtype=E.dtype)                                       # [K+1]
-    choice = torch.full((B,), K)
+    k = np.arange(K + 1)                                                         # [K+1]
+    scored = k + 1 if positions is None else np.asarray(positions[:K + 1])      # [K+1]
+    choice = np.full(B, K)
     for _ in range(rounds):
-        sharing = (choice[:, None] >= torch.arange(1, K + 1)[None, :]).sum(0)   # [K] n_i
-        step_share = a_d / sharing.clamp(min=1).to(E.dtype)                     # [K]
-        cost = a_t / B + b_t * (k + 1) + b_d * k + torch.cat(
-            [torch.zeros(1, dtype=E.dtype), step_share.cumsum(0)])               # [K+1]
-        new = (E / cost.clamp_min(1e-12)).argmax(1)                              # [B]
-        if torch.equal(new, choice):
+        sharing = (choice[:, None] >= k[None, 1:]).sum(0)                        # [K] n_i
+        step_share = a_d / np.maximum(sharing, 1)                                # [K]
+        cost = a_t / B + b_t * scored + b_d * k + np.concatenate(
+            [[0.0], np.cumsum(step_share)])                                      # [K+1]
+        new = (E / np.maximum(cost, 1e-12)).argmax(1)                            # [B]
+        if np.array_equal(new, choice):
             break
         choice = new
     return choice.tolist()
+
+
+def choose_k_padded(acceptance, a_t: float, b_t: float, a_d: float, b_d: float,
+                    rounds: int = 4, positions=None) -> list[int]:
+    """acceptance [B, K] -> per row k, for a target whose pass pads every row to the longest
+    (a transformer forward over [B, max k + 1]): the round costs a_t + b_t B (K + 1) for its
+    largest K whatever the other rows draft, plus a_d per draft step and b_d per drafting row.
+    So the choice is the batch's: for each cap K, every row takes the k <= K that is worth its
+    own draft steps, and the cap with the most expected tokens per second of the round wins
+    (per-row shares would let one keen row make all B rows score K + 1 positions).
+
+    For a cap the rows' choices and the round's rate depend on each other (Dinkelbach): each row
+    maximises E(k) - rate * b_d * k at the current rate, a few passes."""
+    E = expected_tokens(acceptance)                                              # [B, K+1]
+    B, K = E.shape[0], E.shape[1] - 1
+    if B == 0:
+        return []
+    j = np.arange(K + 1)                                                         # [J]
+    cap = np.arange(K + 1)                                                       # [C] = K+1 caps
+    # positions a row scores with depth k: k + 1 for a chain, the tree's nodes + 1 for a tree
+    scored = cap + 1 if positions is None else np.asarray(positions[:K + 1])    # [C]
+    target = a_t + b_t * B * scored                                              # [C]
+    # under load no longest draft K can beat plain decoding even if every row drafted K and all
+    # were accepted at its estimated rates (the round then costs at least target + (a_d + b_d) K):
+    # the common answer, found without the search
+    best_case = E.sum(0)[1:] / (target[1:] + (a_d + b_d) * cap[1:])             # [K]
+    if K == 0 or best_case.max() <= B / max(target[0], 1e-12):
+        return [0] * B
+    over = j[None, :] > cap[:, None]                                             # [C, J]
+    ks = np.repeat(cap[:, None], B, 1)                                           # [C, B]
+    rows = np.arange(B)[None, :]
+
+    def rate(ks):
+        tokens = E[rows, ks].sum(1)                                              # [C]
+        return tokens / np.maximum(target + a_d * ks.max(1) + b_d * ks.sum(1), 1e-12)
+
+    for _ in range(rounds):
+        score = E[None] - (rate(ks) * b_d)[:, None, None] * j[None, None, :]     # [C, B, J]
+        score[np.broadcast_to(over[:, None, :], score.shape)] = -np.inf
+        new = score.argmax(-1)                                                   # [C, B]
+        if np.array_equal(new, ks):
+            break
+        ks = new
+    return ks[int(rate(ks).argmax())].tolist()
+
+
+def tree_positions(ctx, k_max: int):
+    """Positions a row scores per depth k = 0..k_max when the proposer builds trees (its node
+    budget at that depth, plus the root); None for chains (k + 1)."""
+    proposer = ctx.cfg.get("proposer") if getattr(ctx, "cfg", None) is not None else None
+    if proposer is None or int(proposer.get("topk", 1) or 1) <= 1:
+        return None
+    from specflow.stages.tree import node_budgets, tree_budget
+
+    k_cfg = int(proposer.get("k", 0))
+    nodes = tree_budget(k_cfg, int(proposer.topk), proposer.get("num_draft_tokens"))
+    return np.array([1 + node_budgets([k], k_cfg, nodes, [None])[0] if k else 1
+                     for k in range(k_max + 1)])
 
 
 def measured_target_cost(target, positions: int, rows: int) -> tuple[float, float] | None:
@@ -171,9 +243,11 @@ class GoodputPolicy:
     def __init__(self, cfg: GoodputPolicyConfig, ctx=None):
         self.cfg = cfg
         self.global_rate = cfg.prior_acceptance
-        # per sequence: discounted accepted / examined counts, per position [K] and in all
-        self.counts: dict[int, list[torch.Tensor]] = {}
+        # per sequence: discounted accepted / examined counts per position, [2, K]
+        self.counts: dict[int, np.ndarray] = {}
         target = getattr(ctx, "target", None)
+        # how the target's pass is priced: padded rows (a real forward) or each row's own tokens
+        self.padded = bool(getattr(target, "pads_rows", False))
         prior = measured_target_cost(target, cfg.k_max + 1, int(getattr(ctx, "slots", 1))) \
             if target is not None else None
         self.target_prior = prior or (1.0, 0.0)
@@ -185,25 +259,26 @@ class GoodputPolicy:
         self.draft_prior = draft or (cfg.prior_draft_cost * sum(self.target_prior), 0.0)
         self.draft_fit = LinearFit2(cfg.cost_memory, *self.draft_prior)
         self.rounds = 0
+        self.idle_rounds = 0           # rounds in a row in which no row drafted
+        self.positions = tree_positions(ctx, cfg.k_max)
 
     # --- what the decision reads (the oracle overrides these) ---------------------------------
 
     PRIOR = 2.0        # pseudo-observations behind each shrinkage
 
-    def acceptance(self, batch) -> torch.Tensor:
-        K, out = self.cfg.k_max, []
-        for rid in batch.request_ids:
-            c = self.counts.get(rid)
-            if c is None:
-                out.append(torch.full((K,), self.global_rate))
-                continue
-            acc, seen = c
-            rate = (acc.sum() + self.PRIOR * self.global_rate) / (seen.sum() + self.PRIOR)
-            mean = (acc + self.PRIOR * rate) / (seen + self.PRIOR)                  # [K]
-            # optimism where little is known, so a sequence that could draft deeper finds out
-            bonus = self.cfg.optimism * (mean * (1 - mean) / (seen + self.PRIOR)).sqrt()
-            out.append((mean + bonus).clamp(max=1.0))
-        return torch.stack(out) if out else torch.zeros(0, K)                  # [B, K]
+    def acceptance(self, batch) -> np.ndarray:
+        """Per row and draft position, the estimated chance of acceptance: [B, K]."""
+        K = self.cfg.k_max
+        fresh = np.zeros((2, K))
+        c = np.stack([self.counts.get(rid, fresh) for rid in batch.request_ids]) \
+            if batch.request_ids else np.zeros((0, 2, K))                       # [B, 2, K]
+        acc, seen = c[:, 0], c[:, 1]                                             # [B, K]
+        rate = (acc.sum(1, keepdims=True) + self.PRIOR * self.global_rate) \
+            / (seen.sum(1, keepdims=True) + self.PRIOR)                          # [B, 1]
+        mean = (acc + self.PRIOR * rate) / (seen + self.PRIOR)                   # [B, K]
+        # optimism where little is known, so a sequence that could draft deeper finds out
+        bonus = self.cfg.optimism * np.sqrt(mean * (1 - mean) / (seen + self.PRIOR))
+        return np.minimum(mean + bonus, 1.0)
 
     def costs(self) -> tuple[float, float, float, float]:
         return (*self.target_fit.coef(), *self.draft_fit.coef())
@@ -212,42 +287,54 @@ class GoodputPolicy:
 
     @hookimpl
     def specflow_draft_length(self, batch):
-        k = choose_k(self.acceptance(batch), *self.costs())
+        acceptance = self.acceptance(batch)                                      # [B, K]
+        k = (choose_k_padded if self.padded else choose_k)(acceptance, *self.costs(),
+                                                             positions=self.positions)
         self.rounds += 1
-        if batch.size and not any(k) and self.rounds % self.cfg.explore_every == 0:
-            best = int(self.acceptance(batch)[:, 0].argmax())
-            k[best] = 1                               # keep measuring what drafting costs
+        self.idle_rounds = self.idle_rounds + 1 if batch.size and not any(k) else 0
+        # keep measuring what drafting costs and gains: after a stretch of rounds without drafts,
+        # the likeliest row probes k = 1. With padded rows the probe makes every row score one
+        # more position, so it comes B times less often (the same share of the time at any load)
+        if self.idle_rounds >= self.cfg.explore_every * (batch.size if self.padded else 1):
+            k[int(acceptance[:, 0].argmax())] = 1
+            self.idle_rounds = 0
         return torch.tensor(k, dtype=torch.long)
 
     @hookimpl
     def specflow_observe(self, result):
         K, keep = self.cfg.k_max, 1 - self.cfg.ewma
         g = self.cfg.ewma / 10                          # the global rate moves slower
-        for rid, k, acc in zip(result.request_ids, result.num_drafts, result.num_accepted):
+        levels = result.num_examined or [None] * len(result.request_ids)
+        for rid, k, acc, seen in zip(result.request_ids, result.num_drafts, result.num_accepted,
+                                     levels):
             if k == 0:
                 # what a sequence not drafting knows fades, so it is probed again later rather
                 # than written off after one unlucky stretch
                 if rid in self.counts:
-                    for c in self.counts[rid]:
-                        c.mul_(keep)
+                    self.counts[rid] *= keep
                 continue
-            examined = min(acc + 1, k)
+            examined = min(acc + 1, k) if seen is None else seen     # a tree: levels tried
+            if examined == 0:
+                continue
             self.global_rate = (1 - g) * self.global_rate + g * acc / examined
-            counts = self.counts.setdefault(rid, [torch.zeros(K), torch.zeros(K)])
-            counts[0].mul_(keep)
-            counts[1].mul_(keep)
+            counts = self.counts.setdefault(rid, np.zeros((2, K)))
+            counts *= keep
             n = min(examined, K)
-            counts[0][:min(acc, n)] += 1.0               # accepted at positions 1..acc
-            counts[1][:n] += 1.0                          # examined at positions 1..n
+            counts[0, :min(acc, n)] += 1.0               # accepted at positions 1..acc
+            counts[1, :n] += 1.0                          # examined at positions 1..n
         times = result.sim_time or result.seconds
         target = times.get("target", 0.0)
         draft = times.get("draft", times.get("propose", 0.0))
-        tokens = sum(k + 1 for k in result.num_drafts)
+        longest = max(result.num_drafts, default=0)
+        # the positions the pass computed (a tree's nodes): every row padded to the longest, or
+        # each its own
+        tokens = (longest + 1) * len(result.num_drafts) if self.padded \
+            else sum(k + 1 for k in result.num_drafts)
         if target > 0:
             self.target_fit.add(tokens, target)
-        steps = max(result.num_drafts, default=0)
-        if steps and draft > 0:
-            self.draft_fit.add(steps, sum(result.num_drafts), draft)
+        levels = result.draft_lengths()             # draft steps: a tree's depth, not its nodes
+        if longest and draft > 0:
+            self.draft_fit.add(max(levels), sum(levels), draft)
 
     @hookimpl
     def specflow_request_start(self, slot, request):
@@ -279,9 +366,9 @@ class OraclePolicy(GoodputPolicy):
         self.true_costs = (target.cfg.step_cost, target.cfg.token_cost, draft.cfg.step_cost,
                            draft.cfg.token_cost)
 
-    def acceptance(self, batch) -> torch.Tensor:
+    def acceptance(self, batch) -> np.ndarray:
         values = [self._acc(self.draft.noise_of(s)) for s in batch.slots.tolist()]
-        return torch.tensor(values)[:, None].expand(len(values), self.cfg.k_max).clone()
+        return np.repeat(np.asarray(values, dtype=np.float64)[:, None], self.cfg.k_max, 1)
 
     def costs(self):
         return self.true_costs

@@ -39,7 +39,7 @@ class HeuristicPolicy:
 
     @hookimpl
     def specflow_observe(self, result):
-        for rid, k, acc in zip(result.request_ids, result.num_drafts, result.num_accepted):
+        for rid, k, acc in zip(result.request_ids, result.draft_lengths(), result.num_accepted):
             if k == 0:
                 continue
             step = 2 if acc == k else -1

@@ -59,6 +59,7 @@ class ShapeCall:
     unusable: torch.Tensor           # [B', P] bool, after shaping
     raw_unusable: torch.Tensor | None = None   # [B', P] bool, the model's own logits (before
                                      # shaping: a stage may edit them in place afterwards)
+    paths: list[list[int]] | None = None   # [B'] a tree's rows: the node path each row shapes
 
     def one_row(self, logits: torch.Tensor, row: int) -> ShapingBatch:
         """The ShapingBatch of one row of this call, over `logits` [1, P, V] (for a replay)."""
@@ -78,7 +79,8 @@ class EmptyRowLog:
     def add(self, call: ShapeCall) -> None:
         self.calls.append(call)
 
-    def first_counted(self, request_ids: list[int], consumed: list[int]
+    def first_counted(self, request_ids: list[int], consumed: list[int],
+                      accepted: list[list[int]] | None = None
                       ) -> tuple[ShapeCall, int, int] | None:
         """The first (call, row, position) marked unusable that plain decoding would have
         sampled from, or None.
@@ -93,7 +95,12 @@ class EmptyRowLog:
         counted = []
         for call in self.calls:
             unusable = call.unusable.cpu()
-            limit = torch.tensor([consumed[where[r]] for r in call.request_ids])          # [B']
+            limits = [consumed[where[r]] for r in call.request_ids]
+            if call.paths is not None and accepted is not None:
+                # a tree path row: only its positions on the accepted path were sampled from
+                limits = [min(n, 1 + _common(path, accepted[where[r]]))
+                          for n, path, r in zip(limits, call.paths, call.request_ids)]
+            limit = torch.tensor(limits)                                                  # [B']
             P = unusable.shape[1]
             depth = call.first_draft_index + torch.arange(P)                             # [P]
             reached = depth[None, :] < limit[:, None]                                   # [B', P]
@@ -107,6 +114,14 @@ class EmptyRowLog:
                 b, p = hits[0].tolist()
                 return self.calls[i], b, p
         return None
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of two node paths."""
+    n = 0
+    while n < len(a) and n < len(b) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 StageFn = tuple[str, Callable]       # (stage name, function(shaping=...)), in call order

@@ -5,6 +5,7 @@ import torch
 
 from specflow.plugins import hookimpl
 from specflow.stages.proposers.draft import pending_inputs
+from specflow.stages.tree import layout_of
 from specflow.state import PAD
 
 
@@ -17,6 +18,8 @@ class TargetScorer:
         drafts = proposal.host_draft_token_ids()                           # [B, K] inputs are
                                                                            # built on the host
         B, K = drafts.shape
+        if proposal.parents is not None:
+            return self._score_tree(batch, proposal, drafts)
         cached = [self.target.cache_length(s) for s in batch.slots.tolist()]
         k = (drafts != PAD).sum(-1)                                        # [B]
         if all(len(ids) - n == 1 for ids, n in zip(batch.token_ids, cached)):
@@ -35,3 +38,17 @@ class TargetScorer:
         pick = (n_pending - 1)[:, None] + torch.arange(K + 1)[None, :]     # [B, K+1]
         pick = pick.clamp(max=P + K - 1)
         return logits.gather(1, pick[..., None].expand(B, K + 1, logits.shape[-1]))  # [B, K+1, V]
+
+    def _score_tree(self, batch, proposal, drafts):
+        """One pass over each row's last committed token and its tree: [B, N+1, V]. A row whose
+        cache lags further (a plugin's doing; never in a steady round) is prefilled first."""
+        slots = batch.slots.tolist()
+        lagging = [(s, ids[n:-1]) for s, ids in zip(slots, batch.token_ids)
+                   if len(ids) - (n := self.target.cache_length(s)) > 1]
+        if lagging:
+            self.target.prefill_many([s for s, _ in lagging], [ids for _, ids in lagging])
+        layout = layout_of(proposal)
+        inputs = torch.cat([batch.last_tokens()[:, None], drafts], 1)          # [B, N+1]
+        lens = torch.tensor(layout.num_nodes) + 1                               # [B]
+        return self.target.forward_tree(batch.slots, inputs, lens, layout)      # [B, N+1, V]
+

@@ -14,50 +14,14 @@ request gets the same tokens whatever batch it shares (the per-row draws are the
 """
 from __future__ import annotations
 
-from typing import Sequence
 
 import torch
 
 from specflow.plugins import hookimpl
+from specflow.stages.sampling import Generators, row_uniforms, sample_categorical
+from specflow.stages.tree import layout_of
+from specflow.stages.verify_tree import verify_tree
 from specflow.state import PAD, VerifyOutput
-
-Generators = torch.Generator | Sequence[torch.Generator | None] | None
-
-
-def _row_uniforms(shape: tuple[int, int], k: list[int], generator: Generators,
-                  device: torch.device) -> torch.Tensor:
-    """Uniform(0, 1) draws [B, K]; with per-row generators row b draws exactly k[b] of them."""
-    if generator is None or isinstance(generator, torch.Generator):
-        return torch.rand(shape, generator=generator, device=device)
-    u = torch.zeros(shape, device=device)
-    for b, (gen, n) in enumerate(zip(generator, k)):
-        if n:
-            u[b, :n] = torch.rand(n, generator=gen, device=device)
-    return u
-
-
-def _row_exponentials(shape: tuple[int, int], generator: Generators, device: torch.device,
-                      active: torch.Tensor | None = None) -> torch.Tensor:
-    """Exponential(1) draws [B, V] for the exponential race argmax(w / E) ~ Categorical(w).
-
-    With per-row generators, rows where `active` is False draw nothing (their result is unused).
-    """
-    if generator is None or isinstance(generator, torch.Generator):
-        return torch.empty(shape, device=device).exponential_(generator=generator)
-    e = torch.ones(shape, device=device)
-    flags = [True] * shape[0] if active is None else active.tolist()
-    for b, (gen, on) in enumerate(zip(generator, flags)):
-        if on:
-            e[b].exponential_(generator=gen)
-    return e
-
-
-def sample_categorical(probs: torch.Tensor, generator: Generators = None,
-                       active: torch.Tensor | None = None) -> torch.Tensor:
-    """One token per row from unnormalised non-negative weights [B, V] -> [B] (exponential race)."""
-    e = _row_exponentials(tuple(probs.shape), generator, probs.device, active)   # [B, V]
-    return (probs / e).argmax(-1)                                                # [B]
-
 
 def verify(draft_token_ids: torch.Tensor, target_probs: torch.Tensor,
            draft_probs: torch.Tensor | None = None, greedy: bool = False,
@@ -100,7 +64,7 @@ def verify(draft_token_ids: torch.Tensor, target_probs: torch.Tensor,
             q_draft = draft_probs.gather(-1, safe_ids[..., None]).squeeze(-1)  # [B, K]
         if num_drafts is None and not (generator is None or isinstance(generator, torch.Generator)):
             num_drafts = k.tolist()
-        u = _row_uniforms((B, K), num_drafts, generator, device)               # [B, K]
+        u = row_uniforms((B, K), num_drafts, generator, device)               # [B, K]
         accept = (u * q_draft < p_draft) & valid       # u < min(1, p/q) without dividing by q
 
     # accepted is a prefix: count leading ones
@@ -141,6 +105,12 @@ class StandardVerifier:
 
     @hookimpl
     def specflow_verify(self, batch, proposal, target_probs):
+        if proposal.parents is not None:             # a tree: multi-draft verification
+            out, num_accepted, path = verify_tree(
+                proposal.draft_token_ids, proposal.parents, target_probs, proposal.draft_probs,
+                greedy=batch.greedy, generator=None if batch.greedy else batch.generators,
+                layout=layout_of(proposal))
+            return VerifyOutput(out, num_accepted, path)
         num_drafts = None if batch.greedy else \
             (proposal.host_draft_token_ids() != PAD).sum(-1).tolist()     # host: no device read
         out, num_accepted = verify(proposal.draft_token_ids, target_probs, proposal.draft_probs,

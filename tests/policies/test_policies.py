@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+from types import SimpleNamespace
 import torch
 
 from specflow import ConfigError
@@ -61,7 +62,7 @@ def test_adaptive_rejects_thresholds_out_of_order_and_negative_k():
 # --- heuristic ----------------------------------------------------------------------------------
 
 from specflow.policies.goodput import (GoodputPolicy, GoodputPolicyConfig, LinearFit, LinearFit2,  # noqa: E402
-                                       choose_k, expected_tokens)
+                                       choose_k, choose_k_padded, expected_tokens)
 from specflow.policies.heuristic import HeuristicPolicy, HeuristicPolicyConfig  # noqa: E402
 from specflow.policies.schedule import (BatchRange, SchedulePolicy, SchedulePolicyConfig,  # noqa: E402
                                         k_for_batch)
@@ -126,6 +127,79 @@ def test_expected_tokens_is_the_formula():
 def test_goodput_choice_table(acceptance, costs, expected):
     acc = torch.tensor(acceptance)[:, None].expand(len(acceptance), 8)
     assert choose_k(acc, *costs) == expected
+
+
+@pytest.mark.parametrize("acceptance,costs,expected", [
+    # compute bound: per-row shares let the keen row draft 2 ([2, 0, 0] above), but a padded
+    # pass would make all three rows score 3 positions: nobody drafts
+    ([0.95, 0.5, 0.1], (1.0, 1.0, 0.05, 0.0), [0, 0, 0]),
+    # memory bound, free draft steps: the positions are paid for anyway, every row fills them
+    ([0.95, 0.5, 0.1], (1.0, 0.0, 0.05, 0.0), [8, 8, 8]),
+    # ... but a row whose drafts are rarely accepted stops where its draft steps stop paying
+    ([0.95, 0.5, 0.1], (1.0, 0.0, 0.05, 0.05), [8, 1, 0]),
+    # a draft step as dear as a target pass: nothing pays
+    ([0.99, 0.6], (1.0, 0.0, 1.0, 0.0), [0, 0]),
+])
+def test_goodput_prices_a_padded_pass_for_the_whole_batch(acceptance, costs, expected):
+    acc = torch.tensor(acceptance)[:, None].expand(len(acceptance), 8)
+    assert choose_k_padded(acc, *costs) == expected
+
+
+def _padded_rate(E, ks, a_t, b_t, a_d, b_d) -> float:
+    """Expected tokens per second of a round whose pass pads every row to the longest draft."""
+    B = len(ks)
+    return sum(E[b, k] for b, k in enumerate(ks)) / (
+        a_t + b_t * B * (max(ks) + 1) + a_d * max(ks) + b_d * sum(ks))
+
+
+def test_the_padded_choice_is_the_best_of_every_combination():
+    import itertools
+
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(40):
+        B, K = 3, 3
+        acc = torch.rand(B, K, generator=gen)
+        costs = [float(x) for x in torch.rand(4, generator=gen) * torch.tensor([1, 0.3, 0.3, 0.1])]
+        E = expected_tokens(acc)
+        best = max(_padded_rate(E, ks, *costs)
+                   for ks in itertools.product(range(K + 1), repeat=B))
+        got = _padded_rate(E, choose_k_padded(acc, *costs), *costs)
+        assert got == pytest.approx(best, rel=1e-9)
+
+
+def test_padded_and_per_row_choices_agree_for_one_row():
+    for a in (0.3, 0.6, 0.8, 0.95):
+        for costs in [(1.0, 0.0, 0.05, 0.0), (1.0, 0.2, 0.1, 0.01), (1.0, 0.05, 0.3, 0.0)]:
+            acc = torch.full((1, 8), a)
+            assert choose_k_padded(acc, *costs) == choose_k(acc, *costs), (a, costs)
+
+
+def test_goodput_fits_the_positions_a_padded_pass_computed():
+    class Padded:
+        pads_rows = True
+    pol = GoodputPolicy(GoodputPolicyConfig(k_max=8), SimpleNamespace(target=Padded(), slots=1))
+    seen = []
+    pol.target_fit.add = lambda tokens, y: seen.append(tokens)
+    pol.specflow_observe(RoundResult(0, [0, 1, 2, 3], [4, 0, 0, 0], [4, 0, 0, 0],
+                                     [[1] * 5, [1], [1], [1]], [None] * 4, 4,
+                                     sim_time={"target": 1.0, "draft": 0.3}))
+    assert seen == [20]                 # four rows x five positions, not 5 + 1 + 1 + 1
+    pol.padded = False
+    pol.specflow_observe(RoundResult(0, [0, 1, 2, 3], [4, 0, 0, 0], [4, 0, 0, 0],
+                                     [[1] * 5, [1], [1], [1]], [None] * 4, 4,
+                                     sim_time={"target": 1.0, "draft": 0.3}))
+    assert seen == [20, 8]
+
+
+@pytest.mark.parametrize("padded,batch,interval", [(False, 4, 50), (True, 4, 200), (True, 1, 50)])
+def test_goodput_probes_after_idle_rounds_less_often_when_a_probe_pads_every_row(padded, batch,
+                                                                                 interval):
+    pol = GoodputPolicy(GoodputPolicyConfig(k_max=4, explore_every=50))
+    pol.padded = padded
+    pol.costs = lambda: (1.0, 10.0, 1.0, 1.0)          # drafting never pays
+    b = DecodeBatch.make_dummy(batch)
+    probes = [r for r in range(1, 2 * interval + 1) if pol.specflow_draft_length(b).sum() > 0]
+    assert probes == [interval, 2 * interval]
 
 
 def test_goodput_k_falls_as_batch_and_per_token_cost_grow():
@@ -218,3 +292,17 @@ def test_goodput_times_a_draft_head_s_step_as_it_times_a_draft_model():
     assert all(n == 0 for n in head.cache.lengths)
     assert pipe.ctx._draft is None                # no draft model was loaded
     assert pipe.generate("def f(x):", max_new_tokens=8)[0].token_ids
+
+
+def test_goodput_prices_a_tree_by_its_nodes_not_its_depth(make_pipeline):
+    pipe = make_pipeline("proposer=ngram", "proposer.topk=4", "proposer.num_draft_tokens=16",
+                         "policy=goodput", "policy.k_max=6")
+    pol = pipe.pm.get_plugin("policy.goodput")
+    assert pol.positions.tolist() == [1, 5, 9, 13, 17, 17, 17]
+    acc = torch.full((4, 6), 0.8)
+    costs = (1.0, 0.05, 0.02, 0.0)             # each scored position costs 5% of a pass
+    chain = choose_k_padded(acc, *costs)
+    tree = choose_k_padded(acc, *costs, positions=pol.positions)
+    assert max(tree) < max(chain)               # four times the positions per level: shallower
+    assert make_pipeline("proposer=ngram", "policy=goodput").pm.get_plugin(
+        "policy.goodput").positions is None     # a chain: k + 1

@@ -1,30 +1,38 @@
 """`proposer=draft`: a smaller model sharing the target's tokenizer drafts k tokens autoregressively.
 
-Each draft step feeds every row's tokens that the draft has not cached yet (the committed tokens
+The draft caches a row only when the row drafts: its prompt (and whatever was committed while
+the policy kept it at k = 0) is prefilled in one batched call before its first draft step. Each
+draft step feeds every row's tokens that the draft has not cached yet (the committed tokens
 after its cache, then the previous draft), shapes the logits with the pipeline's shape() exactly
 as the target's will be shaped, and samples the draft from that shaped q; that same q goes to the
 verifier. The draft cache is rolled back to the committed length in specflow_sync_cache.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 
 from specflow.errors import ConfigError
 from specflow.plugins import hookimpl
-from specflow.stages.verify import sample_categorical
+from specflow.stages.proposers.draft_tree import Calibration, DraftTree, build_trees, keep_path
+from specflow.stages.tree import node_budgets, tree_budget
+from specflow.stages.sampling import sample_categorical
 from specflow.state import PAD, Proposal
 
 
 @dataclass
 class DraftProposerConfig:
     name: str = "draft"
-    k: int = 4                 # most tokens drafted per round
+    k: int = 4                 # most tokens drafted per round (a tree's depth)
+    topk: int = 1              # > 1: an EAGLE-2 tree, each node's topk likeliest children
+    num_draft_tokens: int | None = None   # nodes per row in a tree (default k)
 
     def __post_init__(self) -> None:
         if self.k < 0:
             raise ConfigError(f"proposer.k={self.k} must be >= 0 (0 = no drafting)")
+        self.nodes = tree_budget(self.k, self.topk, self.num_draft_tokens)
 
 
 def pending_inputs(token_ids: list[list[int]], cached: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,22 +115,26 @@ class DraftModelProposer:
         self.cfg = cfg
         self.model = ctx.draft
         self.vocab_size = ctx.target.vocab_size
+        self.target_length = ctx.target.max_length
+        if cfg.topk > 1 and not getattr(self.model, "supports_trees", False):
+            raise ConfigError(f"proposer.topk={cfg.topk}: the draft backend "
+                              f"{type(self.model).__name__} cannot score trees; use topk=1")
+        self.trees: dict[int, DraftTree] = {}       # by slot, this round's tree rows
+        self.calibration = Calibration(cfg.topk)    # draft q -> acceptance, learned online
 
     @hookimpl
     def specflow_request_start(self, slot, request):
         self.model.reset(slot)
 
-    @hookimpl
-    def specflow_prefill(self, slots, requests):
-        self.model.prefill_many(slots, [r.prompt_ids[:-1] for r in requests])
-
     def _room(self, batch, k: torch.Tensor) -> list[int]:
-        """k per row, cut where the draft's own context ends (it may be shorter than the target's)."""
+        """k per row, cut where the draft's own context ends (it may be shorter than the
+        target's); a tree writes up to topk entries per level."""
         ks = k.tolist()
         limit = self.model.max_length
         if limit is None:
             return ks
-        return [max(0, min(kb, limit - len(ids))) for kb, ids in zip(ks, batch.token_ids)]
+        return [max(0, min(kb, (limit - len(ids)) // self.cfg.topk))
+                for kb, ids in zip(ks, batch.token_ids)]
 
     @hookimpl
     def specflow_propose(self, batch, k):
@@ -134,8 +146,34 @@ class DraftModelProposer:
         if K == 0:
             return Proposal(Proposal.empty(batch.size).draft_token_ids, None, full_context)
         sub = batch.select(rows) if len(rows) < batch.size else batch   # only rows that draft run
-        drafts, probs = self._draft(sub, [ks[b] for b in rows], K)
-        return spread(batch.size, rows, drafts, probs, full_context)
+        caught_up = self._catch_up(sub)
+        if self.cfg.topk > 1:
+            proposal = self._tree(batch, sub, rows, [ks[b] for b in rows], full_context)
+        else:
+            drafts, probs = self._draft(sub, [ks[b] for b in rows], K)
+            proposal = spread(batch.size, rows, drafts, probs, full_context)
+        proposal.catch_up_seconds = caught_up
+        return proposal
+
+    def _tree(self, batch, sub, rows: list[int], ks: list[int], reasons) -> Proposal:
+        """EAGLE-2 trees for the drafting rows (draft_tree.py), placed into the whole batch."""
+        room = [None if self.target_length is None else self.target_length - len(ids)
+                for ids in sub.token_ids]
+        budgets = node_budgets(ks, self.cfg.k, self.cfg.nodes, room)
+        cached = [self.model.cache_length(s) for s in sub.slots.tolist()]
+        inputs, lens = pending_inputs(sub.token_ids, cached)                # [R, T], [R]
+        logits = self.model.forward(sub.slots, inputs, lens)                # [R, T, V_draft]
+        last = align_vocab(logits[torch.arange(len(rows)), lens.to(logits.device) - 1],
+                           self.vocab_size)                                 # [R, V]
+        tokens, parents, trees = build_trees(
+            self.model, sub, ks, budgets, self.cfg.topk, last,
+            lambda x: align_vocab(x, self.vocab_size), self.calibration)
+        self.trees = dict(zip(sub.slots.tolist(), trees))
+        N = tokens.shape[1]
+        ids = torch.full((batch.size, N), PAD, dtype=torch.long)
+        par = torch.full((batch.size, N), PAD, dtype=torch.long)
+        ids[rows], par[rows] = tokens, parents
+        return Proposal(ids, None, reasons, parents=par)
 
     def _draft(self, batch, ks: list[int], K: int):
         """K autoregressive draft steps; a row stops being computed once it has its own k
@@ -153,7 +191,30 @@ class DraftModelProposer:
             return align_vocab(logits[rows, lens.to(device) - 1], self.vocab_size)   # [L, V]
         return draft_steps(batch, ks, K, self.vocab_size, device, step)
 
+    def _catch_up(self, batch) -> float:
+        """Rows whose draft cache lags by more than a round's worth (a new request: its prompt;
+        a row the policy kept at k = 0 for a while: those rounds' tokens) are cached first by
+        the model's batched prefill, up to their last committed token. The draft runs only for
+        rows that draft: under load, when the policy sets k = 0, it costs nothing at all, and
+        the first step below feeds every row one or two tokens instead of padding all rows to
+        the longest lag. -> the seconds it took (0.0 when no row lagged)."""
+        slots = batch.slots.tolist()
+        lagging = [(s, ids[n:-1]) for s, ids in zip(slots, batch.token_ids)
+                   if len(ids) - (n := self.model.cache_length(s)) > self.CATCH_UP]
+        if not lagging:
+            return 0.0
+        start = time.perf_counter()
+        self.model.prefill_many([s for s, _ in lagging], [ids for _, ids in lagging])
+        return time.perf_counter() - start
+
+    CATCH_UP = 2        # tokens a row may lag and still be fed by the first draft step
+
     @hookimpl
     def specflow_sync_cache(self, batch, result):
+        if self.trees:
+            if result.accepted_nodes is not None:
+                keep_path(self.model, batch.slots.tolist(), self.trees, result.accepted_nodes,
+                          self.calibration, batch.greedy)
+            self.trees = {}
         keep = [len(ids) - 1 for ids in batch.token_ids]
         self.model.truncate(batch.slots, keep)

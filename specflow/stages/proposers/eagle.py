@@ -23,6 +23,7 @@ import torch
 from specflow.errors import ConfigError
 from specflow.models.slot_cache import SlotKVCache
 from specflow.plugins import hookimpl
+from specflow.stages.tree import tree_budget
 from specflow.stages.proposers.draft import draft_steps, spread
 from specflow.state import Proposal
 
@@ -34,10 +35,17 @@ class EagleProposerConfig:
     name: str = "eagle"
     k: int = 4                   # most tokens drafted per round
     path: str | None = None      # an EAGLE-3 head folder; null = the shipped demo head (demo target)
+    topk: int = 1                # trees: not built by the head yet (proposer=draft / ngram are)
+    num_draft_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.k < 0:
             raise ConfigError(f"proposer.k={self.k} must be >= 0 (0 = no drafting)")
+        tree_budget(self.k, self.topk, self.num_draft_tokens)
+        if self.topk > 1:
+            raise ConfigError(f"proposer.topk={self.topk}: proposer=eagle drafts chains only so "
+                              f"far; set proposer.topk=1, or use proposer=draft or proposer=ngram "
+                              f"for token trees")
 
 
 def demo_head_for(target) -> str | None:

@@ -11,19 +11,23 @@ import torch
 
 from specflow.errors import ConfigError
 from specflow.plugins import hookimpl
+from specflow.stages.tree import node_budgets, tree_budget
 from specflow.state import PAD, Proposal
 
 
 @dataclass
 class NgramProposerConfig:
     name: str = "ngram"
-    k: int = 4          # most tokens proposed per round
+    k: int = 4          # most tokens proposed per round (the tree's depth)
     min_n: int = 1      # shortest suffix that may match
     max_n: int = 4      # longest suffix tried first
+    topk: int = 1       # most continuations branching at one node (1 = a chain)
+    num_draft_tokens: int | None = None   # nodes per row (default k)
 
     def __post_init__(self) -> None:
         if self.k < 0:
             raise ConfigError(f"proposer.k={self.k} must be >= 0 (0 = no drafting)")
+        self.nodes = tree_budget(self.k, self.topk, self.num_draft_tokens)
         if not 1 <= self.min_n <= self.max_n:
             raise ConfigError(f"proposer.min_n={self.min_n}, proposer.max_n={self.max_n}: need "
                               f"1 <= min_n <= max_n")
@@ -52,10 +56,13 @@ class NgramIndex:
     proposal costs at most that many lookups (no scan of the context).
     """
 
-    def __init__(self, min_n: int, max_n: int):
+    def __init__(self, min_n: int, max_n: int, keep: int = 1):
         self.min_n, self.max_n = min_n, max_n
         self.tokens: list[int] = []
         self.last_end: dict[tuple[int, ...], int] = {}
+        # trees: the `keep` most recent end positions of every n-gram, oldest first
+        self.keep = keep
+        self.ends: dict[tuple[int, ...], list[int]] = {}
 
     def extend(self, new: list[int]) -> None:
         toks = self.tokens
@@ -63,8 +70,43 @@ class NgramIndex:
             end = len(toks) - 1          # the n-grams ending at the current last token get a follower
             if end >= 0:
                 for n in range(self.min_n, min(self.max_n, end + 1) + 1):
-                    self.last_end[tuple(toks[end - n + 1:end + 1])] = end
+                    gram = tuple(toks[end - n + 1:end + 1])
+                    self.last_end[gram] = end
+                    if self.keep > 1:
+                        ends = self.ends.setdefault(gram, [])
+                        ends.append(end)
+                        if len(ends) > self.keep:
+                            del ends[0]
             toks.append(t)
+
+    def propose_tree(self, k: int, topk: int, budget: int) -> tuple[list[int], list[int]]:
+        """Up to `budget` nodes of depth <= k: the continuations of every earlier occurrence of
+        the current suffix, longest suffix and most recent occurrence first, merged into a trie
+        with at most `topk` children per node. Its first path is propose(k)'s chain.
+        -> (tokens, parents) with parents -1 for the root's children."""
+        toks, L = self.tokens, len(self.tokens)
+        tokens: list[int] = []
+        parents: list[int] = []
+        child: dict[tuple[int, int], int] = {}
+        width: dict[int, int] = {}
+        if k <= 0 or budget <= 0:
+            return tokens, parents
+        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
+            for end in reversed(self.ends.get(tuple(toks[L - n:]), ())):
+                node = -1
+                for t in toks[end + 1:end + 1 + k]:
+                    nxt = child.get((node, t))
+                    if nxt is None:
+                        if len(tokens) >= budget or width.get(node, 0) >= topk:
+                            break
+                        nxt = child[(node, t)] = len(tokens)
+                        tokens.append(t)
+                        parents.append(node)
+                        width[node] = width.get(node, 0) + 1
+                    node = nxt
+                if len(tokens) >= budget:
+                    return tokens, parents
+        return tokens, parents
 
     def propose(self, k: int) -> list[int]:
         toks = self.tokens
@@ -82,15 +124,21 @@ class NgramProposer:
     def __init__(self, cfg: NgramProposerConfig, ctx=None):
         self.cfg = cfg
         self.index: dict[int, NgramIndex] = {}          # by slot
+        target = getattr(ctx, "target", None)
+        self.max_length = getattr(target, "max_length", None)
 
     @hookimpl
     def specflow_request_start(self, slot, request):
-        self.index[slot] = NgramIndex(self.cfg.min_n, self.cfg.max_n)
+        # a tree keeps a few occurrences of each n-gram: enough for topk branches per node
+        keep = 1 if self.cfg.topk == 1 else 4 * self.cfg.topk
+        self.index[slot] = NgramIndex(self.cfg.min_n, self.cfg.max_n, keep)
         self.index[slot].extend(request.prompt_ids)
 
     @hookimpl
     def specflow_propose(self, batch, k):
         ks = k.tolist()
+        if self.cfg.topk > 1:
+            return self._propose_tree(batch, ks)
         drafts = [self.index[s].propose(kb) for s, kb in zip(batch.slots.tolist(), ks)]
         K = max((len(d) for d in drafts), default=0)
         out = torch.full((batch.size, K), PAD, dtype=torch.long)          # [B, K]
@@ -98,6 +146,21 @@ class NgramProposer:
             if d:
                 out[b, :len(d)] = torch.tensor(d)
         return Proposal(out, None)
+
+    def _propose_tree(self, batch, ks: list[int]) -> Proposal:
+        room = [None if self.max_length is None else self.max_length - len(ids)
+                for ids in batch.token_ids]
+        budgets = node_budgets(ks, self.cfg.k, self.cfg.nodes, room)
+        trees = [self.index[s].propose_tree(kb, self.cfg.topk, nb)
+                 for s, kb, nb in zip(batch.slots.tolist(), ks, budgets)]
+        N = max((len(t) for t, _ in trees), default=0)
+        ids = torch.full((batch.size, N), PAD, dtype=torch.long)          # [B, N]
+        parents = torch.full((batch.size, N), PAD, dtype=torch.long)      # [B, N]
+        for b, (tokens, par) in enumerate(trees):
+            if tokens:
+                ids[b, :len(tokens)] = torch.tensor(tokens)
+                parents[b, :len(par)] = torch.tensor(par)
+        return Proposal(ids, None, parents=parents)
 
     @hookimpl
     def specflow_sync_cache(self, batch, result):

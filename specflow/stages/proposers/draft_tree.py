@@ -1,0 +1,239 @@
+"""A draft model's token tree, EAGLE-2 style (Li et al. 2024, "EAGLE-2: dynamic draft trees").
+
+Depth by depth: the draft scores the current frontier (at most topk nodes per row) in one
+forward with tree attention (each node sees the committed prefix and its own ancestors), every
+frontier node offers its topk likeliest children, and the topk children with the highest
+cumulative draft log-probability (the product of q along the path) form the next frontier. When
+the depth is reached, the row's `budget` nodes with the highest cumulative probability become
+the tree (a child never scores above its parent, so the set is closed under ancestors).
+
+"Probability" is the chance a node is accepted given its parent was, not the draft's q itself:
+under greedy verification a child is accepted when it is the target's argmax, which a draft
+confident at q = 0.6 is far more often than 60% of the time. `Calibration` learns that map
+online from the verifier's verdicts (bins of q; each bin starts at q and moves to the observed
+frequency), so the tree grows deep where the draft is reliable and wide where it is not.
+
+Each scored position is shaped through the pipeline's shape() with its own root path as the
+prefix, so processors, penalties and grammars shape the draft as they will shape the target; a
+token the shaping forbids (-inf) is never proposed. Children are fixed tokens (the likeliest), so
+the verifier treats each as a one-hot q: exact under sampling too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specflow.models.base import TreeAttention
+from specflow.state import PAD
+
+
+@dataclass
+class _Node:
+    token: int
+    parent: int           # index in the row's node list, -1 = the root
+    q: float              # the draft's shaped probability of this token after its parent
+    score: float          # cumulative log of the calibrated acceptance from the root
+    depth: int
+    path: list[int]       # tokens from the root to this node (inclusive)
+    entry: int = -1       # this round's draft-cache entry (from the row's base), -1 = not fed
+
+
+@dataclass
+class DraftTree:
+    """What the proposer keeps about one row's tree until the round's cache sync."""
+
+    base: int                                  # draft-cache position of the first tree entry
+    entries: list[int] = field(default_factory=list)   # per proposed node: its entry or -1
+    parents: list[int] = field(default_factory=list)   # per proposed node
+    q: list[float] = field(default_factory=list)       # per proposed node
+
+
+class Calibration:
+    """P(a child is accepted | its parent was) as a function of the draft's q for it and its
+    rank among its siblings: `bins` equal bins of q per rank, each with discounted accepted /
+    tried counts, shrunk towards its rank's rate over all bins, which is shrunk towards q (`prior`
+    pseudo-observations each). So a cell never tried starts from what its rank does elsewhere
+    (the likeliest child of a confident draft is accepted far more often than its q says), and
+    a new pipeline starts from the draft's own q."""
+
+    def __init__(self, ranks: int, bins: int = 10, prior: float = 2.0, memory: float = 0.999):
+        self.ranks, self.bins, self.prior, self.memory = ranks, bins, prior, memory
+        self.accepted = torch.zeros(ranks, bins, dtype=torch.float64)
+        self.tried = torch.zeros(ranks, bins, dtype=torch.float64)
+
+    def _cell(self, q: torch.Tensor) -> torch.Tensor:
+        return (q * self.bins).long().clamp(0, self.bins - 1)
+
+    def log_rate(self, q: torch.Tensor) -> torch.Tensor:
+        """q [R, t] of each row's children by rank -> log P(accepted) [R, t]."""
+        rank = torch.arange(q.shape[1])[None, :].expand_as(q).clamp(max=self.ranks - 1)
+        cell = self._cell(q)
+        qd = q.double()
+        pooled = (self.accepted.sum(1)[rank] + self.prior * qd) \
+            / (self.tried.sum(1)[rank] + self.prior)                                 # [R, t]
+        acc, tried = self.accepted[rank, cell], self.tried[rank, cell]
+        rate = (acc + self.prior * pooled) / (tried + self.prior)
+        return rate.clamp_min(1e-12).log().to(q.dtype)
+
+    def observe(self, tree: DraftTree, path: list[int], greedy: bool) -> None:
+        """The verifier's verdicts on one row's tree: at the root and at each accepted node, its
+        children were tried in order until one was accepted (greedy tries them all)."""
+        kids: dict[int, list[int]] = {}
+        for n, p in enumerate(tree.parents):
+            kids.setdefault(p, []).append(n)
+        self.accepted *= self.memory
+        self.tried *= self.memory
+        for i, at in enumerate([-1, *path]):
+            nxt = path[i] if i < len(path) else None
+            for rank, c in enumerate(kids.get(at, ())):
+                cell = min(int(tree.q[c] * self.bins), self.bins - 1)
+                self.tried[min(rank, self.ranks - 1), cell] += 1.0
+                if c == nxt:
+                    self.accepted[min(rank, self.ranks - 1), cell] += 1.0
+                    if not greedy:
+                        break
+
+
+def _top_children(shaped: torch.Tensor, topk: int, calibration: Calibration
+                  ) -> tuple[list[list[float]], list[list[float]], list[list[int]]]:
+    """Each row's topk likeliest tokens with q > 0: ([R][<=topk] q, log calibrated rate,
+    tokens)."""
+    q = shaped.softmax(-1)
+    vals, idx = q.topk(min(topk, q.shape[-1]), -1)                                   # [R, t]
+    rates = calibration.log_rate(vals).tolist()
+    qs, scores, tokens = [], [], []
+    for v, r, i in zip(vals.tolist(), rates, idx.tolist()):
+        keep = [(a, c, b) for a, c, b in zip(v, r, i) if a > 0]
+        qs.append([a for a, _, _ in keep])
+        scores.append([c for _, c, _ in keep])
+        tokens.append([b for _, _, b in keep])
+    return qs, scores, tokens
+
+
+def build_trees(model, batch, ks: list[int], budgets: list[int], topk: int, first_logits,
+                align, calibration: Calibration | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, list[DraftTree]]:
+    """Trees for the rows of `batch` (every row drafts: ks[b] >= 1).
+
+    first_logits [B, V]: the draft's logits after each row's committed tokens (its cache holds
+    them all). align(logits) maps draft logits onto the target's vocabulary.
+    -> (tokens [B, N] long, parents [B, N] long, PAD after each row's nodes; per row its DraftTree)
+    """
+    B = batch.size
+    calibration = calibration or Calibration(topk)
+    empty = torch.zeros(B, 0, dtype=torch.long)
+    shaped = batch.shape(first_logits[:, None], empty, 0, "draft")[:, 0]               # [B, V]
+    qs, scores, tokens = _top_children(shaped, topk, calibration)
+    rows: list[list[_Node]] = [[_Node(t, -1, q, s, 1, [t]) for q, s, t in zip(qq, sc, tk)]
+                               for qq, sc, tk in zip(qs, scores, tokens)]
+    frontier = [list(range(len(r))) for r in rows]            # node indices per row
+    fed = [0] * B                                             # entries written per row
+    base = [model.cache_length(s) for s in batch.slots.tolist()]
+    for d in range(2, max(ks, default=0) + 1):
+        live = [b for b in range(B) if ks[b] >= d and frontier[b]]
+        if not live:
+            break
+        T = max(len(frontier[b]) for b in live)
+        R = max(fed[b] for b in live) + T                     # entries visible after this forward
+        ids = torch.full((len(live), T), PAD, dtype=torch.long)
+        pos = torch.zeros(len(live), T, dtype=torch.long)
+        see = torch.zeros(len(live), T, R, dtype=torch.bool)
+        lens = []
+        for i, b in enumerate(live):
+            nodes = rows[b]
+            for t, n in enumerate(frontier[b]):
+                node = nodes[n]
+                ids[i, t] = node.token
+                pos[i, t] = base[b] - 1 + node.depth          # the root token sits at base - 1
+                node.entry = fed[b] + t
+                anc = n
+                while anc != -1:                              # itself and its fed ancestors
+                    see[i, t, nodes[anc].entry] = True
+                    anc = nodes[anc].parent
+            lens.append(len(frontier[b]))
+        sub = batch.select(live)
+        slots = sub.slots
+        logits = model.forward(slots, ids, torch.tensor(lens),
+                               tree=TreeAttention(pos, [base[b] for b in live], see))
+        for i, b in enumerate(live):
+            fed[b] += lens[i]
+        # shape each frontier node's children with its own root path as the prefix
+        flat_rows, flat_paths, flat_logits = [], [], []
+        for i, b in enumerate(live):
+            for t, n in enumerate(frontier[b]):
+                flat_rows.append(i)
+                flat_paths.append(rows[b][n].path)
+                flat_logits.append(logits[i, t])
+        paths = torch.tensor(flat_paths, dtype=torch.long)                          # [F, d-1]
+        expanded = sub.select(flat_rows)
+        shaped = expanded.shape(align(torch.stack(flat_logits))[:, None], paths, d - 1,
+                                "draft")[:, 0]                                      # [F, V]
+        child_q, child_scores, child_tokens = _top_children(shaped, topk, calibration)
+        f = 0
+        for b in live:
+            candidates = []
+            for n in frontier[b]:
+                parent = rows[b][n]
+                for q, s, t in zip(child_q[f], child_scores[f], child_tokens[f]):
+                    candidates.append(_Node(t, n, q, parent.score + s, d, parent.path + [t]))
+                f += 1
+            candidates.sort(key=lambda c: -c.score)
+            start = len(rows[b])
+            rows[b].extend(candidates)
+            frontier[b] = list(range(start, start + min(topk, len(candidates))))
+    return _select(rows, budgets, base)
+
+
+def _select(rows: list[list[_Node]], budgets: list[int], base: list[int]):
+    """Each row's `budget` likeliest nodes, parents first, as tensors; the kept nodes' entries."""
+    picked_rows = []
+    for nodes, budget in zip(rows, budgets):
+        order = sorted(range(len(nodes)), key=lambda n: (-nodes[n].score, nodes[n].depth))
+        keep: set[int] = set()
+        for n in order:
+            if len(keep) >= budget:
+                break
+            if nodes[n].parent == -1 or nodes[n].parent in keep:
+                keep.add(n)
+        picked_rows.append(sorted(keep, key=lambda n: (nodes[n].depth, -nodes[n].score)))
+    N = max((len(p) for p in picked_rows), default=0)
+    B = len(rows)
+    tokens = torch.full((B, N), PAD, dtype=torch.long)
+    parents = torch.full((B, N), PAD, dtype=torch.long)
+    trees = []
+    for b, picked in enumerate(picked_rows):
+        where = {n: i for i, n in enumerate(picked)}
+        nodes = rows[b]
+        for i, n in enumerate(picked):
+            tokens[b, i] = nodes[n].token
+            parents[b, i] = where[nodes[n].parent] if nodes[n].parent != -1 else -1
+        trees.append(DraftTree(base[b], [nodes[n].entry for n in picked],
+                               parents[b, :len(picked)].tolist(), [nodes[n].q for n in picked]))
+    return tokens, parents, trees
+
+
+def keep_path(model, slots: list[int], trees: dict[int, DraftTree],
+              accepted: list[list[int]], calibration: Calibration | None = None,
+              greedy: bool = True) -> None:
+    """After verification: each tree row's draft cache keeps the accepted path's fed entries (in
+    order, up to the first node that was never fed) and drops the rest; the calibration learns
+    from the verdicts."""
+    keep_slots, bases, picks = [], [], []
+    for slot, path in zip(slots, accepted):
+        tree = trees.get(slot)
+        if tree is None:
+            continue
+        if calibration is not None:
+            calibration.observe(tree, path, greedy)
+        pick = []
+        for node in path:
+            entry = tree.entries[node]
+            if entry < 0:
+                break
+            pick.append(entry)
+        keep_slots.append(slot)
+        bases.append(tree.base)
+        picks.append(pick)
+    if keep_slots:
+        model.keep_cached(keep_slots, bases, picks)

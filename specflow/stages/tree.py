@@ -1,0 +1,218 @@
+"""Token trees: the layout of a round's draft nodes, computed once on the host.
+
+A tree proposal gives each row up to N draft nodes (`Proposal.draft_token_ids` [B, N], PAD after
+the row's own n_b) and their parents (`Proposal.parents` [B, N]): -1 for a child of the root,
+the row's last committed token, else the index of an earlier node (parents come first). A chain
+is the tree whose node i has parent i - 1.
+
+The target scores the root and every node in one pass: position 0 is the root, position i + 1 is
+node i, at depth = its distance from the root; each position attends to the committed prefix and
+to its own ancestors only. Target distributions follow the same indexing: [B, N+1, V], position
+0 = after the committed prefix, position i + 1 = after node i's root path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specflow.state import PAD
+
+
+@dataclass
+class TreeLayout:
+    """Host-side structure of a round's trees (no device reads)."""
+
+    parents: torch.Tensor        # [B, N] long, -1 = the root, PAD (-1) past a row's nodes
+    num_nodes: list[int]         # [B] nodes per row
+    depth: torch.Tensor          # [B, N+1] long: 0 for the root, 1 + the parent's for a node
+    children: torch.Tensor       # [B, N+1, M] long: each position's child nodes in order, PAD after
+    max_depth: int               # D: the deepest node of any row
+    paths: list[list[list[int]]]  # [B][leaves][depth] node indices from the root to each leaf
+
+    @property
+    def size(self) -> int:
+        return self.parents.shape[1]
+
+    def ancestors(self) -> torch.Tensor:
+        """[B, N+1, N+1] bool: position t may attend to position u (u is t or an ancestor)."""
+        B, N1 = self.depth.shape
+        see = torch.eye(N1, dtype=torch.bool).expand(B, N1, N1).clone()               # [B, T, T]
+        see[:, :, 0] = True                                                            # the root
+        n = torch.tensor(self.num_nodes)                                               # [B]
+        for i in range(N1 - 1):        # parents come first: a node sees what its parent sees
+            rows = (n > i).nonzero().flatten()                                         # [R]
+            see[rows, i + 1] |= see[rows, self.parents[rows, i] + 1]
+        return see
+
+    def positions(self) -> torch.Tensor:
+        """[B, N+1] long: each position's offset from the root (its depth)."""
+        return self.depth
+
+
+def layout_of(proposal) -> TreeLayout | None:
+    """The host layout of a tree proposal, built once per proposal (kept on it); None for a
+    chain."""
+    if proposal.parents is None:
+        return None
+    ids = proposal.host_draft_token_ids()
+    if proposal._layout is None or proposal._layout[0] is not ids:
+        proposal._layout = (ids, tree_layout(proposal.parents.cpu(),
+                                             (ids != PAD).sum(-1).tolist()))
+    return proposal._layout[1]
+
+
+def chain_parents(num_nodes: list[int], width: int) -> torch.Tensor:
+    """The parents of chains: node i's parent is i - 1 ([B, width], PAD past each row's nodes)."""
+    par = torch.arange(-1, width - 1)[None, :].repeat(len(num_nodes), 1)              # [B, N]
+    n = torch.tensor(num_nodes)[:, None]
+    return torch.where(torch.arange(width)[None, :] < n, par, torch.full_like(par, PAD))
+
+
+def check_parents(parents: torch.Tensor, num_nodes: list[int]) -> str | None:
+    """What is wrong with a proposer's parents [B, N] (host), or None: each node's parent is -1
+    (the root) or an earlier node of the same row."""
+    N = parents.shape[1]
+    idx = torch.arange(N)[None, :]
+    real = idx < torch.tensor(num_nodes)[:, None]                                      # [B, N]
+    bad = real & ((parents < -1) | (parents >= idx))
+    if bad.any():
+        b, i = (int(x) for x in bad.nonzero()[0])
+        return (f"row {b} node {i} has parent {int(parents[b, i])}; a parent is -1 (the last "
+                f"committed token) or an earlier node (0..{i - 1})")
+    return None
+
+
+def tree_layout(parents: torch.Tensor, num_nodes: list[int]) -> TreeLayout:
+    """Depths, children and root-to-leaf paths of host parents [B, N] (checked beforehand)."""
+    B, N = parents.shape
+    par = parents.tolist()
+    depth = [[0] * (N + 1) for _ in range(B)]
+    kids: list[list[list[int]]] = [[[] for _ in range(N + 1)] for _ in range(B)]
+    paths: list[list[list[int]]] = []
+    for b in range(B):
+        d, k = depth[b], kids[b]
+        for i in range(num_nodes[b]):
+            d[i + 1] = d[par[b][i] + 1] + 1
+            k[par[b][i] + 1].append(i)
+        leaves = [i for i in range(num_nodes[b]) if not k[i + 1]]
+        row_paths = []
+        for leaf in leaves:
+            path, node = [], leaf
+            while node != -1:
+                path.append(node)
+                node = par[b][node]
+            row_paths.append(path[::-1])
+        paths.append(row_paths)
+    M = max((len(c) for row in kids for c in row), default=0)
+    children = torch.full((B, N + 1, max(M, 1)), PAD, dtype=torch.long)
+    for b in range(B):
+        for t, c in enumerate(kids[b]):
+            if c:
+                children[b, t, :len(c)] = torch.tensor(c)
+    depth_t = torch.tensor(depth, dtype=torch.long).view(B, N + 1)
+    return TreeLayout(parents, list(num_nodes), depth_t, children,
+                      int(depth_t.max()) if B else 0, paths)
+
+
+def path_positions(path: torch.Tensor) -> torch.Tensor:
+    """Accepted node indices [B, D] (PAD after) -> target positions along the path [B, D+1]:
+    the root (0), then node i at i + 1; PAD stays PAD."""
+    return torch.cat([torch.zeros(len(path), 1, dtype=torch.long, device=path.device),
+                      torch.where(path >= 0, path + 1, path)], 1)
+
+
+def check_tree(layout: TreeLayout, ks: list[int], room: list[int | None]) -> str | None:
+    """What is wrong with a tree proposal for this round (host), or None: a row's depth is at
+    most its k (the tokens it may still commit, less one), and its nodes fit the context left."""
+    depth = layout.depth.max(1).values.tolist()                                       # [B]
+    for d, kb, n, left in zip(depth, ks, layout.num_nodes, room):
+        if d > kb:
+            return f"returned a tree of depth {d} for a row given k={kb}; depth is at most k"
+        if left is not None and n > left:
+            return (f"returned {n} nodes for a row with room for {left} more tokens in the "
+                    f"context; cut the tree to the context left")
+    return None
+
+
+def shape_tree(shape, logits: torch.Tensor, batch, drafts: torch.Tensor,
+               layout: TreeLayout) -> torch.Tensor:
+    """Shape every position of every row's tree through the pipeline's one shape() call: each
+    root-to-leaf path becomes a row whose prefix is the committed tokens plus the path, so
+    processors, penalties and grammars see exactly a node's own prefix. logits [B, N+1, V] ->
+    shaped [B, N+1, V] (a position shared by several paths is shaped alike in each)."""
+    B, N1, V = logits.shape
+    rows, paths = [], []
+    for b in range(B):
+        for path in layout.paths[b] or [[]]:
+            rows.append(b)
+            paths.append(path)
+    R, D = len(rows), max(len(p) for p in paths)
+    pos = torch.zeros(R, D + 1, dtype=torch.long)                                     # [R, D+1]
+    sub = torch.full((R, D), PAD, dtype=torch.long)                                   # [R, D]
+    for r, path in enumerate(paths):
+        if path:
+            node = torch.tensor(path)
+            pos[r, 1:len(path) + 1] = node + 1
+            pos[r, len(path) + 1:] = node[-1] + 1     # past the leaf: repeats it, never read
+            sub[r, :len(path)] = drafts[rows[r], node]
+    row_t = torch.tensor(rows)                                                        # [R]
+    device = logits.device
+    shaped_paths = shape(logits[row_t.to(device)[:, None], pos.to(device)],
+                         [batch.token_ids[b] for b in rows], sub, 0,
+                         [batch.request_ids[b] for b in rows], "target", paths=paths)  # [R, D+1, V]
+    used = torch.arange(D + 1)[None, :] <= torch.tensor([len(p) for p in paths])[:, None]
+    shaped = shaped_paths.new_zeros(B, N1, V)
+    shaped[row_t[:, None].expand(R, D + 1)[used].to(device), pos[used].to(device)] = \
+        shaped_paths[used.to(device)]
+    return shaped
+
+
+def along_path(shaped: torch.Tensor, accepted_nodes: torch.Tensor) -> torch.Tensor:
+    """The tree's shaped distributions [B, N+1, V] read along each row's accepted path: position
+    j = after the path's first j nodes (what a chain's position j is), [B, N+1, V]."""
+    pos = path_positions(accepted_nodes.to(shaped.device))[:, :shaped.shape[1]]       # [B, N+1]
+    # past the path: repeat its end (never read: only committed positions are)
+    last = (pos >= 0).sum(-1, keepdim=True) - 1                                       # [B, 1]
+    pos = torch.where(pos >= 0, pos, pos.gather(1, last))
+    return shaped.gather(1, pos[..., None].expand(*pos.shape, shaped.shape[-1]))
+
+
+def examined_levels(layout: TreeLayout, accepted: list[list[int]]) -> list[int]:
+    """Tree levels the verifier examined per row: the accepted ones, plus the level it rejected
+    at unless the accepted path ended at a leaf (nothing left to try)."""
+    out = []
+    for b, path in enumerate(accepted):
+        end = path[-1] + 1 if path else 0
+        out.append(len(path) + int(bool(layout.num_nodes[b]) and
+                                   int(layout.children[b, end, 0]) != PAD))
+    return out
+
+
+def tree_budget(k: int, topk: int, num_draft_tokens: int | None) -> int:
+    """The node budget of proposer settings (SGLang's names: k = depth, topk = most children per
+    node, num_draft_tokens = nodes per row, default k); ConfigError for settings that cannot
+    make a tree."""
+    from specflow.errors import ConfigError
+
+    if topk < 1:
+        raise ConfigError(f"proposer.topk={topk} must be >= 1 (1 = a chain, more = a tree)")
+    nodes = k if num_draft_tokens is None else num_draft_tokens
+    if topk == 1 and nodes != k:
+        raise ConfigError(f"proposer.num_draft_tokens={nodes} with proposer.topk=1: a chain "
+                          f"scores k={k} nodes; set proposer.topk > 1 for a tree, or leave "
+                          f"num_draft_tokens out")
+    if nodes < k:
+        raise ConfigError(f"proposer.num_draft_tokens={nodes} is smaller than the depth "
+                          f"proposer.k={k}; a tree needs at least k nodes to reach depth k")
+    return nodes
+
+
+def node_budgets(ks: list[int], k_cfg: int, nodes_cfg: int, room: list[int | None]) -> list[int]:
+    """Nodes per row this round: the configured budget at the configured depth, scaled down with
+    a smaller k (a policy or the length cap), never under k and never past the context left."""
+    out = []
+    for kb, left in zip(ks, room):
+        n = nodes_cfg if kb >= k_cfg else max(kb, -(-nodes_cfg * kb // max(k_cfg, 1)))
+        out.append(n if left is None else max(0, min(n, left)))
+    return out

@@ -197,3 +197,19 @@ def test_logprobs_and_streaming_with_trees_equal_plain_decoding(make_pipeline):
         assert [sorted(d) for d in a.top_logprobs] == [sorted(d) for d in b.top_logprobs]
     pieces = list(pipe.stream(REPEATING[0], max_new_tokens=200))
     assert "".join(pieces) == want[0].text
+
+
+def test_the_calibration_learns_per_sibling_rank_whatever_the_tree_order():
+    # the tree orders siblings by value, which may put a rank-1 child first: its verdicts must
+    # still count for rank 1 (counting by tree order fed the calibration its own choices back)
+    from specflow.stages.proposers.draft_tree import Calibration, DraftTree
+
+    cal = Calibration(ranks=2)
+    before = cal.log_rate(torch.tensor([[0.05, 0.04]])).exp()
+    assert torch.allclose(before, torch.tensor([[0.05, 0.04]]), atol=1e-6)    # starts at q
+    tree = DraftTree(base=0, entries=[-1, -1], parents=[-1, -1], q=[0.04, 0.05], rank=[1, 0])
+    for _ in range(200):
+        cal.decay()
+        cal.observe(tree, [1], greedy=True)        # the rank-0 child (listed second) is accepted
+    rate = cal.log_rate(torch.tensor([[0.05, 0.04]])).exp()[0]
+    assert rate[0] > 0.9 and rate[1] < 0.1

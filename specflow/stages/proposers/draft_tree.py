@@ -33,6 +33,7 @@ class _Node:
     token: int
     parent: int           # index in the row's node list, -1 = the root
     q: float              # the draft's shaped probability of this token after its parent
+    rank: int             # its place among the children its parent offered (0 = likeliest)
     score: float          # cumulative log of the calibrated acceptance from the root
     depth: int
     path: list[int]       # tokens from the root to this node (inclusive)
@@ -47,6 +48,7 @@ class DraftTree:
     entries: list[int] = field(default_factory=list)   # per proposed node: its entry or -1
     parents: list[int] = field(default_factory=list)   # per proposed node
     q: list[float] = field(default_factory=list)       # per proposed node
+    rank: list[int] = field(default_factory=list)      # per proposed node: q's rank among siblings
 
 
 class Calibration:
@@ -57,7 +59,7 @@ class Calibration:
     (the likeliest child of a confident draft is accepted far more often than its q says), and
     a new pipeline starts from the draft's own q."""
 
-    def __init__(self, ranks: int, bins: int = 10, prior: float = 2.0, memory: float = 0.999):
+    def __init__(self, ranks: int, bins: int = 10, prior: float = 2.0, memory: float = 0.98):
         self.ranks, self.bins, self.prior, self.memory = ranks, bins, prior, memory
         self.accepted = torch.zeros(ranks, bins, dtype=torch.float64)
         self.tried = torch.zeros(ranks, bins, dtype=torch.float64)
@@ -76,21 +78,25 @@ class Calibration:
         rate = (acc + self.prior * pooled) / (tried + self.prior)
         return rate.clamp_min(1e-12).log().to(q.dtype)
 
+    def decay(self) -> None:
+        """Once a round: older verdicts weigh less (a window of about 1 / (1 - memory) rounds)."""
+        self.accepted *= self.memory
+        self.tried *= self.memory
+
     def observe(self, tree: DraftTree, path: list[int], greedy: bool) -> None:
         """The verifier's verdicts on one row's tree: at the root and at each accepted node, its
         children were tried in order until one was accepted (greedy tries them all)."""
         kids: dict[int, list[int]] = {}
         for n, p in enumerate(tree.parents):
             kids.setdefault(p, []).append(n)
-        self.accepted *= self.memory
-        self.tried *= self.memory
         for i, at in enumerate([-1, *path]):
             nxt = path[i] if i < len(path) else None
-            for rank, c in enumerate(kids.get(at, ())):
+            for c in kids.get(at, ()):           # in the order the verifier tried them
+                rank = min(tree.rank[c], self.ranks - 1)
                 cell = min(int(tree.q[c] * self.bins), self.bins - 1)
-                self.tried[min(rank, self.ranks - 1), cell] += 1.0
+                self.tried[rank, cell] += 1.0
                 if c == nxt:
-                    self.accepted[min(rank, self.ranks - 1), cell] += 1.0
+                    self.accepted[rank, cell] += 1.0
                     if not greedy:
                         break
 
@@ -125,7 +131,8 @@ def build_trees(model, batch, ks: list[int], budgets: list[int], topk: int, firs
     empty = torch.zeros(B, 0, dtype=torch.long)
     shaped = batch.shape(first_logits[:, None], empty, 0, "draft")[:, 0]               # [B, V]
     qs, scores, tokens = _top_children(shaped, topk, calibration)
-    rows: list[list[_Node]] = [[_Node(t, -1, q, s, 1, [t]) for q, s, t in zip(qq, sc, tk)]
+    rows: list[list[_Node]] = [[_Node(t, -1, q, r, s, 1, [t])
+                                for r, (q, s, t) in enumerate(zip(qq, sc, tk))]
                                for qq, sc, tk in zip(qs, scores, tokens)]
     frontier = [list(range(len(r))) for r in rows]            # node indices per row
     fed = [0] * B                                             # entries written per row
@@ -175,8 +182,8 @@ def build_trees(model, batch, ks: list[int], budgets: list[int], topk: int, firs
             candidates = []
             for n in frontier[b]:
                 parent = rows[b][n]
-                for q, s, t in zip(child_q[f], child_scores[f], child_tokens[f]):
-                    candidates.append(_Node(t, n, q, parent.score + s, d, parent.path + [t]))
+                for r, (q, s, t) in enumerate(zip(child_q[f], child_scores[f], child_tokens[f])):
+                    candidates.append(_Node(t, n, q, r, parent.score + s, d, parent.path + [t]))
                 f += 1
             candidates.sort(key=lambda c: -c.score)
             start = len(rows[b])
@@ -209,7 +216,8 @@ def _select(rows: list[list[_Node]], budgets: list[int], base: list[int]):
             tokens[b, i] = nodes[n].token
             parents[b, i] = where[nodes[n].parent] if nodes[n].parent != -1 else -1
         trees.append(DraftTree(base[b], [nodes[n].entry for n in picked],
-                               parents[b, :len(picked)].tolist(), [nodes[n].q for n in picked]))
+                               parents[b, :len(picked)].tolist(), [nodes[n].q for n in picked],
+                               [nodes[n].rank for n in picked]))
     return tokens, parents, trees
 
 
@@ -220,6 +228,8 @@ def keep_path(model, slots: list[int], trees: dict[int, DraftTree],
     order, up to the first node that was never fed) and drops the rest; the calibration learns
     from the verdicts."""
     keep_slots, bases, picks = [], [], []
+    if calibration is not None:
+        calibration.decay()
     for slot, path in zip(slots, accepted):
         tree = trees.get(slot)
         if tree is None:

@@ -43,6 +43,8 @@ class Counters:
     num_examined_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_committed_tokens: int = 0          # after stop trimming: what the user receives
+    num_tree_drafts: int = 0               # rounds a row drafted a token tree (its
+                                           # num_draft_tokens are nodes; per position = per level)
     accepted_per_position: list[int] = field(default_factory=list)
     examined_per_position: list[int] = field(default_factory=list)
     tokens_per_step_histogram: Counter = field(default_factory=Counter)   # committed per round
@@ -64,6 +66,7 @@ class Counters:
         self.num_rounds += 1
         self.num_target_passes += 1
         self.num_drafts += k > 0
+        self.num_tree_drafts += tree and k > 0
         self.num_draft_tokens += k
         self.num_examined_draft_tokens += examined
         self.num_accepted_tokens += accepted
@@ -80,7 +83,8 @@ class Counters:
             self.accepted_per_position[i] += 1
 
     COUNTS = ("num_rounds", "num_target_passes", "num_drafts", "num_draft_tokens",
-              "num_examined_draft_tokens", "num_accepted_tokens", "num_committed_tokens")
+              "num_examined_draft_tokens", "num_accepted_tokens", "num_committed_tokens",
+              "num_tree_drafts")
 
     @classmethod
     def from_dict(cls, d: dict) -> "Counters":
@@ -128,9 +132,10 @@ class Counters:
             "acceptance_per_position": [a / e if e else 0.0 for a, e in
                                         zip(self.accepted_per_position, self.examined_per_position)],
             "c": c,
+            # the chain formula: meaningless for trees (k would be their nodes)
             "predicted_speedup": (predicted_speedup(alpha, mean_k, c,
                                                     self.num_drafts / self.num_target_passes)
-                                  if c is not None else None),
+                                  if c is not None and not self.num_tree_drafts else None),
             "wall_seconds": wall,
             "tokens_per_second": self.num_committed_tokens / wall if wall > 0 else 0.0,
         }

@@ -232,6 +232,7 @@ def _aggregate(reps: dict) -> dict:
         a = job["metrics"]["aggregate"]
         for c in COUNTERS:
             agg[c] += a[c]
+        agg["num_tree_drafts"] = agg.get("num_tree_drafts", 0) + a.get("num_tree_drafts", 0)
         for i, v in enumerate(a["accepted_per_position"]):
             acc_pos[i] += v
         for i, v in enumerate(a["examined_per_position"]):
@@ -255,7 +256,7 @@ def _aggregate(reps: dict) -> dict:
         "tokens_per_step_histogram": {str(n): hist[n] for n in sorted(hist)},
         "predicted_speedup": (predicted_speedup(alpha, mean_k, c, agg["num_drafts"]
                                                 / max(agg["num_target_passes"], 1))
-                              if c is not None else None),
+                              if c is not None and not agg.get("num_tree_drafts") else None),
     }
 
 
@@ -361,7 +362,8 @@ def markdown(summary: dict) -> str:
              f"Baseline arm: `{base}`. Speedup = the arm's tokens/s over the baseline's on the same "
              f"requests, 95% bootstrap interval over requests. α = accepted / examined drafts, "
              f"acceptance rate = accepted / proposed, τ = committed tokens / target pass, "
-             f"predicted = (1-α^(k+1)) / ((1-α)(k·c+1)).", "",
+             f"predicted = (1-α^(k+1)) / ((1-α)(k·c+1)) (chains only; for a token tree α and "
+             f"acc/pos are per tree level).", "",
              "| arm | tokens/s | speedup [95% CI] | τ | α | acceptance rate | acceptance per position "
              "| latency p50 / p95 (ms/token) | predicted | correctness |",
              "|---|---:|---|---:|---:|---:|---|---:|---:|---|"]

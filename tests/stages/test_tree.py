@@ -25,6 +25,9 @@ def test_greedy_trees_equal_plain_decoding_on_the_synthetic_pair(make_pipeline, 
     got = pipe.generate(REPEATING, max_new_tokens=300)
     assert [r.token_ids for r in got] == want
     assert sum(r.stats["num_accepted_tokens"] for r in got) > 100
+    # the chain formula is not offered for trees; acceptance per position is per tree level
+    assert got[0].stats["num_tree_drafts"] > 0 and got[0].stats["predicted_speedup"] is None
+    assert len(got[0].stats["acceptance_per_position"]) <= 4
 
 
 def test_the_target_cache_keeps_exactly_the_accepted_path(make_pipeline):

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from specflow.errors import ConfigError, InputError
-from specflow.models.base import Backend, SimClock
+from specflow.models.base import Backend, SimClock, TreeAttention
 
 # the first vocab_size characters are the synthetic vocabulary (64 covers "def fib(n):" and prose)
 ALPHABET = ("\n abcdefghijklmnopqrstuvwxyz0123456789():.,=_+-*/'\"[]#<>!?"
@@ -221,45 +221,24 @@ class SyntheticBackend(Backend):
         prev = torch.empty(B, T, dtype=torch.long)
         for b, s in enumerate(slots):
             below = tree.visible_below[b]
+            first = int(starts[b]) - below          # this input's entries start here
             for t in range(T):
-                own = int(starts[b]) - below + t
+                own = first + t
                 seen = [r for r in tree.see[b, t].nonzero().flatten().tolist() if r != own]
-                if seen:
-                    prev[b, t] = self.history[s, below + max(seen)]
+                if seen:     # an entry of this input is not in the history yet
+                    r = max(seen)
+                    prev[b, t] = ids[b, r - first] if r >= first else self.history[s, below + r]
                 else:
                     prev[b, t] = self.history[s, below - 1] if below > 0 else self.vocab_size
         return prev
 
     def forward_tree(self, slots: torch.Tensor, input_ids: torch.Tensor, input_lens: torch.Tensor,
                      layout) -> torch.Tensor:
-        """A position's context is (its parent's token, its token): the root's parent is the
-        cached last token, a node's parent is its tree parent."""
-        B, T = input_ids.shape
-        par = layout.parents[:, :T - 1] + 1                                              # [B, T-1]
-        ids = input_ids.clamp(min=0)
-        # the previous token of each position: the cached one for the root, else the parent's
-        slot_list = slots.tolist()
-        starts = torch.tensor([self.lengths[s] for s in slot_list], dtype=torch.long)
-        for s, n in zip(slot_list, input_lens.tolist()):
-            self._ensure(s, self.lengths[s] + n)
-        last = self.history[slots, (starts - 1).clamp(min=0)]
-        root_prev = torch.where(starts > 0, last, torch.full_like(last, self.vocab_size))  # [B]
-        node_prev = ids.gather(1, par.clamp(min=0))                                       # [B, T-1]
-        prev = torch.cat([root_prev[:, None], node_prev], 1)                              # [B, T]
-        ctx = self.context_of[prev, ids]                                                  # [B, T]
-        noise = [self.slot_noise.get(s) for s in slot_list]
-        if all(n is None for n in noise):
-            logits = self.log_table[ctx]                                                  # [B, T, V]
-        else:
-            n = torch.tensor([self.noise if x is None else x for x in noise])[:, None, None]
-            logits = ((1 - n) * self.probs[ctx] + n / self.vocab_size).log()
-        for b, (s, n) in enumerate(zip(slot_list, input_lens.tolist())):
-            self.history[s, self.lengths[s]:self.lengths[s] + n] = input_ids[b, :n]
-            self.lengths[s] += n
-        if self.clock is not None:
-            self.clock.charge(self.source, self.cfg.step_cost
-                              + self.cfg.token_cost * int(input_lens.sum()))
-        return logits
+        """A position's context is (its parent's token, its token): forward() with the tree's
+        attention, whose deepest visible entry is each node's parent."""
+        starts = [self.lengths[s] for s in slots.tolist()]
+        return self.forward(slots, input_ids, input_lens,
+                            tree=TreeAttention.of_layout(layout, starts))
 
     def keep_cached(self, slots: list[int], base: list[int], picks: list[list[int]]) -> None:
         for s, b, pick in zip(slots, base, picks):

@@ -16,6 +16,28 @@ TREE = ["proposer=ngram", "proposer.topk=4", "proposer.num_draft_tokens=16"]
 
 
 @pytest.mark.parametrize("batch", [1, 8])
+def test_greedy_draft_model_trees_equal_plain_decoding(make_pipeline, batch):
+    # the synthetic draft builds its tree level by level with tree attention over its own cache
+    plain = make_pipeline("proposer=none", f"max_batch_size={batch}")
+    want = [r.token_ids for r in plain.generate(REPEATING, max_new_tokens=120)]
+    pipe = make_pipeline("proposer=draft", "proposer.topk=3", "proposer.num_draft_tokens=10",
+                         f"max_batch_size={batch}")
+    draft, checked = pipe.draft, []
+
+    class Check:        # after each sync the draft's cache is a prefix of the committed tokens
+        @hookimpl(trylast=True)
+        def specflow_sync_cache(self, batch, result):
+            for slot, ids in zip(batch.slots.tolist(), batch.token_ids):
+                cached = draft.tokens(slot)
+                checked.append(cached == ids[:len(cached)] and len(cached) < len(ids))
+    pipe.register(Check())
+    got = pipe.generate(REPEATING, max_new_tokens=120)
+    assert [r.token_ids for r in got] == want
+    assert sum(r.stats["num_accepted_tokens"] for r in got) > len(REPEATING) * 60
+    assert checked and all(checked)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
 def test_greedy_trees_equal_plain_decoding_on_the_synthetic_pair(make_pipeline, batch):
     # the synthetic target's greedy text falls into cycles after a few hundred tokens, which
     # the n-gram trees then predict: both rejected and accepted branches are exercised

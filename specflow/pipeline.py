@@ -41,7 +41,7 @@ from specflow.stages.logits import is_greedy
 from specflow.stages.request_settings import check_request_sampling
 from specflow.stages.score import TargetScorer
 from specflow.stages.tree import along_path, check_parents, check_tree, examined_levels, layout_of, \
-    shape_tree
+    scored_nodes, shape_tree
 from specflow.state import PAD, DecodeBatch, Proposal, RoundResult, ShapingBatch, VerifyOutput
 
 
@@ -114,10 +114,8 @@ class Pipeline:
         ctx.target = self.target = self._build("model", ctx)
         self._check_k_fits(cfg)
         self.threads = choose_threads(cfg.get("threads", "auto"), self.target)
-        spec_k = int(cfg.proposer.get("k", 0)) if cfg.get("proposer") is not None \
+        spec_k = scored_nodes(cfg.proposer) if cfg.get("proposer") is not None \
             and cfg.proposer.name != "none" else 0
-        if spec_k and int(cfg.proposer.get("topk", 1) or 1) > 1:   # a tree scores its nodes
-            spec_k = int(cfg.proposer.get("num_draft_tokens") or spec_k)
         self.packed = choose_pack(cfg.get("pack", "auto"), self.target, spec_k + 1,
                                   int(cfg.max_batch_size))
         ctx.tokenizer = self.tokenizer = self.target.tokenizer
@@ -573,7 +571,7 @@ class Pipeline:
                       if v != sim_before.get(s, 0.0)},
             accepted_nodes=accepted,
             num_examined=None if layout is None else examined_levels(layout, accepted),
-            tree_depths=None if layout is None else layout.depth.max(1).values.tolist())
+            tree_depths=None if layout is None else layout.row_depths)
         hook.specflow_sync_cache(batch=batch, result=result)
         t6 = time.perf_counter()
         catch_up = proposal.catch_up_seconds          # a proposer caching prompts: prefill work

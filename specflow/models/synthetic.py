@@ -218,19 +218,19 @@ class SyntheticBackend(Backend):
         """[B, T] the token before each tree query: the latest entry it sees other than itself
         (ancestors are written before their children), else the last committed token."""
         B, T = ids.shape
-        prev = torch.empty(B, T, dtype=torch.long)
-        for b, s in enumerate(slots):
-            below = tree.visible_below[b]
-            first = int(starts[b]) - below          # this input's entries start here
-            for t in range(T):
-                own = first + t
-                seen = [r for r in tree.see[b, t].nonzero().flatten().tolist() if r != own]
-                if seen:     # an entry of this input is not in the history yet
-                    r = max(seen)
-                    prev[b, t] = ids[b, r - first] if r >= first else self.history[s, below + r]
-                else:
-                    prev[b, t] = self.history[s, below - 1] if below > 0 else self.vocab_size
-        return prev
+        R = tree.see.shape[2]
+        below = torch.tensor(tree.visible_below)                                          # [B]
+        first = starts - below                       # [B] where this input's entries start
+        own = first[:, None] + torch.arange(T)[None, :]                                  # [B, T]
+        seen = tree.see & (torch.arange(R)[None, None, :] != own[:, :, None])           # [B, T, R]
+        r = torch.where(seen, torch.arange(R), -1).max(-1).values                        # [B, T]
+        rows = torch.tensor(slots)[:, None].expand(B, T)
+        cached = self.history[rows, (below[:, None] + r).clamp(min=0)]                   # [B, T]
+        fresh = ids.gather(1, (r - first[:, None]).clamp(0, T - 1))     # not in the history yet
+        last = self.history[rows[:, 0], (below - 1).clamp(min=0)]
+        root = torch.where(below > 0, last, torch.full_like(last, self.vocab_size))      # [B]
+        return torch.where(r < 0, root[:, None],
+                           torch.where(r >= first[:, None], fresh, cached))
 
     def forward_tree(self, slots: torch.Tensor, input_ids: torch.Tensor, input_lens: torch.Tensor,
                      layout) -> torch.Tensor:

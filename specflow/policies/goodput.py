@@ -193,10 +193,9 @@ def tree_positions(ctx, k_max: int):
     proposer = ctx.cfg.get("proposer") if getattr(ctx, "cfg", None) is not None else None
     if proposer is None or int(proposer.get("topk", 1) or 1) <= 1:
         return None
-    from specflow.stages.tree import node_budgets, tree_budget
+    from specflow.stages.tree import node_budgets, scored_nodes
 
-    k_cfg = int(proposer.get("k", 0))
-    nodes = tree_budget(k_cfg, int(proposer.topk), proposer.get("num_draft_tokens"))
+    k_cfg, nodes = int(proposer.get("k", 0)), scored_nodes(proposer)
     return np.array([1 + node_budgets([k], k_cfg, nodes, [None])[0] if k else 1
                      for k in range(k_max + 1)])
 

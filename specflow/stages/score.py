@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from specflow.plugins import hookimpl
-from specflow.stages.proposers.draft import pending_inputs
+from specflow.stages.proposers.draft import catch_up, pending_inputs
 from specflow.stages.tree import layout_of
 from specflow.state import PAD
 
@@ -42,11 +42,7 @@ class TargetScorer:
     def _score_tree(self, batch, proposal, drafts):
         """One pass over each row's last committed token and its tree: [B, N+1, V]. A row whose
         cache lags further (a plugin's doing; never in a steady round) is prefilled first."""
-        slots = batch.slots.tolist()
-        lagging = [(s, ids[n:-1]) for s, ids in zip(slots, batch.token_ids)
-                   if len(ids) - (n := self.target.cache_length(s)) > 1]
-        if lagging:
-            self.target.prefill_many([s for s, _ in lagging], [ids for _, ids in lagging])
+        catch_up(self.target, batch.slots.tolist(), batch.token_ids, 1)
         layout = layout_of(proposal)
         inputs = torch.cat([batch.last_tokens()[:, None], drafts], 1)          # [B, N+1]
         lens = torch.tensor(layout.num_nodes) + 1                               # [B]

@@ -31,8 +31,9 @@ class TreeLayout:
     paths: list[list[list[int]]]  # [B][leaves][depth] node indices from the root to each leaf
 
     @property
-    def size(self) -> int:
-        return self.parents.shape[1]
+    def row_depths(self) -> list[int]:
+        """[B] each row's deepest node (0 for a row without nodes)."""
+        return self.depth.max(1).values.tolist()
 
     def ancestors(self) -> torch.Tensor:
         """[B, N+1, N+1] bool: position t may attend to position u (u is t or an ancestor)."""
@@ -44,10 +45,6 @@ class TreeLayout:
             rows = (n > i).nonzero().flatten()                                         # [R]
             see[rows, i + 1] |= see[rows, self.parents[rows, i] + 1]
         return see
-
-    def positions(self) -> torch.Tensor:
-        """[B, N+1] long: each position's offset from the root (its depth)."""
-        return self.depth
 
 
 def layout_of(proposal) -> TreeLayout | None:
@@ -125,8 +122,7 @@ def path_positions(path: torch.Tensor) -> torch.Tensor:
 def check_tree(layout: TreeLayout, ks: list[int], room: list[int | None]) -> str | None:
     """What is wrong with a tree proposal for this round (host), or None: a row's depth is at
     most its k (the tokens it may still commit, less one), and its nodes fit the context left."""
-    depth = layout.depth.max(1).values.tolist()                                       # [B]
-    for d, kb, n, left in zip(depth, ks, layout.num_nodes, room):
+    for d, kb, n, left in zip(layout.row_depths, ks, layout.num_nodes, room):
         if d > kb:
             return f"returned a tree of depth {d} for a row given k={kb}; depth is at most k"
         if left is not None and n > left:
@@ -206,6 +202,15 @@ def tree_budget(k: int, topk: int, num_draft_tokens: int | None) -> int:
         raise ConfigError(f"proposer.num_draft_tokens={nodes} is smaller than the depth "
                           f"proposer.k={k}; a tree needs at least k nodes to reach depth k")
     return nodes
+
+
+def scored_nodes(proposer) -> int:
+    """Draft nodes a row may score in one pass under a proposer config: its node budget for a
+    tree (topk > 1), else k."""
+    k = int(proposer.get("k", 0) or 0)
+    if int(proposer.get("topk", 1) or 1) <= 1:
+        return k
+    return int(proposer.get("num_draft_tokens") or k)
 
 
 def node_budgets(ks: list[int], k_cfg: int, nodes_cfg: int, room: list[int | None]) -> list[int]:

@@ -47,15 +47,32 @@ def pending_inputs(token_ids: list[list[int]], cached: list[int]) -> tuple[torch
     return out, lens
 
 
+def catch_up(model, slots: list[int], token_ids: list[list[int]], lag: int) -> float:
+    """Rows whose cache in `model` lags their committed tokens by more than `lag` are cached up
+    to their last committed token by the model's batched prefill (one call for all of them).
+    -> the seconds it took (0.0 when no row lagged)."""
+    lagging = [(s, ids[n:-1]) for s, ids in zip(slots, token_ids)
+               if len(ids) - (n := model.cache_length(s)) > lag]
+    if not lagging:
+        return 0.0
+    start = time.perf_counter()
+    model.prefill_many([s for s, _ in lagging], [ids for _, ids in lagging])
+    return time.perf_counter() - start
+
+
 def spread(batch_size: int, rows: list[int], drafts: torch.Tensor, probs: torch.Tensor | None,
-           reasons: list[str | None]) -> Proposal:
-    """The drafts of the rows that drafted ([R, K], q [R, K, V] or None) placed into a proposal
-    for the whole batch (PAD and zero q elsewhere, with each skipped row's reason)."""
+           reasons: list[str | None], parents: torch.Tensor | None = None) -> Proposal:
+    """The drafts of the rows that drafted ([R, K], q [R, K, V] or None, a tree's parents
+    [R, K] or None) placed into a proposal for the whole batch (PAD and zero q elsewhere, with
+    each skipped row's reason)."""
     if len(rows) == batch_size:
-        return Proposal(drafts, probs)
+        return Proposal(drafts, probs, parents=parents)
     full = Proposal.empty(batch_size, drafts.shape[1], device=drafts.device)
     full.skip_reasons = reasons
     full.draft_token_ids[rows] = drafts
+    if parents is not None:
+        full.parents = torch.full_like(full.draft_token_ids, PAD)
+        full.parents[rows] = parents
     if probs is not None:
         full.draft_probs = probs.new_zeros(batch_size, *probs.shape[1:])
         full.draft_probs[rows] = probs
@@ -146,75 +163,60 @@ class DraftModelProposer:
         if K == 0:
             return Proposal(Proposal.empty(batch.size).draft_token_ids, None, full_context)
         sub = batch.select(rows) if len(rows) < batch.size else batch   # only rows that draft run
-        caught_up = self._catch_up(sub)
+        # rows whose draft cache lags by more than a round's worth (a new request: its prompt;
+        # a row the policy kept at k = 0: those rounds' tokens) are prefilled first, so the
+        # draft costs nothing while no row drafts and the first step feeds each row one or two
+        # tokens instead of padding every row to the longest lag
+        caught_up = catch_up(self.model, sub.slots.tolist(), sub.token_ids, self.CATCH_UP)
+        sub_ks = [ks[b] for b in rows]
         if self.cfg.topk > 1:
-            proposal = self._tree(batch, sub, rows, [ks[b] for b in rows], full_context)
+            room = [None if self.target_length is None else self.target_length - len(ids)
+                    for ids in sub.token_ids]
+            tokens, parents, trees = build_trees(
+                self.model, sub, sub_ks, node_budgets(sub_ks, self.cfg.k, self.cfg.nodes, room),
+                self.cfg.topk, self._first_logits(sub),
+                lambda x: align_vocab(x, self.vocab_size), self.calibration)
+            self.trees = dict(zip(sub.slots.tolist(), trees))
+            proposal = spread(batch.size, rows, tokens, None, full_context, parents)
         else:
-            drafts, probs = self._draft(sub, [ks[b] for b in rows], K)
+            drafts, probs = self._draft(sub, sub_ks, K)
             proposal = spread(batch.size, rows, drafts, probs, full_context)
         proposal.catch_up_seconds = caught_up
         return proposal
 
-    def _tree(self, batch, sub, rows: list[int], ks: list[int], reasons) -> Proposal:
-        """EAGLE-2 trees for the drafting rows (draft_tree.py), placed into the whole batch."""
-        room = [None if self.target_length is None else self.target_length - len(ids)
-                for ids in sub.token_ids]
-        budgets = node_budgets(ks, self.cfg.k, self.cfg.nodes, room)
-        cached = [self.model.cache_length(s) for s in sub.slots.tolist()]
-        inputs, lens = pending_inputs(sub.token_ids, cached)                # [R, T], [R]
-        logits = self.model.forward(sub.slots, inputs, lens)                # [R, T, V_draft]
-        last = align_vocab(logits[torch.arange(len(rows)), lens.to(logits.device) - 1],
-                           self.vocab_size)                                 # [R, V]
-        tokens, parents, trees = build_trees(
-            self.model, sub, ks, budgets, self.cfg.topk, last,
-            lambda x: align_vocab(x, self.vocab_size), self.calibration)
-        self.trees = dict(zip(sub.slots.tolist(), trees))
-        N = tokens.shape[1]
-        ids = torch.full((batch.size, N), PAD, dtype=torch.long)
-        par = torch.full((batch.size, N), PAD, dtype=torch.long)
-        ids[rows], par[rows] = tokens, parents
-        return Proposal(ids, None, reasons, parents=par)
+    CATCH_UP = 2        # tokens a row may lag and still be fed by the first draft step
+
+    def _first_logits(self, batch) -> torch.Tensor:
+        """The draft's logits after each row's committed tokens, feeding the ones it has not
+        cached (at most CATCH_UP after catch_up): [B, V] on the target's vocabulary."""
+        cached = [self.model.cache_length(s) for s in batch.slots.tolist()]
+        inputs, lens = pending_inputs(batch.token_ids, cached)             # [B, T], [B]
+        logits = self.model.forward(batch.slots, inputs, lens)             # [B, T, V_draft]
+        rows = torch.arange(len(lens), device=logits.device)
+        return align_vocab(logits[rows, lens.to(logits.device) - 1], self.vocab_size)   # [B, V]
 
     def _draft(self, batch, ks: list[int], K: int):
         """K autoregressive draft steps; a row stops being computed once it has its own k
         (the draft's cost follows sum(k), not rows x max(k)). -> ([B, K], [B, K, V] or None)."""
-        cached = [self.model.cache_length(s) for s in batch.slots.tolist()]
-        inputs, lens = pending_inputs(batch.token_ids, cached)             # [B, T], [B]
-        device = self.model.device
-
         def step(i, sub, keep, previous):
-            nonlocal inputs, lens
-            if i > 0:      # each row's last draft (step 0 feeds its uncached committed tokens)
-                inputs, lens = previous[:, None], torch.ones(len(keep), dtype=torch.long)
-            logits = self.model.forward(sub.slots, inputs, lens)           # [L, T, V_draft]
-            rows = torch.arange(len(keep), device=device)
-            return align_vocab(logits[rows, lens.to(device) - 1], self.vocab_size)   # [L, V]
-        return draft_steps(batch, ks, K, self.vocab_size, device, step)
-
-    def _catch_up(self, batch) -> float:
-        """Rows whose draft cache lags by more than a round's worth (a new request: its prompt;
-        a row the policy kept at k = 0 for a while: those rounds' tokens) are cached first by
-        the model's batched prefill, up to their last committed token. The draft runs only for
-        rows that draft: under load, when the policy sets k = 0, it costs nothing at all, and
-        the first step below feeds every row one or two tokens instead of padding all rows to
-        the longest lag. -> the seconds it took (0.0 when no row lagged)."""
-        slots = batch.slots.tolist()
-        lagging = [(s, ids[n:-1]) for s, ids in zip(slots, batch.token_ids)
-                   if len(ids) - (n := self.model.cache_length(s)) > self.CATCH_UP]
-        if not lagging:
-            return 0.0
-        start = time.perf_counter()
-        self.model.prefill_many([s for s, _ in lagging], [ids for _, ids in lagging])
-        return time.perf_counter() - start
-
-    CATCH_UP = 2        # tokens a row may lag and still be fed by the first draft step
+            if i == 0:     # every row, fed its uncached committed tokens
+                return self._first_logits(sub)                             # [L, V]
+            # each row's last draft
+            logits = self.model.forward(sub.slots, previous[:, None],
+                                        torch.ones(len(keep), dtype=torch.long))  # [L, 1, V_d]
+            return align_vocab(logits[:, 0], self.vocab_size)              # [L, V]
+        return draft_steps(batch, ks, K, self.vocab_size, self.model.device, step)
 
     @hookimpl
     def specflow_sync_cache(self, batch, result):
         if self.trees:
             if result.accepted_nodes is not None:
-                keep_path(self.model, batch.slots.tolist(), self.trees, result.accepted_nodes,
-                          self.calibration, batch.greedy)
+                slots = batch.slots.tolist()
+                self.calibration.decay()
+                for slot, path in zip(slots, result.accepted_nodes):   # the verdicts teach it
+                    if slot in self.trees:
+                        self.calibration.observe(self.trees[slot], path, batch.greedy)
+                keep_path(self.model, slots, self.trees, result.accepted_nodes)
             self.trees = {}
         keep = [len(ids) - 1 for ids in batch.token_ids]
         self.model.truncate(batch.slots, keep)

@@ -35,9 +35,12 @@ class _Node:
     q: float              # the draft's shaped probability of this token after its parent
     rank: int             # its place among the children its parent offered (0 = likeliest)
     score: float          # cumulative log of the calibrated acceptance from the root
-    depth: int
     path: list[int]       # tokens from the root to this node (inclusive)
     entry: int = -1       # this round's draft-cache entry (from the row's base), -1 = not fed
+
+    @property
+    def depth(self) -> int:
+        return len(self.path)
 
 
 @dataclass
@@ -130,66 +133,72 @@ def build_trees(model, batch, ks: list[int], budgets: list[int], topk: int, firs
     calibration = calibration or Calibration(topk)
     empty = torch.zeros(B, 0, dtype=torch.long)
     shaped = batch.shape(first_logits[:, None], empty, 0, "draft")[:, 0]               # [B, V]
-    qs, scores, tokens = _top_children(shaped, topk, calibration)
-    rows: list[list[_Node]] = [[_Node(t, -1, q, r, s, 1, [t])
-                                for r, (q, s, t) in enumerate(zip(qq, sc, tk))]
-                               for qq, sc, tk in zip(qs, scores, tokens)]
-    frontier = [list(range(len(r))) for r in rows]            # node indices per row
+    rows: list[list[_Node]] = [[] for _ in range(B)]
+    frontier = _offer(rows, [[-1]] * B, shaped, topk, calibration)         # depth 1: every child
     fed = [0] * B                                             # entries written per row
     base = [model.cache_length(s) for s in batch.slots.tolist()]
     for d in range(2, max(ks, default=0) + 1):
         live = [b for b in range(B) if ks[b] >= d and frontier[b]]
         if not live:
             break
-        T = max(len(frontier[b]) for b in live)
-        R = max(fed[b] for b in live) + T                     # entries visible after this forward
-        ids = torch.full((len(live), T), PAD, dtype=torch.long)
-        pos = torch.zeros(len(live), T, dtype=torch.long)
-        see = torch.zeros(len(live), T, R, dtype=torch.bool)
-        lens = []
-        for i, b in enumerate(live):
-            nodes = rows[b]
-            for t, n in enumerate(frontier[b]):
-                node = nodes[n]
-                ids[i, t] = node.token
-                pos[i, t] = base[b] - 1 + node.depth          # the root token sits at base - 1
-                node.entry = fed[b] + t
-                anc = n
-                while anc != -1:                              # itself and its fed ancestors
-                    see[i, t, nodes[anc].entry] = True
-                    anc = nodes[anc].parent
-            lens.append(len(frontier[b]))
         sub = batch.select(live)
-        slots = sub.slots
-        logits = model.forward(slots, ids, torch.tensor(lens),
-                               tree=TreeAttention(pos, [base[b] for b in live], see))
-        for i, b in enumerate(live):
-            fed[b] += lens[i]
-        # shape each frontier node's children with its own root path as the prefix
-        flat_rows, flat_paths, flat_logits = [], [], []
-        for i, b in enumerate(live):
-            for t, n in enumerate(frontier[b]):
-                flat_rows.append(i)
-                flat_paths.append(rows[b][n].path)
-                flat_logits.append(logits[i, t])
-        paths = torch.tensor(flat_paths, dtype=torch.long)                          # [F, d-1]
-        expanded = sub.select(flat_rows)
-        shaped = expanded.shape(align(torch.stack(flat_logits))[:, None], paths, d - 1,
-                                "draft")[:, 0]                                      # [F, V]
-        child_q, child_scores, child_tokens = _top_children(shaped, topk, calibration)
-        f = 0
-        for b in live:
-            candidates = []
-            for n in frontier[b]:
-                parent = rows[b][n]
-                for r, (q, s, t) in enumerate(zip(child_q[f], child_scores[f], child_tokens[f])):
-                    candidates.append(_Node(t, n, q, r, parent.score + s, d, parent.path + [t]))
-                f += 1
-            candidates.sort(key=lambda c: -c.score)
-            start = len(rows[b])
-            rows[b].extend(candidates)
-            frontier[b] = list(range(start, start + min(topk, len(candidates))))
+        logits = _feed(model, sub, [rows[b] for b in live], [frontier[b] for b in live],
+                       [fed[b] for b in live], [base[b] for b in live])                 # [L, T, V]
+        # each frontier node's children, shaped with its own root path as the prefix
+        pick = [(i, t) for i, b in enumerate(live) for t in range(len(frontier[b]))]
+        paths = torch.tensor([rows[live[i]][frontier[live[i]][t]].path for i, t in pick])  # [F, d-1]
+        flat = align(logits[[i for i, _ in pick], [t for _, t in pick]])                   # [F, V]
+        shaped = sub.select([i for i, _ in pick]).shape(flat[:, None], paths, d - 1,
+                                                        "draft")[:, 0]                     # [F, V]
+        offered = _offer([rows[b] for b in live], [frontier[b] for b in live], shaped, topk,
+                         calibration)
+        for b, nxt in zip(live, offered):
+            fed[b] += len(frontier[b])
+            frontier[b] = nxt
     return _select(rows, budgets, base)
+
+
+def _feed(model, batch, rows: list[list[_Node]], frontier: list[list[int]], fed: list[int],
+          base: list[int]) -> torch.Tensor:
+    """The draft's forward over each row's frontier nodes with tree attention: each sees the
+    committed prefix, its fed ancestors and itself, at position root + depth; the nodes are
+    written after the row's `fed` earlier entries. -> logits [L, T, V_draft]."""
+    L, T = len(rows), max(len(f) for f in frontier)
+    ids = torch.full((L, T), PAD, dtype=torch.long)
+    pos = torch.zeros(L, T, dtype=torch.long)
+    see = torch.zeros(L, T, max(fed) + T, dtype=torch.bool)
+    for i, (nodes, front) in enumerate(zip(rows, frontier)):
+        for t, n in enumerate(front):
+            ids[i, t] = nodes[n].token
+            pos[i, t] = base[i] - 1 + nodes[n].depth          # the root token sits at base - 1
+            nodes[n].entry = fed[i] + t
+            anc = n
+            while anc != -1:                                  # itself and its fed ancestors
+                see[i, t, nodes[anc].entry] = True
+                anc = nodes[anc].parent
+    lens = torch.tensor([len(f) for f in frontier])
+    return model.forward(batch.slots, ids, lens, tree=TreeAttention(pos, list(base), see))
+
+
+def _offer(rows: list[list[_Node]], frontier: list[list[int]], shaped: torch.Tensor, topk: int,
+           calibration: Calibration) -> list[list[int]]:
+    """Each frontier node (-1 = the root) offers its topk likeliest children (shaped [F, V], one
+    row per frontier node in order); every child joins its row's candidates, and the topk with
+    the highest value form the row's next frontier (returned as node indices)."""
+    child_q, child_scores, child_tokens = _top_children(shaped, topk, calibration)
+    f, out = 0, []
+    for nodes, front in zip(rows, frontier):
+        candidates = []
+        for n in front:
+            score, path = (nodes[n].score, nodes[n].path) if n != -1 else (0.0, [])
+            for r, (q, s, t) in enumerate(zip(child_q[f], child_scores[f], child_tokens[f])):
+                candidates.append(_Node(t, n, q, r, score + s, path + [t]))
+            f += 1
+        candidates.sort(key=lambda c: -c.score)
+        start = len(nodes)
+        nodes.extend(candidates)
+        out.append(list(range(start, start + min(topk, len(candidates)))))
+    return out
 
 
 def _select(rows: list[list[_Node]], budgets: list[int], base: list[int]):
@@ -222,20 +231,14 @@ def _select(rows: list[list[_Node]], budgets: list[int], base: list[int]):
 
 
 def keep_path(model, slots: list[int], trees: dict[int, DraftTree],
-              accepted: list[list[int]], calibration: Calibration | None = None,
-              greedy: bool = True) -> None:
+              accepted: list[list[int]]) -> None:
     """After verification: each tree row's draft cache keeps the accepted path's fed entries (in
-    order, up to the first node that was never fed) and drops the rest; the calibration learns
-    from the verdicts."""
+    order, up to the first node that was never fed) and drops the rest."""
     keep_slots, bases, picks = [], [], []
-    if calibration is not None:
-        calibration.decay()
     for slot, path in zip(slots, accepted):
         tree = trees.get(slot)
         if tree is None:
             continue
-        if calibration is not None:
-            calibration.observe(tree, path, greedy)
         pick = []
         for node in path:
             entry = tree.entries[node]

@@ -22,8 +22,9 @@ if TYPE_CHECKING:
     from specflow.state import DecodeBatch, Proposal, RoundResult, ShapingBatch, VerifyOutput
     from specflow.stages.stop import TrimResult
 
-HOOK_API_VERSION = "1.3"   # 1.1: run_start / run_end; 1.2: request_end "abort", masks first;
-                           # 1.3: prefill (the prompts admitted together, in one call)
+HOOK_API_VERSION = "1.4"   # 1.1: run_start / run_end; 1.2: request_end "abort", masks first;
+                           # 1.3: prefill (the prompts admitted together, in one call);
+                           # 1.4: node_price (what a tree node must be worth to be scored)
 
 hookspec = pluggy.HookspecMarker("specflow")
 
@@ -64,6 +65,20 @@ def specflow_draft_length(batch: "DecodeBatch") -> "torch.Tensor | None":
 
     Return a LongTensor [B] of k >= 0 (0 = plain decoding for that row this round). The first
     non-None result wins. The pipeline then caps k by the tokens and context each row has left.
+    """
+
+
+@hookspec(firstresult=True)
+def specflow_node_price(batch: "DecodeBatch", k: "torch.Tensor") -> "torch.Tensor | None":
+    """Called after the policy, before the proposer, with the capped k [B]: the least chance of
+    acceptance a draft node must have for scoring it to pay this round.
+
+    Return a float tensor [B] of prices in [0, 1] (0 = every node the proposer's budget allows), or
+    None to leave tree sizes to the proposer's configured budget. The pipeline puts it on
+    ``batch.node_price``; a tree proposer that can estimate each node's chance of acceptance (the
+    built-in draft model does) proposes only nodes worth at least the price, within its budget.
+    The built-in goodput policy prices a node at the throughput it displaces: tokens per second
+    times the measured cost of one more scored position. The first non-None result wins.
     """
 
 
@@ -216,6 +231,6 @@ def specflow_round_end(result: "RoundResult", pipeline: "Pipeline") -> Any:
     """
 
 
-STAGE_HOOKS = ("specflow_draft_length", "specflow_propose", "specflow_score", "specflow_process_logits",
-               "specflow_mask_logits", "specflow_verify", "specflow_trim", "specflow_sync_cache",
-               "specflow_observe")
+STAGE_HOOKS = ("specflow_draft_length", "specflow_node_price", "specflow_propose",
+               "specflow_score", "specflow_process_logits", "specflow_mask_logits",
+               "specflow_verify", "specflow_trim", "specflow_sync_cache", "specflow_observe")

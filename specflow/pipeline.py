@@ -17,6 +17,8 @@ counts them with a probe.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -484,6 +486,18 @@ class Pipeline:
             self._proposer_error(problem)
         return layout
 
+    def _check_price(self, price, size: int) -> list[float]:
+        """A node price [B] as host floats in [0, 1], or PluginError naming the policy."""
+        values = torch.as_tensor(price, dtype=torch.float64).flatten().tolist()
+        bad = next((v for v in values if not 0.0 <= v <= 1.0), None)   # NaN fails both
+        if len(values) != size or bad is not None:
+            name = self.cfg.policy.name
+            got = f"{len(values)} values" if len(values) != size else f"a price of {bad}"
+            raise PluginError(f"policy {name!r} (or a plugin answering specflow_node_price) "
+                              f"returned {got} for {size} rows; return one chance of acceptance "
+                              f"in [0, 1] per row, or None")
+        return values
+
     def _proposer_error(self, problem: str):
         name = self.cfg.proposer.name
         owner = self.registry.get("proposer", name).plugin
@@ -521,6 +535,8 @@ class Pipeline:
         if k is None:
             k = torch.zeros(batch.size, dtype=torch.long)
         k, skip_reasons = self._cap_k(k, batch)                                    # [B]
+        price = hook.specflow_node_price(batch=batch, k=k)
+        batch.node_price = None if price is None else self._check_price(price, batch.size)
         t1 = time.perf_counter()
         proposal = hook.specflow_propose(batch=batch, k=k) or Proposal.empty(batch.size)
         ids = proposal.host_draft_token_ids()        # [B, K] host sync 1 (drafts made on the device)
@@ -533,6 +549,10 @@ class Pipeline:
             self._check_drafts(num_drafts, packed, bad_ids, k.tolist())
         else:                        # a tree: num_drafts counts its nodes
             layout = self._check_tree(proposal, batch, num_drafts, packed, bad_ids, k.tolist())
+        chained = layout is not None and layout.is_chain
+        if chained:                  # trees that came out as chains are scored as chains (cheaper)
+            proposal = dataclasses.replace(proposal, parents=None)
+            layout = None
         for b, n in enumerate(num_drafts):   # asked for drafts, got none: say why
             if n == 0 and skip_reasons[b] is None:
                 given = proposal.skip_reasons[b] if proposal.skip_reasons else None
@@ -554,24 +574,26 @@ class Pipeline:
         t4 = time.perf_counter()
         trim = hook.specflow_trim(batch=batch, verified=verified)
         # before the committed tokens join the prefixes the shape calls recorded
-        accepted = None if layout is None else \
-            [row[:n] for row, n in zip(verified.accepted_nodes.tolist(),
-                                       verified.num_accepted.tolist())]
+        n_acc = verified.num_accepted.tolist()
+        accepted = [list(range(n)) for n in n_acc] if chained else None if layout is None else \
+            [row[:n] for row, n in zip(verified.accepted_nodes.tolist(), n_acc)]
         self._check_empty_rows(batch, trim.consumed if trim.consumed is not None
-                               else (verified.num_accepted + 1).tolist(), accepted)
+                               else (verified.num_accepted + 1).tolist(),
+                               None if chained else accepted)
         for ids, new in zip(batch.token_ids, trim.committed):
             ids.extend(new)
         t5 = time.perf_counter()
         result = RoundResult(
             round_index=round_index, request_ids=batch.request_ids,
             num_drafts=num_drafts,
-            num_accepted=verified.num_accepted.tolist(), committed=trim.committed,   # host: no sync
+            num_accepted=n_acc, committed=trim.committed,                            # host: no sync
             finish_reasons=trim.finish_reasons, batch_size=batch.size, skip_reasons=skip_reasons,
             sim_time={s: v - sim_before.get(s, 0.0) for s, v in self.clock.by_source.items()
                       if v != sim_before.get(s, 0.0)},
             accepted_nodes=accepted,
-            num_examined=None if layout is None else examined_levels(layout, accepted),
-            tree_depths=None if layout is None else layout.row_depths)
+            num_examined=[min(a + 1, n) for a, n in zip(n_acc, num_drafts)] if chained else
+            None if layout is None else examined_levels(layout, accepted),
+            tree_depths=num_drafts if chained else None if layout is None else layout.row_depths)
         hook.specflow_sync_cache(batch=batch, result=result)
         t6 = time.perf_counter()
         catch_up = proposal.catch_up_seconds          # a proposer caching prompts: prefill work

@@ -30,6 +30,9 @@ class DecodeBatch:
     greedy: bool
     max_batch_size: int
     shaper: Callable[..., torch.Tensor] | None = field(repr=False, default=None)  # Pipeline.shape
+    # [B] per row, the least chance of acceptance a tree node must have to be proposed this round
+    # (specflow_node_price); None = the proposer's configured budget alone decides
+    node_price: list[float] | None = None
 
     def shape(self, logits: torch.Tensor, draft_token_ids: torch.Tensor, first_draft_index: int,
               source: str) -> torch.Tensor:
@@ -49,7 +52,8 @@ class DecodeBatch:
             prompt_lens=[self.prompt_lens[b] for b in rows],
             max_new_tokens=[self.max_new_tokens[b] for b in rows],
             generators=[self.generators[b] for b in rows], greedy=self.greedy,
-            max_batch_size=self.max_batch_size, shaper=self.shaper)
+            max_batch_size=self.max_batch_size, shaper=self.shaper,
+            node_price=None if self.node_price is None else [self.node_price[b] for b in rows])
 
     def num_generated(self, row: int) -> int:
         return len(self.token_ids[row]) - self.prompt_lens[row]

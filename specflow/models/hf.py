@@ -319,15 +319,20 @@ class HFBackend(Backend):
         starts = [self.cache.lengths[s] for s in slot_list]       # where each row's input goes
         positions, kv_len = self.cache.begin(slot_list, lens, T, self.device)    # [B, T]
         windowed = self.window is not None and kv_len > self.window
-        mask = None          # one query attends to the whole cached row: no mask to build
+        # one query attending to the whole cached row (a tree node whose row holds only its
+        # ancestors: a priced tree that is a chain so far) needs no mask
+        whole_row = B == 1 and T == 1 and not windowed and (tree is None or bool(tree.see.all()))
+        mask = allowed = None
         if tree is not None:
-            positions, allowed = self._tree_mask(tree, kv_len)                      # [B, T], [B, T, L]
-        elif not (B == 1 and T == 1 and not windowed):
+            positions = tree.positions.to(self.device)                               # [B, T]
+            if not whole_row:
+                positions, allowed = self._tree_mask(tree, kv_len)                  # [B, T, L]
+        elif not whole_row:
             keys = torch.arange(kv_len, device=self.device)                          # [L]
             allowed = keys[None, None, :] <= positions[:, :, None]                   # [B, T, L]
             if windowed:
                 allowed &= keys[None, None, :] > positions[:, :, None] - self.window
-        if tree is not None or not (B == 1 and T == 1 and not windowed):
+        if allowed is not None:
             mask = allowed[:, None] if self._bool_mask else torch.zeros(
                 B, 1, T, kv_len, dtype=self.model.dtype, device=self.device).masked_fill(
                 ~allowed[:, None], torch.finfo(self.model.dtype).min)

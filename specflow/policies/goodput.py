@@ -6,9 +6,10 @@ Two things are learned online, nothing is hand-set:
   own rate over all positions, which is shrunk towards the running global rate — so positions a
   sequence has not tried yet are estimated from what it has, and a new sequence starts from
   everyone's average;
-- cost: the target pass time as a linear function of the positions it computes (rows x (the
-  longest k + 1) for a real forward, which pads its rows to one length; the sum over rows of
-  k + 1 for the synthetic pair's clock) and the draft time per step as a linear function of the rows drafting, fitted by
+- cost: the target pass time, with the shaping, verification and cache sync that follow it, as
+  a linear function of the positions it computes (rows x (the longest k + 1) for a real forward,
+  which pads its rows to one length; the sum over rows of k + 1 for the synthetic pair's clock),
+  and the draft time as a linear function of its steps and the tokens it drafts, fitted by
   exponentially weighted least squares on the measured stage times (the synthetic backend's
   simulated clock when there is one). A real target's fit starts from two passes timed when the
   policy is built (one position in one row; k_max+1 in every slot): steady rounds alone cannot
@@ -26,6 +27,17 @@ pass, a_d per draft step) shared by the B running sequences (choose_k). With a f
 minimises the total cost of the work; under load b_t (k+1) dominates and k falls to 0.
 `policy=oracle` is the same rule fed the synthetic pair's true acceptance and costs (the yardstick
 of the policy experiment).
+
+Token trees (proposer.topk > 1): k is the depth, and a depth-k tree is priced as 1 + w k
+positions, w the nodes per level of the trees recently scored (learned, from 1). Which branches
+are scored is priced too: each round the policy publishes a node price (specflow_node_price),
+the throughput R of recent rounds (committed tokens / s, measured) times what one more node
+costs: b_t to score it, plus its share of a wider draft step (timed at build for a draft model).
+A node whose chance of acceptance is under that price displaces more tokens than it is expected
+to add (adding v tokens for c seconds raises a round's rate only if v / c > R), so a draft-model
+tree keeps only branches worth the price: with cheap positions it spreads where the draft is
+unsure; under load (R grows with the batch, and for a compute-bound pass R b_t approaches 1) it
+shrinks to the draft's own chain, and then k falls to 0.
 """
 from __future__ import annotations
 
@@ -109,6 +121,30 @@ class LinearFit2:
         return max(a, 0.0), max(b, 0.0)
 
 
+class LinearFit3:
+    """y = w . x for x of three terms, as LinearFit2 (discounted least squares, a weak ridge
+    towards the prior, each weight >= 0), solved with numpy."""
+
+    RIDGE = LinearFit2.RIDGE
+
+    def __init__(self, memory: float, prior: tuple[float, float, float]):
+        self.memory, self.prior = memory, np.asarray(prior, dtype=np.float64)
+        self.sxx, self.sxy, self.n = np.zeros((3, 3)), np.zeros(3), 0.0
+
+    def add(self, x, y: float) -> None:
+        x = np.asarray(x, dtype=np.float64)
+        d = 1 - self.memory
+        self.sxx = d * self.sxx + np.outer(x, x)
+        self.sxy, self.n = d * self.sxy + x * y, d * self.n + 1
+
+    def coef(self) -> tuple[float, ...]:
+        if self.n == 0:
+            return tuple(self.prior.tolist())
+        ridge = self.RIDGE * np.diag(self.sxx) + 1e-12                   # scale-free
+        w = np.linalg.solve(self.sxx + np.diag(ridge), self.sxy + ridge * self.prior)
+        return tuple(np.maximum(w, 0.0).tolist())
+
+
 def expected_tokens(acceptance) -> np.ndarray:
     """acceptance [B, K] (per position) -> E(k) [B, K+1] for k = 0..K."""
     gain = np.cumprod(np.clip(np.asarray(acceptance, dtype=np.float64), 0, 1), 1)  # [B, K]
@@ -116,13 +152,14 @@ def expected_tokens(acceptance) -> np.ndarray:
 
 
 def choose_k(acceptance, a_t: float, b_t: float, a_d: float, b_d: float,
-             rounds: int = 3, positions=None) -> list[int]:
+             rounds: int = 3, positions=None, first: float = 0.0) -> list[int]:
     """acceptance [B, K] -> per row, the k in 0..K maximising E(k) / its cost share, for a
     target whose pass costs the sum of its rows' positions (rows are not padded).
 
     A row's share of a round: a_t / B of the target pass's fixed cost, b_t per position it adds,
     b_d per draft step it takes, and a_d / n_i for its i-th draft step, which the n_i rows
-    drafting at least i tokens share. n depends on everyone's k: a few fixed-point passes.
+    drafting at least i tokens share (the first step also `first`, the fixed cost of drafting
+    at all in a round). n depends on everyone's k: a few fixed-point passes.
     """
     E = expected_tokens(acceptance)                                              # [B, K+1]
     B, K = E.shape[0], E.shape[1] - 1
@@ -134,6 +171,7 @@ def choose_k(acceptance, a_t: float, b_t: float, a_d: float, b_d: float,
     for _ in range(rounds):
         sharing = (choice[:, None] >= k[None, 1:]).sum(0)                        # [K] n_i
         step_share = a_d / np.maximum(sharing, 1)                                # [K]
+        step_share[:1] += first / max(int(sharing[0]) if K else 1, 1)
         cost = a_t / B + b_t * scored + b_d * k + np.concatenate(
             [[0.0], np.cumsum(step_share)])                                      # [K+1]
         new = (E / np.maximum(cost, 1e-12)).argmax(1)                            # [B]
@@ -144,10 +182,11 @@ def choose_k(acceptance, a_t: float, b_t: float, a_d: float, b_d: float,
 
 
 def choose_k_padded(acceptance, a_t: float, b_t: float, a_d: float, b_d: float,
-                    rounds: int = 4, positions=None) -> list[int]:
+                    rounds: int = 4, positions=None, first: float = 0.0) -> list[int]:
     """acceptance [B, K] -> per row k, for a target whose pass pads every row to the longest
     (a transformer forward over [B, max k + 1]): the round costs a_t + b_t B (K + 1) for its
-    largest K whatever the other rows draft, plus a_d per draft step and b_d per drafting row.
+    largest K whatever the other rows draft, plus a_d per draft step and b_d per drafting row
+    (and `first` once when any row drafts).
     So the choice is the batch's: for each cap K, every row takes the k <= K that is worth its
     own draft steps, and the cap with the most expected tokens per second of the round wins
     (per-row shares would let one keen row make all B rows score K + 1 positions).
@@ -166,7 +205,7 @@ def choose_k_padded(acceptance, a_t: float, b_t: float, a_d: float, b_d: float,
     # under load no longest draft K can beat plain decoding even if every row drafted K and all
     # were accepted at its estimated rates (the round then costs at least target + (a_d + b_d) K):
     # the common answer, found without the search
-    best_case = E.sum(0)[1:] / (target[1:] + (a_d + b_d) * cap[1:])             # [K]
+    best_case = E.sum(0)[1:] / (target[1:] + (a_d + b_d) * cap[1:] + first)     # [K]
     if K == 0 or best_case.max() <= B / max(target[0], 1e-12):
         return [0] * B
     over = j[None, :] > cap[:, None]                                             # [C, J]
@@ -175,7 +214,9 @@ def choose_k_padded(acceptance, a_t: float, b_t: float, a_d: float, b_d: float,
 
     def rate(ks):
         tokens = E[rows, ks].sum(1)                                              # [C]
-        return tokens / np.maximum(target + a_d * ks.max(1) + b_d * ks.sum(1), 1e-12)
+        longest = ks.max(1)
+        return tokens / np.maximum(target + a_d * longest + first * (longest > 0)
+                                   + b_d * ks.sum(1), 1e-12)
 
     for _ in range(rounds):
         score = E[None] - (rate(ks) * b_d)[:, None, None] * j[None, None, :]     # [C, B, J]
@@ -187,17 +228,10 @@ def choose_k_padded(acceptance, a_t: float, b_t: float, a_d: float, b_d: float,
     return ks[int(rate(ks).argmax())].tolist()
 
 
-def tree_positions(ctx, k_max: int):
-    """Positions a row scores per depth k = 0..k_max when the proposer builds trees (its node
-    budget at that depth, plus the root); None for chains (k + 1)."""
+def builds_trees(ctx) -> bool:
+    """The configured proposer builds token trees (proposer.topk > 1)."""
     proposer = ctx.cfg.get("proposer") if getattr(ctx, "cfg", None) is not None else None
-    if proposer is None or int(proposer.get("topk", 1) or 1) <= 1:
-        return None
-    from specflow.stages.tree import node_budgets, scored_nodes
-
-    k_cfg, nodes = int(proposer.get("k", 0)), scored_nodes(proposer)
-    return np.array([1 + node_budgets([k], k_cfg, nodes, [None])[0] if k else 1
-                     for k in range(k_max + 1)])
+    return proposer is not None and int(proposer.get("topk", 1) or 1) > 1
 
 
 def measured_target_cost(target, positions: int, rows: int) -> tuple[float, float] | None:
@@ -216,6 +250,22 @@ def measured_target_cost(target, positions: int, rows: int) -> tuple[float, floa
     full = pass_seconds(target, 5, positions, rows)
     b = max(0.0, (full - one) / (rows * positions - 1))
     return max(one - b, 0.0), b
+
+
+def measured_branch_cost(ctx) -> float:
+    """Seconds one more frontier node adds to a draft model's tree step (a forward over topk
+    positions against one), timed when the policy is built; 0 for chains, simulated or no draft
+    models. A tree's extra nodes cost this on top of their scored positions."""
+    from specflow.models.threads import pass_seconds
+
+    proposer = ctx.cfg.get("proposer") if getattr(ctx, "cfg", None) is not None else None
+    if not builds_trees(ctx) or proposer.get("name") != "draft":
+        return 0.0
+    draft = ctx.draft
+    if draft is None or getattr(draft, "clock", None) is not None or not hasattr(draft, "truncate"):
+        return 0.0
+    width = int(proposer.get("topk"))
+    return max(0.0, (pass_seconds(draft, 5, width) - pass_seconds(draft, 5)) / (width - 1))
 
 
 def measured_draft_cost(ctx) -> tuple[float, float] | None:
@@ -256,10 +306,19 @@ class GoodputPolicy:
         # split); else relative to one plain pass
         draft = measured_draft_cost(ctx) if prior is not None else None
         self.draft_prior = draft or (cfg.prior_draft_cost * sum(self.target_prior), 0.0)
-        self.draft_fit = LinearFit2(cfg.cost_memory, *self.draft_prior)
+        # + a fixed cost per round that drafts at all (the first step's shaping, a tree's
+        # selection): without it that cost is spread over the steps and deep drafts look dear
+        self.draft_fit = LinearFit3(cfg.cost_memory, (0.0, *self.draft_prior))
         self.rounds = 0
         self.idle_rounds = 0           # rounds in a row in which no row drafted
-        self.positions = tree_positions(ctx, cfg.k_max)
+        # a tree proposer scores `width` nodes per level of depth on average (learned: a priced
+        # tree is about a chain where the draft is sure and spreads where it is not); chains 1
+        self.tree = ctx is not None and builds_trees(ctx)
+        self.width = 1.0
+        self.price = 0.0               # this round's node price (trees): see specflow_node_price
+        self.branch_cost = measured_branch_cost(ctx) if self.tree and prior is not None else 0.0
+        self.rate: float | None = None  # measured tokens / s of recent rounds (discounted)
+        self._done = np.zeros(2)        # discounted committed tokens, round seconds
 
     # --- what the decision reads (the oracle overrides these) ---------------------------------
 
@@ -280,15 +339,53 @@ class GoodputPolicy:
         return np.minimum(mean + bonus, 1.0)
 
     def costs(self) -> tuple[float, float, float, float]:
-        return (*self.target_fit.coef(), *self.draft_fit.coef())
+        """(a_t, b_t, a_d, b_d): the pass's fixed cost and per position, the draft's per step
+        and per drafted token."""
+        return (*self.target_fit.coef(), *self.draft_fit.coef()[1:])
+
+    def draft_overhead(self) -> float:
+        """Seconds a round spends on drafting at all, beyond its steps and tokens."""
+        return self.draft_fit.coef()[0]
+
+    @property
+    def positions(self) -> np.ndarray | None:
+        """Positions a row scores per depth k = 0..k_max: k + 1 for a chain (None), 1 + k x
+        the tree's learned width for a tree."""
+        if not self.tree:
+            return None
+        return 1 + self.width * np.arange(self.cfg.k_max + 1)
+
+    def round_rate(self, acceptance: np.ndarray, k: list[int], costs, positions,
+                   first: float = 0.0) -> float:
+        """Expected committed tokens per second of a round with draft lengths k [B], by the
+        same model the choice used (plain decoding's rate when nothing drafts)."""
+        a_t, b_t, a_d, b_d = costs
+        E = expected_tokens(acceptance)                                              # [B, K+1]
+        ks = np.asarray(k)
+        scored = ks + 1 if positions is None else positions[ks]                      # [B]
+        target = a_t + b_t * (len(ks) * scored.max() if self.padded else scored.sum())
+        tokens = E[np.arange(len(ks)), ks].sum()
+        drafting = a_d * ks.max() + first * (ks.max() > 0) + b_d * ks.sum()
+        return float(tokens / max(target + drafting, 1e-12))
 
     # --- hooks ------------------------------------------------------------------------------------
 
     @hookimpl
     def specflow_draft_length(self, batch):
         acceptance = self.acceptance(batch)                                      # [B, K]
-        k = (choose_k_padded if self.padded else choose_k)(acceptance, *self.costs(),
-                                                             positions=self.positions)
+        a_t, b_t, a_d, b_d = self.costs()
+        # a depth-k tree drafts about w k nodes: b_d per drafted node
+        costs, positions = (a_t, b_t, a_d, b_d * self.width), self.positions
+        first = self.draft_overhead()
+        k = (choose_k_padded if self.padded else choose_k)(acceptance, *costs,
+                                                             positions=positions, first=first)
+        if self.tree and batch.size:
+            # a node is worth scoring when its chance of acceptance beats the tokens it
+            # displaces: the round's rate (tokens / s) x what one more node costs, scored
+            # and drafted beside its siblings (Dinkelbach: maximise tokens - rate x seconds)
+            rate = self.rate if self.rate is not None else \
+                self.round_rate(acceptance, k, costs, positions, first)
+            self.price = min(1.0, rate * (b_t + self.branch_cost))
         self.rounds += 1
         self.idle_rounds = self.idle_rounds + 1 if batch.size and not any(k) else 0
         # keep measuring what drafting costs and gains: after a stretch of rounds without drafts,
@@ -298,6 +395,12 @@ class GoodputPolicy:
             k[int(acceptance[:, 0].argmax())] = 1
             self.idle_rounds = 0
         return torch.tensor(k, dtype=torch.long)
+
+    @hookimpl
+    def specflow_node_price(self, batch, k):
+        if not self.tree:
+            return None
+        return torch.full((batch.size,), self.price, dtype=torch.float64)
 
     @hookimpl
     def specflow_observe(self, result):
@@ -322,7 +425,17 @@ class GoodputPolicy:
             counts[0, :min(acc, n)] += 1.0               # accepted at positions 1..acc
             counts[1, :n] += 1.0                          # examined at positions 1..n
         times = result.sim_time or result.seconds
-        target = times.get("target", 0.0)
+        # the throughput a tree node must beat (specflow_node_price): what rounds achieve
+        spent = sum(times.values())
+        if spent > 0:
+            self._done = (1 - self.cfg.cost_memory) * self._done + \
+                [sum(len(c) for c in result.committed), spent]
+            self.rate = float(self._done[0] / self._done[1])
+        # the pass and what follows it per scored position (shaping, verification, commits, cache
+        # sync: measured together, so a position is priced at all it costs); a simulated clock
+        # charges the pass alone
+        target = times.get("target", 0.0) + (0.0 if result.sim_time else sum(
+            times.get(stage, 0.0) for stage in ("verify", "trim", "sync")))
         draft = times.get("draft", times.get("propose", 0.0))
         longest = max(result.num_drafts, default=0)
         # the positions the pass computed (a tree's nodes): every row padded to the longest, or
@@ -331,9 +444,12 @@ class GoodputPolicy:
             else sum(k + 1 for k in result.num_drafts)
         if target > 0:
             self.target_fit.add(tokens, target)
-        levels = result.draft_lengths()             # draft steps: a tree's depth, not its nodes
-        if longest and draft > 0:
-            self.draft_fit.add(max(levels), sum(levels), draft)
+        levels = result.draft_lengths()             # draft steps: a tree's depth
+        if longest and draft > 0:                   # steps, and tokens drafted (a tree's nodes)
+            self.draft_fit.add((1.0, max(levels), sum(result.num_drafts)), draft)
+        if self.tree and sum(levels):              # nodes per level of the trees just scored
+            w = sum(result.num_drafts) / sum(levels)
+            self.width = (1 - self.cfg.ewma) * self.width + self.cfg.ewma * w
 
     @hookimpl
     def specflow_request_start(self, slot, request):
@@ -371,3 +487,6 @@ class OraclePolicy(GoodputPolicy):
 
     def costs(self):
         return self.true_costs
+
+    def draft_overhead(self) -> float:
+        return 0.0

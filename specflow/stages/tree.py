@@ -35,6 +35,11 @@ class TreeLayout:
         """[B] each row's deepest node (0 for a row without nodes)."""
         return self.depth.max(1).values.tolist()
 
+    @property
+    def is_chain(self) -> bool:
+        """Every row's nodes form one path (no position has two children): scored as a chain."""
+        return self.children.shape[-1] <= 1
+
     def ancestors(self) -> torch.Tensor:
         """[B, N+1, N+1] bool: position t may attend to position u (u is t or an ancestor)."""
         B, N1 = self.depth.shape

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 from types import SimpleNamespace
+import numpy as np
 import torch
 
 from specflow import ConfigError
@@ -61,7 +62,7 @@ def test_adaptive_rejects_thresholds_out_of_order_and_negative_k():
 
 # --- heuristic ----------------------------------------------------------------------------------
 
-from specflow.policies.goodput import (GoodputPolicy, GoodputPolicyConfig, LinearFit, LinearFit2,  # noqa: E402
+from specflow.policies.goodput import (GoodputPolicy, GoodputPolicyConfig, LinearFit, LinearFit2, LinearFit3,  # noqa: E402
                                        choose_k, choose_k_padded, expected_tokens)
 from specflow.policies.heuristic import HeuristicPolicy, HeuristicPolicyConfig  # noqa: E402
 from specflow.policies.schedule import (BatchRange, SchedulePolicy, SchedulePolicyConfig,  # noqa: E402
@@ -294,11 +295,18 @@ def test_goodput_times_a_draft_head_s_step_as_it_times_a_draft_model():
     assert pipe.generate("def f(x):", max_new_tokens=8)[0].token_ids
 
 
-def test_goodput_prices_a_tree_by_its_nodes_not_its_depth(make_pipeline):
+def test_goodput_prices_a_tree_by_the_nodes_it_scores_per_level(make_pipeline):
+    """A depth-k tree costs 1 + w k positions, w learned from the trees scored (a fixed 16-node
+    n-gram tree: 4 per level); chains stay k + 1."""
     pipe = make_pipeline("proposer=ngram", "proposer.topk=4", "proposer.num_draft_tokens=16",
                          "policy=goodput", "policy.k_max=6")
     pol = pipe.pm.get_plugin("policy.goodput")
-    assert pol.positions.tolist() == [1, 5, 9, 13, 17, 17, 17]
+    assert pol.positions.tolist() == [1, 2, 3, 4, 5, 6, 7]          # from a chain's width
+    for _ in range(100):
+        pol.specflow_observe(RoundResult(0, [0, 1], [16, 16], [2, 0], [[1] * 3, [1]],
+                                         [None] * 2, 2, tree_depths=[4, 4],
+                                         num_examined=[3, 1]))
+    assert np.allclose(pol.positions, [1, 5, 9, 13, 17, 21, 25], atol=1e-3)
     acc = torch.full((4, 6), 0.8)
     costs = (1.0, 0.05, 0.02, 0.0)             # each scored position costs 5% of a pass
     chain = choose_k_padded(acc, *costs)
@@ -306,3 +314,25 @@ def test_goodput_prices_a_tree_by_its_nodes_not_its_depth(make_pipeline):
     assert max(tree) < max(chain)               # four times the positions per level: shallower
     assert make_pipeline("proposer=ngram", "policy=goodput").pm.get_plugin(
         "policy.goodput").positions is None     # a chain: k + 1
+
+def test_the_draft_fit_separates_a_rounds_fixed_cost_from_its_steps_and_tokens():
+    """y = c + a steps + b tokens: a fixed cost of drafting at all is not spread over the steps
+    (which made deep drafts look dear)."""
+    fit = LinearFit3(0.05, (0.0, 0.1, 0.0))
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        steps = int(rng.integers(1, 9))
+        tokens = steps * int(rng.integers(1, 5))
+        fit.add((1.0, steps, tokens), 2.0 + 0.5 * steps + 0.25 * tokens)
+    assert np.allclose(fit.coef(), (2.0, 0.5, 0.25), atol=1e-2)
+    assert LinearFit3(0.05, (0.3, 0.1, 0.0)).coef() == (0.3, 0.1, 0.0)   # nothing seen: prior
+
+
+@pytest.mark.parametrize("chooser", [choose_k, choose_k_padded])
+def test_a_fixed_cost_of_drafting_at_all_can_make_k_zero(chooser):
+    acc = np.full((2, 6), 0.6)
+    costs = (1.0, 0.0, 0.05, 0.0)
+    assert max(chooser(acc, *costs)) > 0
+    assert chooser(acc, *costs, first=5.0) == [0, 0]     # five passes' worth to draft at all
+    deep = chooser(np.full((2, 6), 0.9), *costs, first=0.5)
+    assert min(deep) >= max(chooser(np.full((2, 6), 0.9), *costs)) - 1   # paid once, not per step

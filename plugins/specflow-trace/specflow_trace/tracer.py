@@ -104,6 +104,11 @@ class Tracer:
             return (yield)
 
     @hookimpl(wrapper=True)
+    def specflow_node_price(self):
+        with self.span("node_price"):
+            return (yield)
+
+    @hookimpl(wrapper=True)
     def specflow_propose(self):
         with self.span("propose"):
             return (yield)

@@ -39,10 +39,10 @@ def test_every_stage_hook_is_a_span_nested_in_its_round(tmp_path):
     pipe, results, trace = _traced(tmp_path)
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     names = {e["name"] for e in spans}
-    expected = {"policy", "propose", "target", "verify", "trim", "sync_cache", "observe", "prefill",
+    expected = {"policy", "node_price", "propose", "target", "verify", "trim", "sync_cache", "observe", "prefill",
                 "process_logits [draft]", "process_logits [target]", "mask_logits [target]"}
     assert expected <= names, expected - names
-    assert len(hookspecs.STAGE_HOOKS) == 9   # a new stage hook needs a wrapper here
+    assert len(hookspecs.STAGE_HOOKS) == 10  # a new stage hook needs a wrapper here
     rounds = [e for e in spans if e["name"].startswith("round ")]
     # num_rounds counts row-rounds: a round of batch size 2 is two
     assert sum(r["args"]["batch_size"] for r in rounds) == pipe.last_stats["num_rounds"]

@@ -7,6 +7,15 @@ cumulative draft log-probability (the product of q along the path) form the next
 the depth is reached, the row's `budget` nodes with the highest cumulative probability become
 the tree (a child never scores above its parent, so the set is closed under ancestors).
 
+With a node price (`batch.node_price`, from the policy's specflow_node_price) a branch joins the
+frontier and the tree only when its chance of acceptance is at least the price: scoring it must
+be worth the throughput its position displaces (OPT-Tree, Wang et al. 2024, sizes trees by the
+same expected-length-per-cost trade). Its descendants are worth no more than it, so a branch
+under the price is not expanded. The draft's own chain (the likeliest child of the likeliest
+child, ...) is exempt: the policy priced its depth when it chose k, and its verdicts keep the
+calibration learning (a price on it too would stop proposing whatever the calibration
+underrates, and so never learn better). A sure draft then drafts a chain, an unsure one spreads.
+
 "Probability" is the chance a node is accepted given its parent was, not the draft's q itself:
 under greedy verification a child is accepted when it is the target's argmax, which a draft
 confident at q = 0.6 is far more often than 60% of the time. `Calibration` learns that map
@@ -20,6 +29,7 @@ the verifier treats each as a one-hot q: exact under sampling too.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +47,7 @@ class _Node:
     score: float          # cumulative log of the calibrated acceptance from the root
     path: list[int]       # tokens from the root to this node (inclusive)
     entry: int = -1       # this round's draft-cache entry (from the row's base), -1 = not fed
+    main: bool = False    # on the draft's own chain (the likeliest child of a node on it)
 
     @property
     def depth(self) -> int:
@@ -52,6 +63,8 @@ class DraftTree:
     parents: list[int] = field(default_factory=list)   # per proposed node
     q: list[float] = field(default_factory=list)       # per proposed node
     rank: list[int] = field(default_factory=list)      # per proposed node: q's rank among siblings
+    value: list[float] = field(default_factory=list)   # per proposed node: its chance of
+                                                       # acceptance when proposed (calibrated)
 
 
 class Calibration:
@@ -131,10 +144,13 @@ def build_trees(model, batch, ks: list[int], budgets: list[int], topk: int, firs
     """
     B = batch.size
     calibration = calibration or Calibration(topk)
+    # per row, the least log chance of acceptance a node must have (-inf: no price)
+    floor = [-math.inf] * B if batch.node_price is None else \
+        [math.log(p) if p > 0 else -math.inf for p in batch.node_price]
     empty = torch.zeros(B, 0, dtype=torch.long)
     shaped = batch.shape(first_logits[:, None], empty, 0, "draft")[:, 0]               # [B, V]
     rows: list[list[_Node]] = [[] for _ in range(B)]
-    frontier = _offer(rows, [[-1]] * B, shaped, topk, calibration)         # depth 1: every child
+    frontier = _offer(rows, [[-1]] * B, shaped, topk, calibration, floor)  # depth 1: every child
     fed = [0] * B                                             # entries written per row
     base = [model.cache_length(s) for s in batch.slots.tolist()]
     for d in range(2, max(ks, default=0) + 1):
@@ -151,7 +167,7 @@ def build_trees(model, batch, ks: list[int], budgets: list[int], topk: int, firs
         shaped = sub.select([i for i, _ in pick]).shape(flat[:, None], paths, d - 1,
                                                         "draft")[:, 0]                     # [F, V]
         offered = _offer([rows[b] for b in live], [frontier[b] for b in live], shaped, topk,
-                         calibration)
+                         calibration, [floor[b] for b in live])
         for b, nxt in zip(live, offered):
             fed[b] += len(frontier[b])
             frontier[b] = nxt
@@ -181,18 +197,22 @@ def _feed(model, batch, rows: list[list[_Node]], frontier: list[list[int]], fed:
 
 
 def _offer(rows: list[list[_Node]], frontier: list[list[int]], shaped: torch.Tensor, topk: int,
-           calibration: Calibration) -> list[list[int]]:
+           calibration: Calibration, floor: list[float]) -> list[list[int]]:
     """Each frontier node (-1 = the root) offers its topk likeliest children (shaped [F, V], one
-    row per frontier node in order); every child joins its row's candidates, and the topk with
-    the highest value form the row's next frontier (returned as node indices)."""
+    row per frontier node in order); the children worth the row's floor (log price) join its
+    candidates, and the draft's own chain always (the policy's k priced its depth, and its
+    verdicts keep the calibration learning), and the topk with the highest value form the row's
+    next frontier (returned as node indices)."""
     child_q, child_scores, child_tokens = _top_children(shaped, topk, calibration)
     f, out = 0, []
-    for nodes, front in zip(rows, frontier):
+    for nodes, front, low in zip(rows, frontier, floor):
         candidates = []
         for n in front:
-            score, path = (nodes[n].score, nodes[n].path) if n != -1 else (0.0, [])
+            score, path, main = (nodes[n].score, nodes[n].path, nodes[n].main) if n != -1 \
+                else (0.0, [], True)
             for r, (q, s, t) in enumerate(zip(child_q[f], child_scores[f], child_tokens[f])):
-                candidates.append(_Node(t, n, q, r, score + s, path + [t]))
+                if score + s >= low or (main and r == 0):
+                    candidates.append(_Node(t, n, q, r, score + s, path + [t], main=main and r == 0))
             f += 1
         candidates.sort(key=lambda c: -c.score)
         start = len(nodes)
@@ -226,7 +246,8 @@ def _select(rows: list[list[_Node]], budgets: list[int], base: list[int]):
             parents[b, i] = where[nodes[n].parent] if nodes[n].parent != -1 else -1
         trees.append(DraftTree(base[b], [nodes[n].entry for n in picked],
                                parents[b, :len(picked)].tolist(), [nodes[n].q for n in picked],
-                               [nodes[n].rank for n in picked]))
+                               [nodes[n].rank for n in picked],
+                               [math.exp(nodes[n].score) for n in picked]))
     return tokens, parents, trees
 
 

@@ -551,8 +551,9 @@ class Pipeline:
             layout = self._check_tree(proposal, batch, num_drafts, packed, bad_ids, k.tolist())
         chained = layout is not None and layout.is_chain
         if chained:                  # trees that came out as chains are scored as chains (cheaper)
+            host = proposal._host                       # the drafts already read: no second sync
             proposal = dataclasses.replace(proposal, parents=None)
-            layout = None
+            proposal._host, layout = host, None
         for b, n in enumerate(num_drafts):   # asked for drafts, got none: say why
             if n == 0 and skip_reasons[b] is None:
                 given = proposal.skip_reasons[b] if proposal.skip_reasons else None

@@ -321,7 +321,8 @@ class HFBackend(Backend):
         windowed = self.window is not None and kv_len > self.window
         # one query attending to the whole cached row (a tree node whose row holds only its
         # ancestors: a priced tree that is a chain so far) needs no mask
-        whole_row = B == 1 and T == 1 and not windowed and (tree is None or bool(tree.see.all()))
+        whole_row = B == 1 and T == 1 and not windowed and (tree is None or (
+            kv_len == tree.visible_below[0] + tree.see.shape[2] and bool(tree.see.all())))
         mask = allowed = None
         if tree is not None:
             positions = tree.positions.to(self.device)                               # [B, T]

@@ -32,7 +32,8 @@ Token trees (proposer.topk > 1): k is the depth, and a depth-k tree is priced as
 positions, w the nodes per level of the trees recently scored (learned, from 1). Which branches
 are scored is priced too: each round the policy publishes a node price (specflow_node_price),
 the throughput R of recent rounds (committed tokens / s, measured) times what one more node
-costs: b_t to score it, plus its share of a wider draft step (timed at build for a draft model).
+costs: b_t to score it (b_t B with padded rows: a branch mostly lengthens one row, and the pass
+pads every row to it), plus its share of a wider draft step (timed at build for a draft model).
 A node whose chance of acceptance is under that price displaces more tokens than it is expected
 to add (adding v tokens for c seconds raises a round's rate only if v / c > R), so a draft-model
 tree keeps only branches worth the price: with cheap positions it spreads where the draft is
@@ -315,6 +316,10 @@ class GoodputPolicy:
         # tree is about a chain where the draft is sure and spreads where it is not); chains 1
         self.tree = ctx is not None and builds_trees(ctx)
         self.width = 1.0
+        if self.tree:                   # a tree never scores more than its node budget
+            from specflow.stages.tree import scored_nodes
+
+            self.max_nodes = scored_nodes(ctx.cfg.proposer)
         self.price = 0.0               # this round's node price (trees): see specflow_node_price
         self.branch_cost = measured_branch_cost(ctx) if self.tree and prior is not None else 0.0
         self.rate: float | None = None  # measured tokens / s of recent rounds (discounted)
@@ -350,10 +355,10 @@ class GoodputPolicy:
     @property
     def positions(self) -> np.ndarray | None:
         """Positions a row scores per depth k = 0..k_max: k + 1 for a chain (None), 1 + k x
-        the tree's learned width for a tree."""
+        the tree's learned width for a tree, at most its node budget + 1."""
         if not self.tree:
             return None
-        return 1 + self.width * np.arange(self.cfg.k_max + 1)
+        return 1 + np.minimum(self.width * np.arange(self.cfg.k_max + 1), self.max_nodes)
 
     def round_rate(self, acceptance: np.ndarray, k: list[int], costs, positions,
                    first: float = 0.0) -> float:
@@ -385,7 +390,10 @@ class GoodputPolicy:
             # and drafted beside its siblings (Dinkelbach: maximise tokens - rate x seconds)
             rate = self.rate if self.rate is not None else \
                 self.round_rate(acceptance, k, costs, positions, first)
-            self.price = min(1.0, rate * (b_t + self.branch_cost))
+            # with padded rows a branch mostly lengthens one row, which widens every row's
+            # pass: B positions for one node's gain
+            scored = b_t * (batch.size if self.padded else 1)
+            self.price = min(1.0, rate * (scored + self.branch_cost))
         self.rounds += 1
         self.idle_rounds = self.idle_rounds + 1 if batch.size and not any(k) else 0
         # keep measuring what drafting costs and gains: after a stretch of rounds without drafts,
@@ -450,6 +458,11 @@ class GoodputPolicy:
         if self.tree and sum(levels):              # nodes per level of the trees just scored
             w = sum(result.num_drafts) / sum(levels)
             self.width = (1 - self.cfg.ewma) * self.width + self.cfg.ewma * w
+
+    @hookimpl
+    def specflow_run_start(self, pipeline, requests):
+        # a new run's throughput is its own (a batch of 16 before must not price a batch of 1)
+        self.rate, self._done = None, np.zeros(2)
 
     @hookimpl
     def specflow_request_start(self, slot, request):

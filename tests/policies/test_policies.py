@@ -306,7 +306,7 @@ def test_goodput_prices_a_tree_by_the_nodes_it_scores_per_level(make_pipeline):
         pol.specflow_observe(RoundResult(0, [0, 1], [16, 16], [2, 0], [[1] * 3, [1]],
                                          [None] * 2, 2, tree_depths=[4, 4],
                                          num_examined=[3, 1]))
-    assert np.allclose(pol.positions, [1, 5, 9, 13, 17, 21, 25], atol=1e-3)
+    assert np.allclose(pol.positions, [1, 5, 9, 13, 17, 17, 17], atol=1e-3)   # at most 16 nodes
     acc = torch.full((4, 6), 0.8)
     costs = (1.0, 0.05, 0.02, 0.0)             # each scored position costs 5% of a pass
     chain = choose_k_padded(acc, *costs)

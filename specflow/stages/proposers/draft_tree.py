@@ -178,8 +178,17 @@ def _feed(model, batch, rows: list[list[_Node]], frontier: list[list[int]], fed:
           base: list[int]) -> torch.Tensor:
     """The draft's forward over each row's frontier nodes with tree attention: each sees the
     committed prefix, its fed ancestors and itself, at position root + depth; the nodes are
-    written after the row's `fed` earlier entries. -> logits [L, T, V_draft]."""
+    written after the row's `fed` earlier entries. -> logits [L, T, V_draft].
+
+    When every row feeds one node whose row holds only its ancestors (a priced tree that is a
+    chain so far), that is a plain causal step: no tree mask is built."""
     L, T = len(rows), max(len(f) for f in frontier)
+    if T == 1 and all(len(f) == 1 and nodes[f[0]].depth - 1 == n_fed
+                      for nodes, f, n_fed in zip(rows, frontier, fed)):
+        for nodes, f, n_fed in zip(rows, frontier, fed):
+            nodes[f[0]].entry = n_fed
+        ids = torch.tensor([[nodes[f[0]].token] for nodes, f in zip(rows, frontier)])  # [L, 1]
+        return model.forward(batch.slots, ids, torch.ones(L, dtype=torch.long))
     ids = torch.full((L, T), PAD, dtype=torch.long)
     pos = torch.zeros(L, T, dtype=torch.long)
     see = torch.zeros(L, T, max(fed) + T, dtype=torch.bool)

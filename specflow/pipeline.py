@@ -17,8 +17,6 @@ counts them with a probe.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -549,11 +547,9 @@ class Pipeline:
             self._check_drafts(num_drafts, packed, bad_ids, k.tolist())
         else:                        # a tree: num_drafts counts its nodes
             layout = self._check_tree(proposal, batch, num_drafts, packed, bad_ids, k.tolist())
-        chained = layout is not None and layout.is_chain
-        if chained:                  # trees that came out as chains are scored as chains (cheaper)
-            host = proposal._host                       # the drafts already read: no second sync
-            proposal = dataclasses.replace(proposal, parents=None)
-            proposal._host, layout = host, None
+        tree_pass = layout is not None and not layout.is_chain
+        if layout is not None and not tree_pass:   # trees that are chains: scored as one (cheaper)
+            proposal = proposal.as_chain()
         for b, n in enumerate(num_drafts):   # asked for drafts, got none: say why
             if n == 0 and skip_reasons[b] is None:
                 given = proposal.skip_reasons[b] if proposal.skip_reasons else None
@@ -562,7 +558,7 @@ class Pipeline:
         logits = hook.specflow_score(batch=batch, proposal=proposal)                # [B, K+1, V]
         t3 = time.perf_counter()
         # the drafts as the host read them: prefix processors and grammars walk them on the host
-        if layout is None:
+        if not tree_pass:
             shaped = self.shape(logits, batch.token_ids, proposal.host_draft_token_ids(), 0,
                                 batch.request_ids, "target")                         # [B, K+1, V]
         else:                        # each node shaped with its own root path as its prefix
@@ -576,11 +572,12 @@ class Pipeline:
         trim = hook.specflow_trim(batch=batch, verified=verified)
         # before the committed tokens join the prefixes the shape calls recorded
         n_acc = verified.num_accepted.tolist()
-        accepted = [list(range(n)) for n in n_acc] if chained else None if layout is None else \
-            [row[:n] for row, n in zip(verified.accepted_nodes.tolist(), n_acc)]
+        accepted = None if layout is None else \
+            [row[:n] for row, n in zip(verified.accepted_nodes.tolist(), n_acc)] if tree_pass \
+            else [list(range(n)) for n in n_acc]              # a chain's path: its first nodes
         self._check_empty_rows(batch, trim.consumed if trim.consumed is not None
                                else (verified.num_accepted + 1).tolist(),
-                               None if chained else accepted)
+                               accepted if tree_pass else None)
         for ids, new in zip(batch.token_ids, trim.committed):
             ids.extend(new)
         t5 = time.perf_counter()
@@ -592,9 +589,8 @@ class Pipeline:
             sim_time={s: v - sim_before.get(s, 0.0) for s, v in self.clock.by_source.items()
                       if v != sim_before.get(s, 0.0)},
             accepted_nodes=accepted,
-            num_examined=[min(a + 1, n) for a, n in zip(n_acc, num_drafts)] if chained else
-            None if layout is None else examined_levels(layout, accepted),
-            tree_depths=num_drafts if chained else None if layout is None else layout.row_depths)
+            num_examined=None if layout is None else examined_levels(layout, accepted),
+            tree_depths=None if layout is None else layout.row_depths)
         hook.specflow_sync_cache(batch=batch, result=result)
         t6 = time.perf_counter()
         catch_up = proposal.catch_up_seconds          # a proposer caching prompts: prefill work

@@ -104,6 +104,14 @@ class Proposal:
             self._host = (ids, ids.cpu())
         return self._host[1]
 
+    def as_chain(self) -> "Proposal":
+        """The same drafts as a chain proposal (for a tree whose every row is one path: node i's
+        parent is i - 1), keeping the host copy already read."""
+        chain = Proposal(self.draft_token_ids, self.draft_probs, self.skip_reasons,
+                         catch_up_seconds=self.catch_up_seconds)
+        chain._host = self._host
+        return chain
+
     @classmethod
     def make_dummy(cls, k: list[int], vocab_size: int = 8, with_probs: bool = False,
                    seed: int = 0) -> "Proposal":

@@ -229,9 +229,14 @@ def choose_k_padded(acceptance, a_t: float, b_t: float, a_d: float, b_d: float,
     return ks[int(rate(ks).argmax())].tolist()
 
 
+def proposer_cfg(ctx):
+    """The pipeline's proposer config node, or None (a policy built without a pipeline)."""
+    return ctx.cfg.get("proposer") if getattr(ctx, "cfg", None) is not None else None
+
+
 def builds_trees(ctx) -> bool:
     """The configured proposer builds token trees (proposer.topk > 1)."""
-    proposer = ctx.cfg.get("proposer") if getattr(ctx, "cfg", None) is not None else None
+    proposer = proposer_cfg(ctx)
     return proposer is not None and int(proposer.get("topk", 1) or 1) > 1
 
 
@@ -259,13 +264,12 @@ def measured_branch_cost(ctx) -> float:
     models. A tree's extra nodes cost this on top of their scored positions."""
     from specflow.models.threads import pass_seconds
 
-    proposer = ctx.cfg.get("proposer") if getattr(ctx, "cfg", None) is not None else None
-    if not builds_trees(ctx) or proposer.get("name") != "draft":
+    if not builds_trees(ctx) or proposer_cfg(ctx).get("name") != "draft":
         return 0.0
     draft = ctx.draft
     if draft is None or getattr(draft, "clock", None) is not None or not hasattr(draft, "truncate"):
         return 0.0
-    width = int(proposer.get("topk"))
+    width = int(proposer_cfg(ctx).get("topk"))
     return max(0.0, (pass_seconds(draft, 5, width) - pass_seconds(draft, 5)) / (width - 1))
 
 
@@ -275,7 +279,7 @@ def measured_draft_cost(ctx) -> tuple[float, float] | None:
     without either (n-gram)."""
     from specflow.models.threads import pass_seconds
 
-    proposer = ctx.cfg.get("proposer") if getattr(ctx, "cfg", None) is not None else None
+    proposer = proposer_cfg(ctx)
     rows = int(getattr(ctx, "slots", 1))
     step = getattr(ctx, "draft_step_seconds", None)      # a draft head (proposer=eagle)
     if proposer is None or rows <= 1 or (proposer.get("name") != "draft" and step is None):
@@ -319,7 +323,7 @@ class GoodputPolicy:
         if self.tree:                   # a tree never scores more than its node budget
             from specflow.stages.tree import scored_nodes
 
-            self.max_nodes = scored_nodes(ctx.cfg.proposer)
+            self.max_nodes = scored_nodes(proposer_cfg(ctx))
         self.price = 0.0               # this round's node price (trees): see specflow_node_price
         self.branch_cost = measured_branch_cost(ctx) if self.tree and prior is not None else 0.0
         self.rate: float | None = None  # measured tokens / s of recent rounds (discounted)
@@ -360,19 +364,6 @@ class GoodputPolicy:
             return None
         return 1 + np.minimum(self.width * np.arange(self.cfg.k_max + 1), self.max_nodes)
 
-    def round_rate(self, acceptance: np.ndarray, k: list[int], costs, positions,
-                   first: float = 0.0) -> float:
-        """Expected committed tokens per second of a round with draft lengths k [B], by the
-        same model the choice used (plain decoding's rate when nothing drafts)."""
-        a_t, b_t, a_d, b_d = costs
-        E = expected_tokens(acceptance)                                              # [B, K+1]
-        ks = np.asarray(k)
-        scored = ks + 1 if positions is None else positions[ks]                      # [B]
-        target = a_t + b_t * (len(ks) * scored.max() if self.padded else scored.sum())
-        tokens = E[np.arange(len(ks)), ks].sum()
-        drafting = a_d * ks.max() + first * (ks.max() > 0) + b_d * ks.sum()
-        return float(tokens / max(target + drafting, 1e-12))
-
     # --- hooks ------------------------------------------------------------------------------------
 
     @hookimpl
@@ -380,16 +371,16 @@ class GoodputPolicy:
         acceptance = self.acceptance(batch)                                      # [B, K]
         a_t, b_t, a_d, b_d = self.costs()
         # a depth-k tree drafts about w k nodes: b_d per drafted node
-        costs, positions = (a_t, b_t, a_d, b_d * self.width), self.positions
-        first = self.draft_overhead()
-        k = (choose_k_padded if self.padded else choose_k)(acceptance, *costs,
-                                                             positions=positions, first=first)
+        k = (choose_k_padded if self.padded else choose_k)(
+            acceptance, a_t, b_t, a_d, b_d * self.width, positions=self.positions,
+            first=self.draft_overhead())
         if self.tree and batch.size:
             # a node is worth scoring when its chance of acceptance beats the tokens it
             # displaces: the round's rate (tokens / s) x what one more node costs, scored
-            # and drafted beside its siblings (Dinkelbach: maximise tokens - rate x seconds)
+            # and drafted beside its siblings (Dinkelbach: maximise tokens - rate x seconds);
+            # until a round is measured, plain decoding's rate at this batch
             rate = self.rate if self.rate is not None else \
-                self.round_rate(acceptance, k, costs, positions, first)
+                batch.size / max(a_t + b_t * batch.size, 1e-12)
             # with padded rows a branch mostly lengthens one row, which widens every row's
             # pass: B positions for one node's gain
             scored = b_t * (batch.size if self.padded else 1)

@@ -23,11 +23,9 @@ class TargetCacheSync:
 
     @hookimpl
     def specflow_sync_cache(self, batch, result):
-        paths = getattr(result, "accepted_nodes", None)
-        if paths is not None and any(p != list(range(len(p))) for p in paths):
+        if getattr(result, "accepted_nodes", None) is not None:
             # a tree pass cached the root (the last token before this round's commits) at
             # len - committed - 1 and node i right after it: keep the accepted path's nodes
-            # (a path of the first nodes in order is in place already)
             base = [len(ids) - len(new) for ids, new in zip(batch.token_ids, result.committed)]
             self.target.keep_cached(batch.slots.tolist(), base, result.accepted_nodes)
         self.target.truncate(batch.slots, [len(ids) - 1 for ids in batch.token_ids])

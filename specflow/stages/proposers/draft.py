@@ -172,11 +172,10 @@ class DraftModelProposer:
         if self.cfg.topk > 1:
             room = [None if self.target_length is None else self.target_length - len(ids)
                     for ids in sub.token_ids]
-            # priced nodes (a policy's specflow_node_price): the budget is only a cap
-            budgets = node_budgets(sub_ks, self.cfg.k, self.cfg.nodes, room) \
-                if sub.node_price is None else node_budgets(sub_ks, 0, self.cfg.nodes, room)
+            # priced nodes (a policy's specflow_node_price): the whole budget is only a cap
+            scaled_from = self.cfg.k if sub.node_price is None else 0
             tokens, parents, trees = build_trees(
-                self.model, sub, sub_ks, budgets,
+                self.model, sub, sub_ks, node_budgets(sub_ks, scaled_from, self.cfg.nodes, room),
                 self.cfg.topk, self._first_logits(sub),
                 lambda x: align_vocab(x, self.vocab_size), self.calibration)
             self.trees = dict(zip(sub.slots.tolist(), trees))

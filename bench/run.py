@@ -3,7 +3,7 @@
 Greedy, held-out code prompts (100-200 tokens), 128 new tokens, batch 1, 2 threads. Arms are
 interleaved prompt by prompt so machine drift hits every arm alike:
   HF generate (plain), HF assisted generation (default; best tuned constant-k setting),
-  HF prompt lookup, specflow none / draft / ngram / eagle.
+  HF prompt lookup, specflow none / draft / ngram / eagle, and token trees of each proposer.
 Reports median tokens/s and ratios to HF plain, exact output equality per prompt, alpha, tau,
 measured c, and the formula's predicted speedup beside the measured one; then specflow throughput
 at batch 1 / 4 / 16. Writes bench/results/bench.{json,md} and the README's benchmark section.
@@ -87,8 +87,10 @@ def main() -> None:
                "specflow draft tree": ["proposer=draft", f"proposer.k={args.k}", "proposer.topk=4",
                                        "proposer.num_draft_tokens=16"],
                "specflow ngram tree": ["proposer=ngram", f"proposer.k={args.k}", "proposer.topk=4",
+                                       "proposer.num_draft_tokens=16"],
+               "specflow eagle tree": ["proposer=eagle", f"proposer.k={args.k}", "proposer.topk=4",
                                        "proposer.num_draft_tokens=16"]}
-    TREES = ("specflow draft tree", "specflow ngram tree")
+    TREES = ("specflow draft tree", "specflow ngram tree", "specflow eagle tree")
 
     def build(name: str, batch: int) -> Pipeline:
         """The arm as a user would configure it for `batch` running sequences (pack=auto

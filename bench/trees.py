@@ -1,12 +1,13 @@
 """Token trees on the embedded demo pair: static and goodput-sized chains and trees.
 
     python bench/trees.py [--prompts 12] [--new-tokens 128] [--threads 2] [--batch 1]
+                          [--proposer draft|eagle]
 
 Greedy, held-out code prompts, `--batch` of them generated together (max_batch_size), arms
 interleaved batch by batch (machine drift hits every arm alike). Per arm: tokens/s, ratio to the
 static chain, tau (tokens per round), nodes scored per round, milliseconds per round by stage,
 and whether the output equals plain decoding's. Writes bench/results/trees.{json,md}
-(trees_b<batch> for a batch above 1).
+(trees_eagle for the head, _b<batch> for a batch above 1).
 """
 from __future__ import annotations
 
@@ -27,14 +28,18 @@ from specflow.io import atomic_write_json, atomic_write_text  # noqa: E402
 from specflow.models.hf import DEMO_DIR  # noqa: E402
 
 TREE = ["proposer.topk=4", "proposer.num_draft_tokens=16"]
-ARMS = {
-    "none": ["proposer=none"],
-    "chain k=4": ["proposer=draft", "proposer.k=4"],
-    "chain goodput": ["proposer=draft", "proposer.k=8", "policy=goodput"],
-    "tree 4x16 k=4": ["proposer=draft", "proposer.k=4", *TREE],
-    "tree goodput": ["proposer=draft", "proposer.k=8", *TREE, "policy=goodput"],
-}
 BASELINE = "chain k=4"
+
+
+def arms(proposer: str) -> dict[str, list[str]]:
+    p = f"proposer={proposer}"
+    return {
+        "none": ["proposer=none"],
+        "chain k=4": [p, "proposer.k=4"],
+        "chain goodput": [p, "proposer.k=8", "policy=goodput"],
+        "tree 4x16 k=4": [p, "proposer.k=4", *TREE],
+        "tree goodput": [p, "proposer.k=8", *TREE, "policy=goodput"],
+    }
 
 
 def main() -> None:
@@ -43,11 +48,14 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--proposer", default="draft", choices=["draft", "eagle"],
+                    help="the demo draft model, or the demo EAGLE-3 head")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     prompts = read_prompt_file(str(DEMO_DIR / "prompts.jsonl"), "prompt")[: args.prompts]
     base = ["model=demo", "draft=demo", f"threads={args.threads}", f"max_batch_size={args.batch}"]
+    ARMS = arms(args.proposer)
     pipes = {name: Pipeline.from_config([*base, *arm]) for name, arm in ARMS.items()}
     for pipe in pipes.values():                                    # warm-up
         pipe.generate([prompts[0][:200]], max_new_tokens=32)
@@ -82,8 +90,11 @@ def main() -> None:
                                                             runs["none"]["outputs"])),
         })
     ref = next(r["tokens_per_second"] for r in rows if r["arm"] == BASELINE)
-    lines = ["# Token trees at batch 1 (`python bench/trees.py`)", "",
-             f"Demo pair, {len(prompts)} held-out prompts x {args.new_tokens} tokens, greedy, "
+    flags = "".join(f" --{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+                    if k != "out" and v != ap.get_default(k))
+    lines = [f"# Token trees at batch {args.batch} (`python bench/trees.py{flags}`)", "",
+             f"Demo pair (proposer={args.proposer}), {len(prompts)} held-out prompts x "
+             f"{args.new_tokens} tokens, greedy, "
              f"{args.threads} threads, arms interleaved per prompt.", "",
              "| arm | tokens/s | vs chain k=4 | tau | nodes/round | draft ms | target ms | "
              "verify ms | identical |", "|---|---|---|---|---|---|---|---|---|"]
@@ -96,10 +107,12 @@ def main() -> None:
                      f"{r['identical_outputs']}/{len(prompts)} |")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = "trees" if args.batch == 1 else f"trees_b{args.batch}"
+    stem = "trees" + ("" if args.proposer == "draft" else f"_{args.proposer}") \
+        + ("" if args.batch == 1 else f"_b{args.batch}")
     atomic_write_json(out / f"{stem}.json", {"rows": rows, "prompts": len(prompts),
                                              "new_tokens": args.new_tokens,
-                                             "threads": args.threads, "batch": args.batch})
+                                             "threads": args.threads, "batch": args.batch,
+                                             "proposer": args.proposer})
     atomic_write_text(out / f"{stem}.md", "\n".join(lines) + "\n")
     console.print("\n".join(lines))
 

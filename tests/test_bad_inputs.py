@@ -158,9 +158,9 @@ ROWS = [
     ("node budget past the context", [*SYN, "model.max_length=64", "proposer=ngram",
                                       "proposer.topk=4", "proposer.num_draft_tokens=100"], "build",
      "proposer.num_draft_tokens=100 leaves no room in the model's 64-token context", None),
-    ("a tree from a proposer that cannot build one", ["proposer=eagle", "proposer.topk=4",
-                                                      "proposer.num_draft_tokens=16"], "compose",
-     "proposer.topk=4: proposer=eagle drafts chains only so far", None),
+    ("a tree from a proposer that cannot build one", [*SYN, "proposer=none", "proposer.topk=4"],
+     "compose", "unknown config key 'proposer.topk': proposer=none drafts chains only (its "
+     "keys: name, k); token trees come from proposer=draft, eagle or ngram", None),
     ("a plugin that raises", [*SYN, "proposer=boom"], "plugin",
      "plugin proposer.boom (fake-specflow-boom 1.2.0) raised ZeroDivisionError: table is empty "
      "in hook specflow_propose", None),

@@ -280,6 +280,9 @@ def _unknown_key_message(exc, overrides, config_name, config_module) -> str | No
         keys = ", ".join(str(k) for k in node.keys())
     except Exception:
         return None
+    if key in ("proposer.topk", "proposer.num_draft_tokens"):
+        return (f"unknown config key {key!r}: proposer={node.get('name')} drafts chains only "
+                f"(its keys: {keys}); token trees come from proposer=draft, eagle or ngram")
     return f"unknown config key {key!r}; {parent or 'the root config'} has: {keys}"
 
 

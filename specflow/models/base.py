@@ -43,6 +43,20 @@ class TreeAttention:
     positions: torch.Tensor       # [B, T] long, each query's position
     visible_below: list[int]      # [B] keys [0, visible_below[b]) are visible to every query
     see: torch.Tensor             # [B, T, R] bool: query t sees key visible_below[b] + r
+    # [B, T] long: each query's parent, as a key index from visible_below[b] (-1 = the last
+    # committed position); read by models that feed a node its parent's state (draft heads)
+    parent: torch.Tensor | None = None
+
+    def allowed(self, kv_len: int) -> torch.Tensor:
+        """[B, T, kv_len] bool (host): query t may attend key j (the committed prefix, and the
+        tree keys `see` marks)."""
+        B, T, R = self.see.shape
+        below = torch.tensor(self.visible_below)                                     # [B]
+        keys = torch.arange(kv_len)                                                  # [L]
+        rel = keys[None, :] - below[:, None]                                         # [B, L]
+        in_tree = (rel >= 0) & (rel < R)                                             # [B, L]
+        tree_part = self.see.gather(2, rel.clamp(0, max(R - 1, 0))[:, None, :].expand(B, T, kv_len))
+        return (rel < 0)[:, None, :] | (in_tree[:, None, :] & tree_part)             # [B, T, L]
 
     @classmethod
     def of_layout(cls, layout, starts: list[int]) -> "TreeAttention":

@@ -366,16 +366,12 @@ class HFBackend(Backend):
     def _tree_mask(self, tree: TreeAttention, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotary positions [B, T] and the attention mask [B, T, L] of a forward over tree
         nodes: the committed prefix (sliding window applied) and the tree keys `see` marks."""
-        B, T, R = tree.see.shape
-        below = torch.tensor(tree.visible_below)                                     # [B]
-        keys = torch.arange(kv_len)                                                  # [L]
-        rel = keys[None, :] - below[:, None]                                         # [B, L]
-        in_tree = (rel >= 0) & (rel < R)                                             # [B, L]
-        tree_part = tree.see.gather(2, rel.clamp(0, max(R - 1, 0))[:, None, :].expand(B, T, kv_len))
-        prefix = (rel < 0)[:, None, :]                                               # [B, 1, L]
-        allowed = prefix | (in_tree[:, None, :] & tree_part)                         # [B, T, L]
+        allowed = tree.allowed(kv_len)                                               # [B, T, L]
         positions = tree.positions
         if self.window is not None:
+            below = torch.tensor(tree.visible_below)                                 # [B]
+            keys = torch.arange(kv_len)                                              # [L]
+            prefix = (keys[None, :] < below[:, None])[:, None, :]                    # [B, 1, L]
             allowed &= ~(prefix & (keys[None, None, :] <= positions[:, :, None] - self.window))
         return positions.to(self.device), allowed.to(self.device)
 

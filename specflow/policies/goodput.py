@@ -124,24 +124,35 @@ class LinearFit2:
 
 class LinearFit3:
     """y = w . x for x of three terms, as LinearFit2 (discounted least squares, a weak ridge
-    towards the prior, each weight >= 0), solved with numpy."""
+    towards the prior, each weight >= 0), solved with numpy.
+
+    Three weights are pinned by three observations, so the first few (a warm-up round that
+    builds kernels for new shapes, say 3x the usual seconds) would set them alone; and a fit
+    that prices drafting out is not corrected, since rounds that draft nothing add no data.
+    So the prior also counts as PRIOR_ROUNDS observations at first, fading as observations
+    arrive (half after FADE of them): early rounds are shrunk towards it, later ones are not."""
 
     RIDGE = LinearFit2.RIDGE
+    PRIOR_ROUNDS, FADE = 4.0, 10.0
 
     def __init__(self, memory: float, prior: tuple[float, float, float]):
         self.memory, self.prior = memory, np.asarray(prior, dtype=np.float64)
         self.sxx, self.sxy, self.n = np.zeros((3, 3)), np.zeros(3), 0.0
+        self.seen = 0                                   # observations ever added (no discount)
 
     def add(self, x, y: float) -> None:
         x = np.asarray(x, dtype=np.float64)
         d = 1 - self.memory
         self.sxx = d * self.sxx + np.outer(x, x)
         self.sxy, self.n = d * self.sxy + x * y, d * self.n + 1
+        self.seen += 1
 
     def coef(self) -> tuple[float, ...]:
         if self.n == 0:
             return tuple(self.prior.tolist())
-        ridge = self.RIDGE * np.diag(self.sxx) + 1e-12                   # scale-free
+        mean_sq = np.diag(self.sxx) / self.n                            # a typical x_i^2
+        early = self.PRIOR_ROUNDS * self.FADE / (self.FADE + self.seen)  # pseudo-observations
+        ridge = (self.RIDGE * self.n + early) * mean_sq + 1e-12          # scale-free
         w = np.linalg.solve(self.sxx + np.diag(ridge), self.sxy + ridge * self.prior)
         return tuple(np.maximum(w, 0.0).tolist())
 
@@ -259,17 +270,21 @@ def measured_target_cost(target, positions: int, rows: int) -> tuple[float, floa
 
 
 def measured_branch_cost(ctx) -> float:
-    """Seconds one more frontier node adds to a draft model's tree step (a forward over topk
-    positions against one), timed when the policy is built; 0 for chains, simulated or no draft
-    models. A tree's extra nodes cost this on top of their scored positions."""
+    """Seconds one more frontier node adds to a tree step of a draft model or head (a forward
+    over topk positions against one), timed when the policy is built; 0 for chains, simulated
+    or no draft models. A tree's extra nodes cost this on top of their scored positions."""
     from specflow.models.threads import pass_seconds
 
-    if not builds_trees(ctx) or proposer_cfg(ctx).get("name") != "draft":
-        return 0.0
-    draft = ctx.draft
-    if draft is None or getattr(draft, "clock", None) is not None or not hasattr(draft, "truncate"):
+    if not builds_trees(ctx):
         return 0.0
     width = int(proposer_cfg(ctx).get("topk"))
+    step = getattr(ctx, "draft_step_seconds", None)      # a draft head (proposer=eagle)
+    if step is not None:
+        return max(0.0, (step(1, positions=width) - step(1)) / (width - 1))
+    draft = ctx.draft
+    if proposer_cfg(ctx).get("name") != "draft" or draft is None \
+            or getattr(draft, "clock", None) is not None or not hasattr(draft, "truncate"):
+        return 0.0
     return max(0.0, (pass_seconds(draft, 5, width) - pass_seconds(draft, 5)) / (width - 1))
 
 

@@ -91,14 +91,16 @@ class GrammarProbe:
     def specflow_propose(self, batch, k):
         proposal = yield
         ids = proposal.draft_token_ids.tolist()
+        parents = None if proposal.parents is None else proposal.parents.tolist()
         for b, rid in enumerate(batch.request_ids):
-            state = self.grammar.committed_state(rid)
-            for t in ids[b]:
+            root, after = self.grammar.committed_state(rid), []    # the state after each node
+            for i, t in enumerate(ids[b]):
                 if t < 0:
                     break
-                state = self.grammar.step(state, t)
+                parent = i - 1 if parents is None else parents[b][i]     # a tree: its parent's
+                after.append(self.grammar.step(root if parent == -1 else after[parent], t))
                 self.drafts_checked += 1
-                self.illegal_drafts += state < 0
+                self.illegal_drafts += after[-1] < 0
         return proposal
 
     @hookimpl(trylast=True)
@@ -117,6 +119,22 @@ def test_draft_model_never_proposes_what_the_grammar_forbids_and_state_rolls_bac
     assert probe.drafts_checked > 200 and probe.states_checked > 50
     assert probe.illegal_drafts == 0                        # the draft is masked (pitfall 4 in docs/design.md)
     assert p.last_stats["alpha"] < 1                        # rejections happened and rolled back
+
+
+@pytest.mark.parametrize("proposer", ["draft", "eagle"])
+def test_tree_nodes_are_never_ones_the_grammar_forbids(proposer):
+    """Every node of a draft model's or a draft head's tree is shaped with its own root path, so
+    the grammar masks each branch: no node leaves the grammar, and the output is plain's."""
+    tree = [f"proposer={proposer}", "proposer.topk=4", "proposer.num_draft_tokens=16"]
+    expected = pipe("proposer=none", *JSON).generate(PROMPTS[:16], max_new_tokens=80)
+    p = pipe(*tree, *JSON)
+    probe = GrammarProbe(p)
+    p.register(probe)
+    got = p.generate(PROMPTS[:16], max_new_tokens=80)
+    assert [r.token_ids for r in got] == [r.token_ids for r in expected]
+    assert probe.drafts_checked > 500 and probe.states_checked > 50
+    assert probe.illegal_drafts == 0
+    assert p.last_stats["num_tree_drafts"] > 0
 
 
 def test_ngram_drafts_the_grammar_forbids_are_rejected_without_a_crash():

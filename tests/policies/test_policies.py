@@ -328,6 +328,23 @@ def test_the_draft_fit_separates_a_rounds_fixed_cost_from_its_steps_and_tokens()
     assert LinearFit3(0.05, (0.3, 0.1, 0.0)).coef() == (0.3, 0.1, 0.0)   # nothing seen: prior
 
 
+def test_a_warm_up_round_does_not_price_drafting_out():
+    """A first drafting round at 3x the usual seconds (kernels built for new shapes) must not
+    set three weights alone: the measured prior weighs as a few rounds at first (a fit that
+    had priced a one-step round at 3-6x its cost drafted nothing again, so it never learned)."""
+    truth = lambda x: 1.0 + 2.5 * x[1] + 0.3 * x[2]              # noqa: E731  ms
+    fit = LinearFit3(0.05, (0.0, 2.0, 0.2))                       # a step timed at build
+    fit.add((1, 4, 7), 3 * truth((1, 4, 7)))
+    rng = np.random.default_rng(0)
+    ratios = []
+    for _ in range(12):
+        steps = int(rng.integers(1, 4))
+        x = (1, steps, steps + int(rng.integers(0, 3)))
+        fit.add(x, truth(x))
+        ratios.append(np.dot(fit.coef(), (1, 1, 1)) / truth((1, 1, 1)))
+    assert max(ratios) < 2.0 and ratios[-1] < 1.25, ratios
+
+
 @pytest.mark.parametrize("chooser", [choose_k, choose_k_padded])
 def test_a_fixed_cost_of_drafting_at_all_can_make_k_zero(chooser):
     acc = np.full((2, 6), 0.6)

@@ -68,14 +68,15 @@ def test_the_target_cache_keeps_exactly_the_accepted_path(make_pipeline):
     assert sum(r.stats["num_accepted_tokens"] for r in out) > 50       # trees were accepted
 
 
-def test_greedy_trees_equal_plain_decoding_on_the_demo_pair_with_penalties_and_stops():
+@pytest.mark.parametrize("proposer", ["ngram", "eagle"])
+def test_greedy_trees_equal_plain_decoding_on_the_demo_pair_with_penalties_and_stops(proposer):
     common = ["threads=1", "max_new_tokens=48", "max_batch_size=3",
               "logits=[repetition_penalty,no_repeat_ngram]", "logits.repetition_penalty.penalty=1.2",
               "logits.no_repeat_ngram.size=4", "stop.strings=['\\n\\n\\n']"]
     prompts = ["def fib(n):\n    if n < 2:\n        return n\n    return fib(",
                "for i in range(10):\n    print(i)\nfor j in range(10):\n    print(", "import os\nimport"]
     want = [r.token_ids for r in Pipeline.from_config(["proposer=none", *common]).generate(prompts)]
-    pipe = Pipeline.from_config([*TREE, *common])
+    pipe = Pipeline.from_config([f"proposer={proposer}", *TREE[1:], *common])
     got = pipe.generate(prompts)
     assert [r.token_ids for r in got] == want
     assert sum(r.stats["num_accepted_tokens"] for r in got) > 0

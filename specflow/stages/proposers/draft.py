@@ -16,8 +16,8 @@ import torch
 
 from specflow.errors import ConfigError
 from specflow.plugins import hookimpl
-from specflow.stages.proposers.draft_tree import Calibration, DraftTree, build_trees, keep_path
-from specflow.stages.tree import node_budgets, tree_budget
+from specflow.stages.proposers.draft_tree import Calibration, DraftTree, draft_trees, keep_path, learn
+from specflow.stages.tree import tree_budget
 from specflow.stages.sampling import sample_categorical
 from specflow.state import PAD, Proposal
 
@@ -170,14 +170,9 @@ class DraftModelProposer:
         caught_up = catch_up(self.model, sub.slots.tolist(), sub.token_ids, self.CATCH_UP)
         sub_ks = [ks[b] for b in rows]
         if self.cfg.topk > 1:
-            room = [None if self.target_length is None else self.target_length - len(ids)
-                    for ids in sub.token_ids]
-            # priced nodes (a policy's specflow_node_price): the whole budget is only a cap
-            scaled_from = self.cfg.k if sub.node_price is None else 0
-            tokens, parents, trees = build_trees(
-                self.model, sub, sub_ks, node_budgets(sub_ks, scaled_from, self.cfg.nodes, room),
-                self.cfg.topk, self._first_logits(sub),
-                lambda x: align_vocab(x, self.vocab_size), self.calibration)
+            tokens, parents, trees = draft_trees(
+                self.model, sub, sub_ks, self.cfg, self._first_logits(sub),
+                lambda x: align_vocab(x, self.vocab_size), self.calibration, self.target_length)
             self.trees = dict(zip(sub.slots.tolist(), trees))
             proposal = spread(batch.size, rows, tokens, None, full_context, parents)
         else:
@@ -214,10 +209,7 @@ class DraftModelProposer:
         if self.trees:
             if result.accepted_nodes is not None:
                 slots = batch.slots.tolist()
-                self.calibration.decay()
-                for slot, path in zip(slots, result.accepted_nodes):   # the verdicts teach it
-                    if slot in self.trees:
-                        self.calibration.observe(self.trees[slot], path, batch.greedy)
+                learn(self.calibration, self.trees, slots, result.accepted_nodes, batch.greedy)
                 keep_path(self.model, slots, self.trees, result.accepted_nodes)
             self.trees = {}
         keep = [len(ids) - 1 for ids in batch.token_ids]

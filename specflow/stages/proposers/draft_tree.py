@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specflow.models.base import TreeAttention
+from specflow.stages.tree import node_budgets
 from specflow.state import PAD
 
 
@@ -120,9 +121,12 @@ class Calibration:
 def _top_children(shaped: torch.Tensor, topk: int, calibration: Calibration
                   ) -> tuple[list[list[float]], list[list[float]], list[list[int]]]:
     """Each row's topk likeliest tokens with q > 0: ([R][<=topk] q, log calibrated rate,
-    tokens)."""
+    tokens). A row of zeros is shape()'s stand-in for a row nothing survived (the grammar allows
+    no token the draft can name, e.g. none in a draft head's vocabulary): it offers no child
+    (a genuinely uniform row would have no likeliest child either)."""
     q = shaped.softmax(-1)
     vals, idx = q.topk(min(topk, q.shape[-1]), -1)                                   # [R, t]
+    vals = vals * shaped.ne(0).any(-1, keepdim=True)                                 # [R, t]
     rates = calibration.log_rate(vals).tolist()
     qs, scores, tokens = [], [], []
     for v, r, i in zip(vals.tolist(), rates, idx.tolist()):
@@ -174,11 +178,23 @@ def build_trees(model, batch, ks: list[int], budgets: list[int], topk: int, firs
     return _select(rows, budgets, base)
 
 
+def draft_trees(model, batch, ks: list[int], cfg, first_logits, align, calibration: Calibration,
+                target_length: int | None) -> tuple[torch.Tensor, torch.Tensor, list[DraftTree]]:
+    """build_trees with the node budgets of proposer settings (cfg.k, cfg.topk, cfg.nodes): the
+    configured budget scaled with each row's k, or only a cap when a policy prices nodes (the
+    price then decides), never past the target's context."""
+    room = [None if target_length is None else target_length - len(ids) for ids in batch.token_ids]
+    scaled_from = cfg.k if batch.node_price is None else 0
+    return build_trees(model, batch, ks, node_budgets(ks, scaled_from, cfg.nodes, room), cfg.topk,
+                       first_logits, align, calibration)
+
+
 def _feed(model, batch, rows: list[list[_Node]], frontier: list[list[int]], fed: list[int],
           base: list[int]) -> torch.Tensor:
     """The draft's forward over each row's frontier nodes with tree attention: each sees the
     committed prefix, its fed ancestors and itself, at position root + depth; the nodes are
-    written after the row's `fed` earlier entries. -> logits [L, T, V_draft].
+    written after the row's `fed` earlier entries (each query's parent entry goes along, for a
+    draft head that feeds a node its parent's state). -> logits [L, T, V_draft].
 
     When every row feeds one node whose row holds only its ancestors (a priced tree that is a
     chain so far), that is a plain causal step: no tree mask is built."""
@@ -191,18 +207,21 @@ def _feed(model, batch, rows: list[list[_Node]], frontier: list[list[int]], fed:
         return model.forward(batch.slots, ids, torch.ones(L, dtype=torch.long))
     ids = torch.full((L, T), PAD, dtype=torch.long)
     pos = torch.zeros(L, T, dtype=torch.long)
+    parent = torch.full((L, T), -1, dtype=torch.long)
     see = torch.zeros(L, T, max(fed) + T, dtype=torch.bool)
     for i, (nodes, front) in enumerate(zip(rows, frontier)):
         for t, n in enumerate(front):
             ids[i, t] = nodes[n].token
             pos[i, t] = base[i] - 1 + nodes[n].depth          # the root token sits at base - 1
             nodes[n].entry = fed[i] + t
+            if nodes[n].parent != -1:
+                parent[i, t] = nodes[nodes[n].parent].entry
             anc = n
             while anc != -1:                                  # itself and its fed ancestors
                 see[i, t, nodes[anc].entry] = True
                 anc = nodes[anc].parent
     lens = torch.tensor([len(f) for f in frontier])
-    return model.forward(batch.slots, ids, lens, tree=TreeAttention(pos, list(base), see))
+    return model.forward(batch.slots, ids, lens, tree=TreeAttention(pos, list(base), see, parent))
 
 
 def _offer(rows: list[list[_Node]], frontier: list[list[int]], shaped: torch.Tensor, topk: int,
@@ -258,6 +277,15 @@ def _select(rows: list[list[_Node]], budgets: list[int], base: list[int]):
                                [nodes[n].rank for n in picked],
                                [math.exp(nodes[n].score) for n in picked]))
     return tokens, parents, trees
+
+
+def learn(calibration: Calibration, trees: dict[int, DraftTree], slots: list[int],
+          accepted: list[list[int]], greedy: bool) -> None:
+    """A round's verdicts on the trees it proposed (by slot) teach the calibration."""
+    calibration.decay()
+    for slot, path in zip(slots, accepted):
+        if slot in trees:
+            calibration.observe(trees[slot], path, greedy)
 
 
 def keep_path(model, slots: list[int], trees: dict[int, DraftTree],

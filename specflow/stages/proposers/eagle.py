@@ -12,6 +12,12 @@ Draft logits live on a reduced vocabulary; they are placed into the target's voc
 elsewhere) before the pipeline's shape() call, so processors, penalties and grammar masks apply
 to the head's q exactly as to the target's, and the draft is sampled from the very q the
 verifier receives.
+
+With proposer.topk > 1 the head drafts a token tree, EAGLE-2 style (draft_tree.build_trees, as
+for a draft model): each frontier node is fed its parent's head state with its own token, under
+tree attention over the head's cache. After a target tree pass the target's states arrive in
+node order; the accepted path's are moved into place (as the target's cache is), so the next
+round reads the states of the committed tokens only.
 """
 from __future__ import annotations
 
@@ -23,8 +29,9 @@ import torch
 from specflow.errors import ConfigError
 from specflow.models.slot_cache import SlotKVCache
 from specflow.plugins import hookimpl
-from specflow.stages.tree import tree_budget
 from specflow.stages.proposers.draft import draft_steps, spread
+from specflow.stages.proposers.draft_tree import Calibration, DraftTree, draft_trees, learn
+from specflow.stages.tree import tree_budget
 from specflow.state import Proposal
 
 DEMO_HEAD = pathlib.Path(__file__).resolve().parents[2] / "models" / "demo" / "eagle"
@@ -33,19 +40,15 @@ DEMO_HEAD = pathlib.Path(__file__).resolve().parents[2] / "models" / "demo" / "e
 @dataclass
 class EagleProposerConfig:
     name: str = "eagle"
-    k: int = 4                   # most tokens drafted per round
+    k: int = 4                   # most tokens drafted per round (a tree's depth)
     path: str | None = None      # an EAGLE-3 head folder; null = the shipped demo head (demo target)
-    topk: int = 1                # trees: not built by the head yet (proposer=draft / ngram are)
-    num_draft_tokens: int | None = None
+    topk: int = 1                # > 1: an EAGLE-2 tree, each node's topk likeliest children
+    num_draft_tokens: int | None = None   # nodes per row in a tree (default k)
 
     def __post_init__(self) -> None:
         if self.k < 0:
             raise ConfigError(f"proposer.k={self.k} must be >= 0 (0 = no drafting)")
-        tree_budget(self.k, self.topk, self.num_draft_tokens)
-        if self.topk > 1:
-            raise ConfigError(f"proposer.topk={self.topk}: proposer=eagle drafts chains only so "
-                              f"far; set proposer.topk=1, or use proposer=draft or proposer=ngram "
-                              f"for token trees")
+        self.nodes = tree_budget(self.k, self.topk, self.num_draft_tokens)
 
 
 def demo_head_for(target) -> str | None:
@@ -83,13 +86,16 @@ class EagleProposer:
         self.vocab_size = target.vocab_size
         self.draft_ids = self.head.draft_ids                      # [Vd] target id of each entry
         self.device = target.device
+        self.target_length = target.max_length
+        self.trees: dict[int, DraftTree] = {}       # by slot, this round's tree rows
+        self.calibration = Calibration(cfg.topk)    # head q -> acceptance, learned online
         ctx.draft_step_seconds = self.step_seconds                # for policy=goodput's prior
 
     @torch.inference_mode()
-    def step_seconds(self, rows: int, reps: int = 5, context: int = 64) -> float:
-        """Seconds of one draft step for `rows` rows (the head's forward of one pair each over a
-        `context`-pair cache, and its logits on the target's vocabulary), the median of `reps`
-        after a warm-up; the cache rows it used are emptied again."""
+    def step_seconds(self, rows: int, reps: int = 5, context: int = 64, positions: int = 1) -> float:
+        """Seconds of one draft step for `rows` rows (the head's forward of `positions` pairs
+        each over a `context`-pair cache, and their logits on the target's vocabulary), the
+        median of `reps` after a warm-up; the cache rows it used are emptied again."""
         import statistics
         import time
 
@@ -102,13 +108,13 @@ class EagleProposer:
         self._forward(slots, torch.zeros(rows, context, width, dtype=dtype, device=self.device),
                       torch.zeros(rows, context, dtype=torch.long, device=self.device),
                       [context] * rows)
-        g = torch.zeros(rows, 1, shape.hidden_size, dtype=dtype, device=self.device)
-        token = torch.zeros(rows, 1, dtype=torch.long, device=self.device)
+        g = torch.zeros(rows, positions, shape.hidden_size, dtype=dtype, device=self.device)
+        token = torch.zeros(rows, positions, dtype=torch.long, device=self.device)
         times = []
         for _ in range(reps + 1):
             start = time.perf_counter()
-            out = self._forward(slots, g, token, [1] * rows)
-            self._on_target_vocab(self.head.logits(out[:, 0]).float())
+            out = self._forward(slots, g, token, [positions] * rows)
+            self._on_target_vocab(self.head.logits(out).flatten(0, 1).float())
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             times.append(time.perf_counter() - start)
@@ -151,18 +157,51 @@ class EagleProposer:
     def specflow_propose(self, batch, k):
         asked = k.tolist()
         slots = batch.slots.tolist()
-        # a row can draft once the target has scored at least one of its positions
+        # a row can draft once the target has scored at least one of its positions; a tree
+        # writes up to topk head entries per level past the committed pairs
         ready = [self._have(s, len(ids)) for s, ids in zip(slots, batch.token_ids)]
-        ks = [kb if ok else 0 for kb, ok in zip(asked, ready)]
+        room = [(self.cache.max_capacity - len(ids) + 1) // self.cfg.topk for ids in batch.token_ids]
+        ks = [min(kb, r) if ok else 0 for kb, ok, r in zip(asked, ready, room)]
         rows = [b for b, kb in enumerate(ks) if kb > 0]
         K = max(ks, default=0)
-        reasons = ["no target state yet" if a > 0 and not ok else None
-                   for a, ok in zip(asked, ready)]
+        reasons = [None if a == 0 or kb > 0 else "no target state yet" if not ok
+                   else "draft context full" for a, kb, ok in zip(asked, ks, ready)]
         if K == 0:
             return Proposal(Proposal.empty(batch.size).draft_token_ids, None, reasons)
         sub = batch.select(rows) if len(rows) < batch.size else batch
-        drafts, probs = self._draft(sub, [ks[b] for b in rows], K)
+        sub_ks = [ks[b] for b in rows]
+        if self.cfg.topk > 1:
+            tokens, parents = self._tree(sub, sub_ks)
+            return spread(batch.size, rows, tokens, None, reasons, parents)
+        drafts, probs = self._draft(sub, sub_ks, K)
         return spread(batch.size, rows, drafts, probs, reasons)
+
+    @hookimpl
+    def specflow_sync_cache(self, batch, result):
+        if result.accepted_nodes is None:
+            return
+        slots = batch.slots.tolist()
+        if self.trees:
+            learn(self.calibration, self.trees, slots, result.accepted_nodes, batch.greedy)
+            self.trees = {}
+        # the target's tree pass (root at base - 1, node i at base + i) sent its states in node
+        # order: the accepted path's move into place, as the target cache's keys do
+        for slot, ids, new, path in zip(slots, batch.token_ids, result.committed,
+                                        result.accepted_nodes):
+            self._keep_states(slot, len(ids) - len(new), path)
+
+    def _keep_states(self, slot: int, base: int, path: list[int]) -> None:
+        """The pending target states of positions base + path[i] move to base + i; the rest of
+        the pass's states are dropped."""
+        chunks = self.pending.get(slot)
+        if not path or path == list(range(len(path))) or not chunks:
+            return
+        first, states = chunks[-1]                        # the tree pass's chunk (root first)
+        at = base - first
+        if at < 0 or at + max(path) >= len(states):
+            return
+        pick = torch.tensor(path, device=states.device) + at                          # [n]
+        chunks[-1] = (first, torch.cat([states[:at], states.index_select(0, pick)]))
 
     def _have(self, slot: int, length: int) -> bool:
         """The target's states cover every pair the head has not read (positions up to length-2)."""
@@ -174,17 +213,22 @@ class EagleProposer:
         return chunks[0][0] <= first and end >= length - 1
 
     def _forward(self, slots: list[int], h: torch.Tensor, tokens: torch.Tensor,
-                 lens: list[int]) -> torch.Tensor:
+                 lens: list[int], tree=None) -> torch.Tensor:
         """Pairs (h [B, T, E or nE], tokens [B, T]) into the head's cache -> pre-norm states
-        [B, T, E]; row b uses its first lens[b] pairs."""
+        [B, T, E]; row b uses its first lens[b] pairs. With a tree (models.base.TreeAttention)
+        the pairs sit at its positions and see what it marks."""
         head = self.head
         B, T = tokens.shape
         positions, kv_len = self.cache.begin(slots, lens, T, self.device)             # [B, T]
+        if tree is not None:
+            positions = tree.positions.to(self.device)
         x = head.layer_input(h)                                                       # [B, T, E]
         q, k, v = head.qkv(x, tokens, positions, kv_len)        # every position < kv_len
         k_all, v_all = self.cache.update(k, v, 0)                                     # [B, Hkv, L, D]
         mask = None
-        if not (B == 1 and T == 1):
+        if tree is not None:
+            mask = tree.allowed(kv_len).to(self.device)[:, None]                      # [B, 1, T, L]
+        elif not (B == 1 and T == 1):
             keys = torch.arange(kv_len, device=self.device)
             mask = (keys[None, None, :] <= positions[:, :, None])[:, None]           # [B, 1, T, L]
         out = head.finish(x, head.attend(q, k_all, v_all, mask))
@@ -198,9 +242,9 @@ class EagleProposer:
         return full
 
     @torch.inference_mode()
-    def _draft(self, batch, ks: list[int], K: int):
-        """Read the unread pairs, then K draft steps; a row stops once it has its own k.
-        -> ([B, K] long, [B, K, V] or None)."""
+    def _read(self, batch) -> tuple[torch.Tensor, list[int]]:
+        """Each row's unread pairs into the head's cache. -> (the head's state after the last
+        committed pair [B, 1, E], each row's cache length then)."""
         B = batch.size
         slots = batch.slots.tolist()
         device = self.device
@@ -221,7 +265,14 @@ class EagleProposer:
         out = self._forward(slots, h, tokens.to(device), lens)                         # [B, T, E]
         rows = torch.arange(B, device=device)
         g = out[rows, torch.tensor(lens, device=device) - 1][:, None]                 # [B, 1, E]
-        read = [self.cache.lengths[s] for s in slots]     # pairs resting on the target's states
+        return g, [self.cache.lengths[s] for s in slots]
+
+    @torch.inference_mode()
+    def _draft(self, batch, ks: list[int], K: int):
+        """Read the unread pairs, then K draft steps; a row stops once it has its own k.
+        -> ([B, K] long, [B, K, V] or None)."""
+        slots = batch.slots.tolist()
+        g, read = self._read(batch)         # read: pairs resting on the target's states
 
         def step(i, sub, keep, previous):
             nonlocal g
@@ -230,6 +281,51 @@ class EagleProposer:
             if i > 0:   # the head's own state and the token it just drafted, one position on
                 g = self._forward(sub.slots.tolist(), g, previous[:, None], [1] * len(keep))
             return self._on_target_vocab(self.head.logits(g[:, 0]).float())            # [L, V]
-        drafts, probs = draft_steps(batch, ks, K, self.vocab_size, device, step)
+        drafts, probs = draft_steps(batch, ks, K, self.vocab_size, self.device, step)
         self.cache.truncate(slots, read)      # draft steps rest on the head's states: drop them
         return drafts, probs
+
+    @torch.inference_mode()
+    def _tree(self, batch, ks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Read the unread pairs, then a tree per row. -> (tokens [B, N], parents [B, N])."""
+        slots = batch.slots.tolist()
+        g, read = self._read(batch)                                                   # [B, 1, E]
+        first = self._on_target_vocab(self.head.logits(g[:, 0]).float())              # [B, V]
+        try:
+            tokens, parents, trees = draft_trees(
+                _HeadTree(self, slots, g[:, 0]), batch, ks, self.cfg, first,
+                self._on_target_vocab, self.calibration, self.target_length)
+        finally:
+            self.cache.truncate(slots, read)  # tree entries rest on the head's states: dropped
+        self.trees = dict(zip(slots, trees))
+        return tokens, parents
+
+
+class _HeadTree:
+    """The head as the draft model build_trees drives: a node's input pair is its parent's head
+    state (the state after the committed pairs for a child of the root) and its own token."""
+
+    def __init__(self, proposer: EagleProposer, slots: list[int], roots: torch.Tensor):
+        self.proposer = proposer
+        # per slot: [1 + fed, E], the root's state then each fed entry's output in entry order
+        self.states = {s: roots[b:b + 1] for b, s in enumerate(slots)}
+
+    def cache_length(self, slot: int) -> int:
+        return self.proposer.cache.lengths[slot]
+
+    def forward(self, slots: torch.Tensor, ids: torch.Tensor, lens: torch.Tensor,
+                tree=None) -> torch.Tensor:
+        """ids [L, T] (PAD after lens[b]) -> draft logits [L, T, Vd]. Without a tree each row
+        feeds one node, the child of its last fed one."""
+        slot_list, n = slots.tolist(), lens.tolist()
+        if tree is None:
+            parent = torch.tensor([[len(self.states[s]) - 1] for s in slot_list])          # [L, 1]
+        else:
+            parent = tree.parent + 1                   # entry e's state is at index e + 1
+        device = self.proposer.device
+        h = torch.stack([self.states[s][parent[i].to(device)]
+                         for i, s in enumerate(slot_list)])                                # [L, T, E]
+        out = self.proposer._forward(slot_list, h, ids.clamp(min=0).to(device), n, tree)  # [L, T, E]
+        for i, s in enumerate(slot_list):
+            self.states[s] = torch.cat([self.states[s], out[i, :n[i]]])
+        return self.proposer.head.logits(out).float()                                      # [L, T, Vd]

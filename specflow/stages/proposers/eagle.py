@@ -150,6 +150,7 @@ class EagleProposer:
     def specflow_request_end(self, slot, request, finish_reason):
         self.cache.reset(slot)
         self.pending.pop(slot, None)
+        self.trees.pop(slot, None)
 
     # --- drafting ----------------------------------------------------------------------------
 
@@ -157,10 +158,12 @@ class EagleProposer:
     def specflow_propose(self, batch, k):
         asked = k.tolist()
         slots = batch.slots.tolist()
-        # a row can draft once the target has scored at least one of its positions; a tree
-        # writes up to topk head entries per level past the committed pairs
+        self.trees = {}
+        # a row can draft once the target has scored at least one of its positions; a depth-k
+        # tree writes up to topk (k - 1) head entries after the len - 1 committed pairs
         ready = [self._have(s, len(ids)) for s, ids in zip(slots, batch.token_ids)]
-        room = [(self.cache.max_capacity - len(ids) + 1) // self.cfg.topk for ids in batch.token_ids]
+        room = [1 + (self.cache.max_capacity - len(ids) + 1) // self.cfg.topk
+                for ids in batch.token_ids]
         ks = [min(kb, r) if ok else 0 for kb, ok, r in zip(asked, ready, room)]
         rows = [b for b, kb in enumerate(ks) if kb > 0]
         K = max(ks, default=0)
@@ -198,8 +201,8 @@ class EagleProposer:
             return
         first, states = chunks[-1]                        # the tree pass's chunk (root first)
         at = base - first
-        if at < 0 or at + max(path) >= len(states):
-            return
+        assert first == base - 1 and at + max(path) < len(states), \
+            f"slot {slot}: the tree pass's states start at {first}, not at the root {base - 1}"
         pick = torch.tensor(path, device=states.device) + at                          # [n]
         chunks[-1] = (first, torch.cat([states[:at], states.index_select(0, pick)]))
 
@@ -293,8 +296,8 @@ class EagleProposer:
         first = self._on_target_vocab(self.head.logits(g[:, 0]).float())              # [B, V]
         try:
             tokens, parents, trees = draft_trees(
-                _HeadTree(self, slots, g[:, 0]), batch, ks, self.cfg, first,
-                self._on_target_vocab, self.calibration, self.target_length)
+                _HeadTree(self, slots, g[:, 0], self.cfg.topk * (max(ks) - 1)), batch, ks,
+                self.cfg, first, self._on_target_vocab, self.calibration, self.target_length)
         finally:
             self.cache.truncate(slots, read)  # tree entries rest on the head's states: dropped
         self.trees = dict(zip(slots, trees))
@@ -305,10 +308,16 @@ class _HeadTree:
     """The head as the draft model build_trees drives: a node's input pair is its parent's head
     state (the state after the committed pairs for a child of the root) and its own token."""
 
-    def __init__(self, proposer: EagleProposer, slots: list[int], roots: torch.Tensor):
+    def __init__(self, proposer: EagleProposer, slots: list[int], roots: torch.Tensor,
+                 entries: int):
+        """roots [B, E]: each row's state after its committed pairs; `entries`: the most tree
+        entries a row writes (topk per level below the deepest)."""
         self.proposer = proposer
-        # per slot: [1 + fed, E], the root's state then each fed entry's output in entry order
-        self.states = {s: roots[b:b + 1] for b, s in enumerate(slots)}
+        self.row = {s: b for b, s in enumerate(slots)}
+        # [B, 1 + entries, E]: the root's state, then each fed entry's output in entry order
+        self.states = roots.new_zeros(roots.shape[0], 1 + max(entries, 1), roots.shape[1])
+        self.states[:, 0] = roots
+        self.fed = [0] * roots.shape[0]                     # entries written per row
 
     def cache_length(self, slot: int) -> int:
         return self.proposer.cache.lengths[slot]
@@ -318,14 +327,19 @@ class _HeadTree:
         """ids [L, T] (PAD after lens[b]) -> draft logits [L, T, Vd]. Without a tree each row
         feeds one node, the child of its last fed one."""
         slot_list, n = slots.tolist(), lens.tolist()
-        if tree is None:
-            parent = torch.tensor([[len(self.states[s]) - 1] for s in slot_list])          # [L, 1]
-        else:
-            parent = tree.parent + 1                   # entry e's state is at index e + 1
-        device = self.proposer.device
-        h = torch.stack([self.states[s][parent[i].to(device)]
-                         for i, s in enumerate(slot_list)])                                # [L, T, E]
-        out = self.proposer._forward(slot_list, h, ids.clamp(min=0).to(device), n, tree)  # [L, T, E]
-        for i, s in enumerate(slot_list):
-            self.states[s] = torch.cat([self.states[s], out[i, :n[i]]])
-        return self.proposer.head.logits(out).float()                                      # [L, T, Vd]
+        L, T = ids.shape
+        rows = [self.row[s] for s in slot_list]
+        fed = torch.tensor([self.fed[r] for r in rows])                                # [L]
+        # where each query's parent state is (entry e at e + 1, the root at 0), and where its
+        # output goes (a padding query's lands past the row's entries: never read)
+        parent = fed[:, None] if tree is None else tree.parent + 1                     # [L, T]
+        at = fed[:, None] + 1 + torch.arange(T)[None, :]                               # [L, T]
+        idx = torch.stack([torch.tensor(rows)[:, None].expand(L, T), parent, at])
+        r, src, dst = idx.to(self.proposer.device)                                     # [L, T] x3
+        h = self.states[r, src]                                                        # [L, T, E]
+        out = self.proposer._forward(slot_list, h, ids.clamp(min=0).to(self.proposer.device),
+                                     n, tree)                                          # [L, T, E]
+        self.states[r, dst] = out
+        for row, m in zip(rows, n):
+            self.fed[row] += m
+        return self.proposer.head.logits(out).float()                                  # [L, T, Vd]

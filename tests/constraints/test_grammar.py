@@ -126,13 +126,13 @@ def test_tree_nodes_are_never_ones_the_grammar_forbids(proposer):
     """Every node of a draft model's or a draft head's tree is shaped with its own root path, so
     the grammar masks each branch: no node leaves the grammar, and the output is plain's."""
     tree = [f"proposer={proposer}", "proposer.topk=4", "proposer.num_draft_tokens=16"]
-    expected = pipe("proposer=none", *JSON).generate(PROMPTS[:16], max_new_tokens=80)
+    expected = pipe("proposer=none", *JSON).generate(PROMPTS[:8], max_new_tokens=64)
     p = pipe(*tree, *JSON)
     probe = GrammarProbe(p)
     p.register(probe)
-    got = p.generate(PROMPTS[:16], max_new_tokens=80)
+    got = p.generate(PROMPTS[:8], max_new_tokens=64)
     assert [r.token_ids for r in got] == [r.token_ids for r in expected]
-    assert probe.drafts_checked > 500 and probe.states_checked > 50
+    assert probe.drafts_checked > 300 and probe.states_checked > 50
     assert probe.illegal_drafts == 0
     assert p.last_stats["num_tree_drafts"] > 0
 

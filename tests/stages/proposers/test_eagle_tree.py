@@ -29,11 +29,11 @@ def plain_ids():
 
 @pytest.mark.parametrize("batch", [1, 8])
 def test_greedy_eagle_trees_equal_plain_decoding_and_accept_more_than_chains(plain_ids, batch):
-    got = {}
+    got, n = {}, 4 if batch == 1 else len(PROMPTS)       # batch 1: the slower case, fewer
     for name, arm in (("chain", ["proposer=eagle"]), ("tree", TREE)):
         pipe = Pipeline.from_config([*arm, *COMMON])
-        out = pipe.generate(PROMPTS, max_batch_size=batch)
-        assert [r.token_ids for r in out] == plain_ids
+        out = pipe.generate(PROMPTS[:n], max_batch_size=batch)
+        assert [r.token_ids for r in out] == plain_ids[:n]
         s = pipe.last_stats
         got[name] = s["num_accepted_tokens"] / s["num_target_passes"]
         prop = head_of(pipe)

@@ -13,6 +13,19 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _short_pack_timing():
+    """pack=auto times whole passes when a pipeline is built (15 per end and layout: ~1.2 s of
+    each demo-pair build with one thread). Tests build hundreds of pipelines and none depends on
+    which layout wins (tests/models/test_packing.py fixes the timings itself), so three passes
+    decide here; the choice is made by the same code either way."""
+    from specflow.models import packing
+
+    saved, packing.REPS = packing.REPS, 3
+    yield
+    packing.REPS = saved
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -281,9 +281,11 @@ class HFBackend(Backend):
         self.num_layers = num_layers
         self.hidden_size = config.hidden_size
         # draft heads read hidden states of the target's own pass (no extra forward): the
-        # inputs of these layers, handed to hidden_sink(slots, starts, lens, hidden [B, T, nE])
+        # inputs of these layers, handed to hidden_sink(slots, starts, lens, hidden [B, T, nE]);
+        # after a tree pass hidden_keep(slots, base, picks) compacts them as keep_cached does
         self.capture_layers: tuple[int, ...] = ()
         self.hidden_sink = None
+        self.hidden_keep = None
 
     def _lean_forward(self, choice: str, role: str, device_map: str | None):
         from specflow.models.lean_llama import LeanLlama, unsupported_reason
@@ -366,18 +368,13 @@ class HFBackend(Backend):
     def _tree_mask(self, tree: TreeAttention, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotary positions [B, T] and the attention mask [B, T, L] of a forward over tree
         nodes: the committed prefix (sliding window applied) and the tree keys `see` marks."""
-        allowed = tree.allowed(kv_len)                                               # [B, T, L]
-        positions = tree.positions
-        if self.window is not None:
-            below = torch.tensor(tree.visible_below)                                 # [B]
-            keys = torch.arange(kv_len)                                              # [L]
-            prefix = (keys[None, :] < below[:, None])[:, None, :]                    # [B, 1, L]
-            allowed &= ~(prefix & (keys[None, None, :] <= positions[:, :, None] - self.window))
-        return positions.to(self.device), allowed.to(self.device)
+        return tree.positions.to(self.device), tree.allowed(kv_len, self.window).to(self.device)
 
     @torch.inference_mode()
     def keep_cached(self, slots: list[int], base: list[int], picks: list[list[int]]) -> None:
         self.cache.keep(slots, base, picks)
+        if self.hidden_keep is not None:     # the states captured in the pass move alike
+            self.hidden_keep(slots, base, picks)
 
     def prefill(self, slot: int, ids: list[int]) -> None:
         if ids:

@@ -81,6 +81,7 @@ class EagleProposer:
         self.head = load_head(path, target, target.device, target.model.dtype)
         target.capture_layers = tuple(self.head.shape.layer_ids)
         target.hidden_sink = self._sink
+        target.hidden_keep = self._keep
         self.cache = SlotKVCache(1, ctx.slots, target.cache.max_capacity)
         self.pending: dict[int, list] = {}    # slot -> [(first position, [n, nE]), ...]
         self.vocab_size = target.vocab_size
@@ -181,30 +182,24 @@ class EagleProposer:
 
     @hookimpl
     def specflow_sync_cache(self, batch, result):
-        if result.accepted_nodes is None:
-            return
-        slots = batch.slots.tolist()
-        if self.trees:
-            learn(self.calibration, self.trees, slots, result.accepted_nodes, batch.greedy)
-            self.trees = {}
-        # the target's tree pass (root at base - 1, node i at base + i) sent its states in node
-        # order: the accepted path's move into place, as the target cache's keys do
-        for slot, ids, new, path in zip(slots, batch.token_ids, result.committed,
-                                        result.accepted_nodes):
-            self._keep_states(slot, len(ids) - len(new), path)
+        if self.trees and result.accepted_nodes is not None:      # the verdicts teach it
+            learn(self.calibration, self.trees, batch.slots.tolist(), result.accepted_nodes,
+                  batch.greedy)
+        self.trees = {}
 
-    def _keep_states(self, slot: int, base: int, path: list[int]) -> None:
-        """The pending target states of positions base + path[i] move to base + i; the rest of
-        the pass's states are dropped."""
-        chunks = self.pending.get(slot)
-        if not path or path == list(range(len(path))) or not chunks:
-            return
-        first, states = chunks[-1]                        # the tree pass's chunk (root first)
-        at = base - first
-        assert first == base - 1 and at + max(path) < len(states), \
-            f"slot {slot}: the tree pass's states start at {first}, not at the root {base - 1}"
-        pick = torch.tensor(path, device=states.device) + at                          # [n]
-        chunks[-1] = (first, torch.cat([states[:at], states.index_select(0, pick)]))
+    def _keep(self, slots: list[int], base: list[int], picks: list[list[int]]) -> None:
+        """After a target tree pass (root at base - 1, node i at base + i, states sent in that
+        order): the pending states of positions base + pick[i] move to base + i and the rest of
+        the pass's are dropped, as the target cache's keys and values are (keep_cached)."""
+        for slot, b, pick in zip(slots, base, picks):
+            chunks = self.pending.get(slot)
+            if not pick or pick == list(range(len(pick))) or not chunks:
+                continue
+            first, states = chunks[-1]                    # the tree pass's chunk (root first)
+            assert first == b - 1 and b - first + max(pick) < len(states), \
+                f"slot {slot}: the tree pass's states start at {first}, not at the root {b - 1}"
+            src = torch.tensor(pick, device=states.device) + (b - first)             # [n]
+            chunks[-1] = (first, torch.cat([states[:b - first], states.index_select(0, src)]))
 
     def _have(self, slot: int, length: int) -> bool:
         """The target's states cover every pair the head has not read (positions up to length-2)."""
@@ -314,10 +309,10 @@ class _HeadTree:
         entries a row writes (topk per level below the deepest)."""
         self.proposer = proposer
         self.row = {s: b for b, s in enumerate(slots)}
+        self.base = [proposer.cache.lengths[s] for s in slots]   # tree entries are written after
         # [B, 1 + entries, E]: the root's state, then each fed entry's output in entry order
         self.states = roots.new_zeros(roots.shape[0], 1 + max(entries, 1), roots.shape[1])
         self.states[:, 0] = roots
-        self.fed = [0] * roots.shape[0]                     # entries written per row
 
     def cache_length(self, slot: int) -> int:
         return self.proposer.cache.lengths[slot]
@@ -329,7 +324,8 @@ class _HeadTree:
         slot_list, n = slots.tolist(), lens.tolist()
         L, T = ids.shape
         rows = [self.row[s] for s in slot_list]
-        fed = torch.tensor([self.fed[r] for r in rows])                                # [L]
+        fed = torch.tensor([self.cache_length(s) - self.base[r]                        # [L]
+                            for s, r in zip(slot_list, rows)])
         # where each query's parent state is (entry e at e + 1, the root at 0), and where its
         # output goes (a padding query's lands past the row's entries: never read)
         parent = fed[:, None] if tree is None else tree.parent + 1                     # [L, T]
@@ -340,6 +336,4 @@ class _HeadTree:
         out = self.proposer._forward(slot_list, h, ids.clamp(min=0).to(self.proposer.device),
                                      n, tree)                                          # [L, T, E]
         self.states[r, dst] = out
-        for row, m in zip(rows, n):
-            self.fed[row] += m
         return self.proposer.head.logits(out).float()                                  # [L, T, Vd]

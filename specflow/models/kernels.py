@@ -18,7 +18,7 @@ and a batch's worth, once per model load, and the lean forward calls the winners
 is a trade (one-row passes get slower: each oneDNN call costs ~14 us more than MKL's, and it
 streams one row slower; passes of 4+ rows get much faster), decided on whole passes by
 `specflow.models.packing`. A packed weight *replaces* the dense one (the lean forward frees it),
-so packing costs no memory.
+so packing costs no memory (but for a head tied to the embedding table, packed as a copy).
 
 Every form computes the same products from the same weights: they differ only in float rounding
 (fp32: ~1e-6 relative), like any change of BLAS kernel. On CUDA, cuBLAS handles these shapes well

@@ -13,7 +13,8 @@ keys and values into the same SlotKVCache:
   `specflow.models.packing`) moves the projection weights into oneDNN's packed layout and frees
   the dense ones (the model's parameters keep their shapes over a one-element placeholder); the
   first call of transformers' forward on this model, or a `state_dict()`, unpacks them again, so
-  packing costs no memory either;
+  packing costs no memory either, but for a head tied to the embedding, packed as a copy (the
+  embedding table's bytes once more: the lookup reads the dense one);
 - rotary cos/sin from a table grown on demand, fp32 RMSNorm fused where the dtype allows, keys and
   values read from the cache as views when the batch's slots are contiguous, GQA without copies.
 
@@ -141,8 +142,10 @@ class LeanLlama:
         """Pack every product weight for oneDNN and free the dense one: each owning module's
         weight becomes a one-element placeholder of the same shape, and a forward pre-hook on it
         (and a state_dict pre-hook on it and on the model) unpacks before anything reads the
-        placeholder. A head tied to the embedding stays dense (the embedding lookup reads it).
-        Idempotent; CPU only."""
+        placeholder. A head tied to the embedding is packed as a copy (the embedding lookup
+        reads the dense table): the one weight packing holds twice, worth it because the head is
+        the widest product of a pass (a quarter of the demo target's weights; for 17 rows oneDNN
+        reads it in half MKL's time). Idempotent; CPU only."""
         if self._packs or self.embed.device.type != "cpu":
             return
         with torch.no_grad():
@@ -155,6 +158,9 @@ class LeanLlama:
             if self.lm_head.data_ptr() != self.embed.data_ptr():
                 self.lm_head = self._pack_one(self.lm_head, self._owners(self.HEAD, 0))
                 self._packs.append((self.HEAD, 0, self._owners(self.HEAD, 0)))
+            else:          # tied: the embedding lookup reads the dense table, so a packed copy
+                self.lm_head = pack(self.lm_head)
+                self._packs.append((self.HEAD, 0, []))
         unpack = lambda *_: self.unpack()                      # noqa: E731
         for _, _, modules in self._packs:
             for m in modules:
@@ -187,6 +193,9 @@ class LeanLlama:
         self._hooks = []
         with torch.no_grad():
             for index, field, modules in self._packs:
+                if not modules:            # a tied head's packed copy: the embedding is the head
+                    self.lm_head = self.embed
+                    continue
                 held = self.lm_head if index == self.HEAD else self.layers[index][field]
                 dense = held.to_dense()
                 offset = 0
@@ -216,7 +225,8 @@ class LeanLlama:
     def extra_bytes(self) -> int:
         """Bytes this forward holds beyond what the model's parameters held at load (0 but the
         rotary table: fused weights share the model's storage, and a packed weight replaces the
-        dense one, whose bytes were freed; oneDNN's blocked layout may pad a few rows)."""
+        dense one, whose bytes were freed; oneDNN's blocked layout may pad a few rows), except a
+        tied head's packed copy: the embedding table's bytes once more."""
         own = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
         own |= {b.untyped_storage().data_ptr() for b in self.model.buffers()}
         seen, extra = set(), 0
@@ -229,6 +239,8 @@ class LeanLlama:
             if ptr not in own and ptr not in seen:
                 seen.add(ptr)
                 extra += t.untyped_storage().nbytes()
+        if any(not modules for _, _, modules in self._packs):     # a tied head's packed copy
+            extra += self.embed.numel() * self.embed.element_size()
         return extra
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,10 @@ full batch at k+1 positions (max_batch_size rows; k = 0 without speculation). `a
 at each end both ways when the pipeline is built and packs when their sum is lower packed; if
 the full pass is the one-row pass, nothing is timed and the weights stay dense. `true` packs
 whenever the CPU's torch build can, `false` never. A packed weight replaces the dense one, so
-neither choice costs memory; a change of thread count afterwards keeps the choice. CUDA,
+neither choice costs memory, but for an LM head tied to the embedding, packed as a copy (the
+lookup reads the dense table): the widest product of a pass, a quarter of the demo target's
+weights, and at 17 positions oneDNN reads it in about half MKL's time (a 17-position tree pass
+12 ms packed against 18-23 dense). A change of thread count afterwards keeps the choice. CUDA,
 forward=hf and non-lean models never pack.
 """
 from __future__ import annotations

@@ -43,12 +43,13 @@ class TreeLayout:
     def ancestors(self) -> torch.Tensor:
         """[B, N+1, N+1] bool: position t may attend to position u (u is t or an ancestor)."""
         B, N1 = self.depth.shape
+        up = torch.zeros(B, N1, dtype=torch.long)              # each position's parent position
+        up[:, 1:] = self.parents + 1                           # root and PAD: the root (0)
         see = torch.eye(N1, dtype=torch.bool).expand(B, N1, N1).clone()               # [B, T, T]
-        see[:, :, 0] = True                                                            # the root
-        n = torch.tensor(self.num_nodes)                                               # [B]
-        for i in range(N1 - 1):        # parents come first: a node sees what its parent sees
-            rows = (n > i).nonzero().flatten()                                         # [R]
-            see[rows, i + 1] |= see[rows, self.parents[rows, i] + 1]
+        at = torch.arange(N1).expand(B, N1)                                            # [B, T]
+        for _ in range(self.max_depth):      # one level up per step: the root within max_depth
+            at = up.gather(1, at)
+            see.scatter_(2, at[..., None], True)
         return see
 
 
@@ -149,20 +150,20 @@ def shape_tree(shape, logits: torch.Tensor, batch, drafts: torch.Tensor,
             rows.append(b)
             paths.append(path)
     R, D = len(rows), max(len(p) for p in paths)
-    pos = torch.zeros(R, D + 1, dtype=torch.long)                                     # [R, D+1]
-    sub = torch.full((R, D), PAD, dtype=torch.long)                                   # [R, D]
-    for r, path in enumerate(paths):
-        if path:
-            node = torch.tensor(path)
-            pos[r, 1:len(path) + 1] = node + 1
-            pos[r, len(path) + 1:] = node[-1] + 1     # past the leaf: repeats it, never read
-            sub[r, :len(path)] = drafts[rows[r], node]
+    # each path's nodes, past its leaf repeating it (never read); a row without nodes: the root
+    node = torch.tensor([p + p[-1:] * (D - len(p)) if p else [-1] * D for p in paths],
+                        dtype=torch.long).view(R, D)                                  # [R, D]
+    pos = torch.cat([torch.zeros(R, 1, dtype=torch.long), node + 1], 1)               # [R, D+1]
+    lens = torch.tensor([len(p) for p in paths])                                      # [R]
+    on_path = torch.arange(D)[None, :] < lens[:, None]                                # [R, D]
+    sub = torch.where(on_path, drafts[torch.tensor(rows)[:, None], node.clamp(min=0)],
+                      torch.full_like(node, PAD))                                     # [R, D]
     row_t = torch.tensor(rows)                                                        # [R]
     device = logits.device
     shaped_paths = shape(logits[row_t.to(device)[:, None], pos.to(device)],
                          [batch.token_ids[b] for b in rows], sub, 0,
                          [batch.request_ids[b] for b in rows], "target", paths=paths)  # [R, D+1, V]
-    used = torch.arange(D + 1)[None, :] <= torch.tensor([len(p) for p in paths])[:, None]
+    used = torch.arange(D + 1)[None, :] <= lens[:, None]                              # [R, D+1]
     shaped = shaped_paths.new_zeros(B, N1, V)
     shaped[row_t[:, None].expand(R, D + 1)[used].to(device), pos[used].to(device)] = \
         shaped_paths[used.to(device)]

@@ -80,29 +80,45 @@ class Calibration:
         self.ranks, self.bins, self.prior, self.memory = ranks, bins, prior, memory
         self.accepted = torch.zeros(ranks, bins, dtype=torch.float64)
         self.tried = torch.zeros(ranks, bins, dtype=torch.float64)
+        self._table: tuple | None = None      # the counts as lists, read a few times per round
 
     def _cell(self, q: torch.Tensor) -> torch.Tensor:
         return (q * self.bins).long().clamp(0, self.bins - 1)
 
     def log_rate(self, q: torch.Tensor) -> torch.Tensor:
         """q [R, t] of each row's children by rank -> log P(accepted) [R, t]."""
-        rank = torch.arange(q.shape[1])[None, :].expand_as(q).clamp(max=self.ranks - 1)
-        cell = self._cell(q)
-        qd = q.double()
-        pooled = (self.accepted.sum(1)[rank] + self.prior * qd) \
-            / (self.tried.sum(1)[rank] + self.prior)                                 # [R, t]
-        acc, tried = self.accepted[rank, cell], self.tried[rank, cell]
-        rate = (acc + self.prior * pooled) / (tried + self.prior)
-        return rate.clamp_min(1e-12).log().to(q.dtype)
+        return torch.tensor(self.log_rates(q.tolist()), dtype=q.dtype).view(q.shape)
+
+    def log_rates(self, q: list[list[float]]) -> list[list[float]]:
+        """log_rate on host lists (a tree level's few children: plain floats beat a dozen tiny
+        tensor ops)."""
+        if self._table is None:
+            acc, tried = self.accepted.tolist(), self.tried.tolist()
+            self._table = (acc, tried, [sum(a) for a in acc], [sum(t) for t in tried])
+        acc, tried, acc_rank, tried_rank = self._table
+        prior, top, last = self.prior, self.bins - 1, self.ranks - 1
+        out = []
+        for row in q:
+            rates = []
+            for r, x in enumerate(row):
+                r = min(r, last)
+                cell = min(max(int(x * self.bins), 0), top)
+                pooled = (acc_rank[r] + prior * x) / (tried_rank[r] + prior)
+                rate = (acc[r][cell] + prior * pooled) / (tried[r][cell] + prior)
+                rates.append(math.log(max(rate, 1e-12)))
+            out.append(rates)
+        return out
 
     def decay(self) -> None:
         """Once a round: older verdicts weigh less (a window of about 1 / (1 - memory) rounds)."""
         self.accepted *= self.memory
         self.tried *= self.memory
+        self._table = None
 
     def observe(self, tree: DraftTree, path: list[int], greedy: bool) -> None:
         """The verifier's verdicts on one row's tree: at the root and at each accepted node, its
         children were tried in order until one was accepted (greedy tries them all)."""
+        self._table = None
         kids: dict[int, list[int]] = {}
         for n, p in enumerate(tree.parents):
             kids.setdefault(p, []).append(n)
@@ -121,16 +137,18 @@ class Calibration:
 def _top_children(shaped: torch.Tensor, topk: int, calibration: Calibration
                   ) -> tuple[list[list[float]], list[list[float]], list[list[int]]]:
     """Each row's topk likeliest tokens with q > 0: ([R][<=topk] q, log calibrated rate,
-    tokens). A row of zeros is shape()'s stand-in for a row nothing survived (the grammar allows
-    no token the draft can name, e.g. none in a draft head's vocabulary): it offers no child
-    (a genuinely uniform row would have no likeliest child either)."""
-    q = shaped.softmax(-1)
-    vals, idx = q.topk(min(topk, q.shape[-1]), -1)                                   # [R, t]
-    vals = vals * shaped.ne(0).any(-1, keepdim=True)                                 # [R, t]
-    rates = calibration.log_rate(vals).tolist()
+    tokens). A row whose likeliest token is no likelier than the rest (a uniform row: shape()'s
+    stand-in of zeros for a row nothing survived, e.g. a grammar that allows no token a draft
+    head can name) offers no child."""
+    top, idx = shaped.topk(min(topk, shaped.shape[-1]), -1)                          # [R, t]
+    norm = shaped.logsumexp(-1, keepdim=True)                                        # [R, 1]
+    vals = (top - norm).exp()                                                        # [R, t] q
+    uniform = (vals[:, :1] * shaped.shape[-1] <= 1 + 1e-4).tolist()                  # [R, 1]
+    q_rows, tokens_rows = vals.tolist(), idx.tolist()
+    rates = calibration.log_rates(q_rows)
     qs, scores, tokens = [], [], []
-    for v, r, i in zip(vals.tolist(), rates, idx.tolist()):
-        keep = [(a, c, b) for a, c, b in zip(v, r, i) if a > 0]
+    for v, r, i, flat in zip(q_rows, rates, tokens_rows, uniform):
+        keep = [] if flat[0] else [(a, c, b) for a, c, b in zip(v, r, i) if a > 0]
         qs.append([a for a, _, _ in keep])
         scores.append([c for _, c, _ in keep])
         tokens.append([b for _, _, b in keep])
@@ -176,6 +194,14 @@ def build_trees(model, batch, ks: list[int], budgets: list[int], topk: int, firs
             fed[b] += len(frontier[b])
             frontier[b] = nxt
     return _select(rows, budgets, base)
+
+
+def chain_only(batch) -> bool:
+    """Every row's node price is 1: no branch can be worth its position (a calibrated chance of
+    acceptance stays under 1), so a tree would be the draft's own chain, which the chain path
+    drafts for less (one argmax or sample per step instead of ranking children), and the round
+    is scored as a chain."""
+    return batch.node_price is not None and all(p >= 1 for p in batch.node_price)
 
 
 def draft_trees(model, batch, ks: list[int], cfg, first_logits, align, calibration: Calibration,

@@ -77,6 +77,7 @@ def specflow_node_price(batch: "DecodeBatch", k: "torch.Tensor") -> "torch.Tenso
     None to leave tree sizes to the proposer's configured budget. The pipeline puts it on
     ``batch.node_price``; a tree proposer that can estimate each node's chance of acceptance (the
     built-in draft model does) proposes only nodes worth at least the price, within its budget.
+    At a price of 1 no branch can pay, so the built-in tree proposers draft a plain chain.
     The built-in goodput policy prices a node at the throughput it displaces: tokens per second
     times the measured cost of one more scored position. The first non-None result wins.
     """

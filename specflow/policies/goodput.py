@@ -39,6 +39,15 @@ to add (adding v tokens for c seconds raises a round's rate only if v / c > R), 
 tree keeps only branches worth the price: with cheap positions it spreads where the draft is
 unsure; under load (R grows with the batch, and for a compute-bound pass R b_t approaches 1) it
 shrinks to the draft's own chain, and then k falls to 0.
+
+The price sees what a node costs to score and to draft, not the fixed costs a tree round adds
+(ranking children per level, the tree mask, shaping along every path), which depend on the
+machine and the model. So a tree proposer's drafting rounds run in one of two modes, trees or
+chains (price 1: no branch, and the proposer drafts its own chain by the cheaper chain path),
+and the mode is chosen on what each achieved: committed tokens per second of its drafting
+rounds, discounted. Each is tried first, then the faster one runs, and one round in
+MODE_EXPLORE runs the other so a change of traffic is seen. Acceptance is counted per mode (a
+tree's levels are accepted more often than a chain's tokens).
 """
 from __future__ import annotations
 
@@ -139,6 +148,7 @@ class LinearFit3:
         self.memory, self.prior = memory, np.asarray(prior, dtype=np.float64)
         self.sxx, self.sxy, self.n = np.zeros((3, 3)), np.zeros(3), 0.0
         self.seen = 0                                   # observations ever added (no discount)
+        self._coef: tuple[float, ...] | None = None     # solved once per observation
 
     def add(self, x, y: float) -> None:
         x = np.asarray(x, dtype=np.float64)
@@ -146,15 +156,19 @@ class LinearFit3:
         self.sxx = d * self.sxx + np.outer(x, x)
         self.sxy, self.n = d * self.sxy + x * y, d * self.n + 1
         self.seen += 1
+        self._coef = None
 
     def coef(self) -> tuple[float, ...]:
+        if self._coef is not None:
+            return self._coef
         if self.n == 0:
             return tuple(self.prior.tolist())
         mean_sq = np.diag(self.sxx) / self.n                            # a typical x_i^2
         early = self.PRIOR_ROUNDS * self.FADE / (self.FADE + self.seen)  # pseudo-observations
         ridge = (self.RIDGE * self.n + early) * mean_sq + 1e-12          # scale-free
         w = np.linalg.solve(self.sxx + np.diag(ridge), self.sxy + ridge * self.prior)
-        return tuple(np.maximum(w, 0.0).tolist())
+        self._coef = tuple(np.maximum(w, 0.0).tolist())
+        return self._coef
 
 
 def expected_tokens(acceptance) -> np.ndarray:
@@ -312,8 +326,9 @@ class GoodputPolicy:
     def __init__(self, cfg: GoodputPolicyConfig, ctx=None):
         self.cfg = cfg
         self.global_rate = cfg.prior_acceptance
-        # per sequence: discounted accepted / examined counts per position, [2, K]
-        self.counts: dict[int, np.ndarray] = {}
+        # per sequence: discounted accepted / examined counts per position, [2, K], kept apart
+        # for trees and chains (a tree's levels are accepted more often than a chain's tokens)
+        self._counts: dict[str, dict[int, np.ndarray]] = {m: {} for m in self.MODES}
         target = getattr(ctx, "target", None)
         # how the target's pass is priced: padded rows (a real forward) or each row's own tokens
         self.padded = bool(getattr(target, "pads_rows", False))
@@ -343,10 +358,17 @@ class GoodputPolicy:
         self.branch_cost = measured_branch_cost(ctx) if self.tree and prior is not None else 0.0
         self.rate: float | None = None  # measured tokens / s of recent rounds (discounted)
         self._done = np.zeros(2)        # discounted committed tokens, round seconds
+        # a tree proposer's drafting rounds run as trees or as chains (node price 1): what each
+        # achieves is measured, and the better one is run (see _mode)
+        self.mode = "tree" if self.tree else "chain"
+        self._mode_done = {m: np.zeros(2) for m in self.MODES}
+        self._mode_rounds = 0
 
     # --- what the decision reads (the oracle overrides these) ---------------------------------
 
     PRIOR = 2.0        # pseudo-observations behind each shrinkage
+    MODES = ("tree", "chain")
+    MODE_EXPLORE = 10  # drafting rounds per round run in the mode measured slower
 
     def acceptance(self, batch) -> np.ndarray:
         """Per row and draft position, the estimated chance of acceptance: [B, K]."""
@@ -372,10 +394,32 @@ class GoodputPolicy:
         return self.draft_fit.coef()[0]
 
     @property
+    def counts(self) -> dict[int, np.ndarray]:
+        """The current mode's acceptance counts by request id."""
+        return self._counts[self.mode]
+
+    def _mode(self) -> str:
+        """Trees or chains this round, for a tree proposer. The pricing of branches cannot see
+        every cost a tree adds (ranking children per level, the tree mask, shaping along each
+        path), and those differ by machine and model, so the two are compared on what their
+        drafting rounds achieve (committed tokens per second, discounted): each is tried first,
+        then the better one runs, and one round in MODE_EXPLORE runs the other, so a change of
+        traffic is noticed. Under load neither matters: k falls to 0."""
+        untried = [m for m in self.MODES if self._mode_done[m][1] == 0]
+        if untried:
+            return untried[0]
+        rate = {m: done[0] / done[1] for m, done in self._mode_done.items()}
+        best = max(self.MODES, key=rate.__getitem__)
+        self._mode_rounds += 1
+        if self._mode_rounds % self.MODE_EXPLORE == 0:
+            return next(m for m in self.MODES if m != best)
+        return best
+
+    @property
     def positions(self) -> np.ndarray | None:
         """Positions a row scores per depth k = 0..k_max: k + 1 for a chain (None), 1 + k x
         the tree's learned width for a tree, at most its node budget + 1."""
-        if not self.tree:
+        if self.mode != "tree":
             return None
         return 1 + np.minimum(self.width * np.arange(self.cfg.k_max + 1), self.max_nodes)
 
@@ -385,11 +429,15 @@ class GoodputPolicy:
     def specflow_draft_length(self, batch):
         acceptance = self.acceptance(batch)                                      # [B, K]
         a_t, b_t, a_d, b_d = self.costs()
+        if self.tree:
+            self.mode = self._mode()
         # a depth-k tree drafts about w k nodes: b_d per drafted node
         k = (choose_k_padded if self.padded else choose_k)(
-            acceptance, a_t, b_t, a_d, b_d * self.width, positions=self.positions,
-            first=self.draft_overhead())
-        if self.tree and batch.size:
+            acceptance, a_t, b_t, a_d, b_d * (self.width if self.mode == "tree" else 1.0),
+            positions=self.positions, first=self.draft_overhead())
+        if self.mode == "chain":
+            self.price = 1.0           # no branch is worth a position: the draft's own chain
+        elif batch.size:
             # a node is worth scoring when its chance of acceptance beats the tokens it
             # displaces: the round's rate (tokens / s) x what one more node costs, scored
             # and drafted beside its siblings (Dinkelbach: maximise tokens - rate x seconds);
@@ -461,7 +509,11 @@ class GoodputPolicy:
         levels = result.draft_lengths()             # draft steps: a tree's depth
         if longest and draft > 0:                   # steps, and tokens drafted (a tree's nodes)
             self.draft_fit.add((1.0, max(levels), sum(result.num_drafts)), draft)
-        if self.tree and sum(levels):              # nodes per level of the trees just scored
+        if self.tree and longest and spent > 0:    # what this round's mode achieved
+            done = self._mode_done[self.mode]
+            done *= 1 - self.cfg.cost_memory
+            done += [sum(len(c) for c in result.committed), spent]
+        if self.mode == "tree" and sum(levels):    # nodes per level of the trees just scored
             w = sum(result.num_drafts) / sum(levels)
             self.width = (1 - self.cfg.ewma) * self.width + self.cfg.ewma * w
 
@@ -472,11 +524,13 @@ class GoodputPolicy:
 
     @hookimpl
     def specflow_request_start(self, slot, request):
-        self.counts.pop(request.request_id, None)      # a fresh request never inherits state
+        for counts in self._counts.values():           # a fresh request never inherits state
+            counts.pop(request.request_id, None)
 
     @hookimpl
     def specflow_request_end(self, slot, request, finish_reason):
-        self.counts.pop(request.request_id, None)
+        for counts in self._counts.values():
+            counts.pop(request.request_id, None)
 
 
 @dataclass

@@ -7,7 +7,7 @@ import torch
 
 from specflow import PluginError, Proposal, hookimpl
 from specflow.stages.proposers.draft import DraftModelProposer
-from specflow.state import PAD
+from specflow.state import PAD, RoundResult
 
 from tests.stages.test_tree import REPEATING
 
@@ -63,18 +63,27 @@ def test_a_priced_tree_proposes_only_branches_worth_the_price(make_pipeline, pri
         assert sum(sizes) / len(sizes) < 10
 
 
-def test_at_a_price_of_one_a_tree_is_the_drafts_own_chain_scored_as_a_chain(make_pipeline):
-    pipe = make_pipeline(*DRAFT_TREE, "max_batch_size=2", plugins=[FixedPrice(1.0)])
+@pytest.mark.parametrize("greedy", [True, False])
+def test_at_a_price_of_one_a_tree_proposer_drafts_its_own_chain_as_a_chain(make_pipeline, greedy):
+    """No branch can be worth a price of 1, so the tree would be the draft's own chain: the
+    chain path drafts it (no tree is built, none is scored) and the output stays exact."""
+    sampling = [] if greedy else ["logits=[temperature]", "logits.temperature.value=1.0", "seed=3"]
+    pipe = make_pipeline(*DRAFT_TREE, "max_batch_size=2", *sampling, plugins=[FixedPrice(1.0)])
     trees = _proposed(pipe)
     tree_passes = []
     original = pipe.target.forward_tree
     pipe.target.forward_tree = lambda *a, **kw: tree_passes.append(1) or original(*a, **kw)
-    plain = make_pipeline("proposer=none", "max_batch_size=2")
+    chain = make_pipeline("proposer=draft", "proposer.k=4", "max_batch_size=2", *sampling)
     got = pipe.generate(REPEATING[:4], max_new_tokens=30)
-    assert [r.token_ids for r in got] == [r.token_ids for r in
-                                          plain.generate(REPEATING[:4], max_new_tokens=30)]
-    assert trees and all(all(_on_own_chain(t)) for t in trees)
-    assert sum(r.stats["num_draft_tokens"] for r in got) > 0 and not tree_passes
+    want = chain.generate(REPEATING[:4], max_new_tokens=30)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]   # the chain's very drafts
+    if greedy:
+        plain = make_pipeline("proposer=none", "max_batch_size=2")
+        assert [r.token_ids for r in got] == [r.token_ids for r in
+                                              plain.generate(REPEATING[:4], max_new_tokens=30)]
+    assert sum(r.stats["num_draft_tokens"] for r in got) > 0
+    assert not trees and not tree_passes
+    assert sum(r.stats["num_tree_drafts"] for r in got) == 0
 
 
 @pytest.mark.parametrize("price, message", [([0.1, 0.2, 0.3], "returned 3 values for 2 rows"),
@@ -161,8 +170,41 @@ def test_goodput_prices_nodes_higher_under_load_and_stays_exact(make_pipeline):
     for batch in (1, 16):      # each scored position costs 5% of a pass
         pipe = make_pipeline(*DRAFT_TREE, "policy=goodput", f"max_batch_size={batch}",
                              "model.token_cost=0.05")
+        pol = pipe.pm.get_plugin("policy.goodput")
+        pol._mode = lambda: "tree"          # every round a tree (a chain round's price is 1)
         got = pipe.generate(prompts, max_new_tokens=80)
         assert [r.token_ids for r in got] == want
-        prices[batch] = pipe.pm.get_plugin("policy.goodput").price
+        prices[batch] = pol.price
     # sixteen rows commit several times the tokens per second: a node must be surer to pay
     assert 0 < prices[1] < prices[16] / 2
+
+
+def _round(mode_tree: bool) -> RoundResult:
+    """A drafting round of one row: a tree commits 3 tokens in 30 ms, a chain 2 in 10 ms."""
+    result = RoundResult.make_dummy([6 if mode_tree else 2], [2 if mode_tree else 1])
+    result.seconds = {"target": 0.02 if mode_tree else 0.006, "draft": 0.01 if mode_tree else 0.004}
+    if mode_tree:
+        result.tree_depths, result.accepted_nodes, result.num_examined = [3], [[0, 2]], [3]
+    return result
+
+
+def test_goodput_runs_trees_or_chains_whichever_commits_more_per_second(make_pipeline):
+    """A tree proposer's rounds run as trees or as chains (price 1), each tried first, then the
+    one measured faster, with one round in MODE_EXPLORE given to the other."""
+    from specflow.state import DecodeBatch
+
+    pol = make_pipeline(*DRAFT_TREE, "policy=goodput").pm.get_plugin("policy.goodput")
+    batch = DecodeBatch.make_dummy(1)
+    modes, prices = [], []
+    for _ in range(60):
+        pol.specflow_draft_length(batch)
+        modes.append(pol.mode)
+        prices.append(float(pol.specflow_node_price(batch, None)[0]))
+        pol.specflow_observe(_round(pol.mode == "tree"))
+    assert modes[:2] == ["tree", "chain"]
+    later = modes[2:]
+    assert later.count("tree") == len(later) // pol.MODE_EXPLORE      # explored, no more
+    assert all(p == 1.0 for p, m in zip(prices, modes) if m == "chain")
+    assert all(p < 1.0 for p, m in zip(prices, modes) if m == "tree")
+    # the acceptance each mode learned is its own: a tree's levels, a chain's tokens
+    assert pol._counts["tree"][0][0, 1] > 0 and pol._counts["chain"][0][0, 1] == 0

@@ -16,7 +16,8 @@ import torch
 
 from specflow.errors import ConfigError
 from specflow.plugins import hookimpl
-from specflow.stages.proposers.draft_tree import Calibration, DraftTree, draft_trees, keep_path, learn
+from specflow.stages.proposers.draft_tree import (Calibration, DraftTree, chain_only, draft_trees,
+                                                  keep_path, learn)
 from specflow.stages.tree import tree_budget
 from specflow.stages.sampling import sample_categorical
 from specflow.state import PAD, Proposal
@@ -169,7 +170,7 @@ class DraftModelProposer:
         # tokens instead of padding every row to the longest lag
         caught_up = catch_up(self.model, sub.slots.tolist(), sub.token_ids, self.CATCH_UP)
         sub_ks = [ks[b] for b in rows]
-        if self.cfg.topk > 1:
+        if self.cfg.topk > 1 and not chain_only(sub):
             tokens, parents, trees = draft_trees(
                 self.model, sub, sub_ks, self.cfg, self._first_logits(sub),
                 lambda x: align_vocab(x, self.vocab_size), self.calibration, self.target_length)

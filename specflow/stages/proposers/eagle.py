@@ -30,7 +30,8 @@ from specflow.errors import ConfigError
 from specflow.models.slot_cache import SlotKVCache
 from specflow.plugins import hookimpl
 from specflow.stages.proposers.draft import draft_steps, spread
-from specflow.stages.proposers.draft_tree import Calibration, DraftTree, draft_trees, learn
+from specflow.stages.proposers.draft_tree import (Calibration, DraftTree, chain_only, draft_trees,
+                                                  learn)
 from specflow.stages.tree import tree_budget
 from specflow.state import Proposal
 
@@ -174,7 +175,7 @@ class EagleProposer:
             return Proposal(Proposal.empty(batch.size).draft_token_ids, None, reasons)
         sub = batch.select(rows) if len(rows) < batch.size else batch
         sub_ks = [ks[b] for b in rows]
-        if self.cfg.topk > 1:
+        if self.cfg.topk > 1 and not chain_only(sub):
             tokens, parents = self._tree(sub, sub_ks)
             return spread(batch.size, rows, tokens, None, reasons, parents)
         drafts, probs = self._draft(sub, sub_ks, K)

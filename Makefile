@@ -25,14 +25,17 @@ $(VENV)/.plugins: $(VENV)/.installed $(addsuffix /pyproject.toml,$(PLUGINS))
 	$(PY) -m pip install -q $(foreach p,$(PLUGINS),-e $(p))
 	touch $@
 
-# make test: lint, then every test but the long statistical ones (marked slow); CI runs those too
+# make test: lint, then every test but the long statistical ones (marked slow); CI runs those too.
+# Tests run in one pytest-xdist worker per core (each torch test uses one thread, and much of the
+# time is subprocesses starting Python): PYTEST_WORKERS=0 runs them in this process.
+PYTEST_WORKERS ?= auto
 test: $(VENV)/.installed $(VENV)/.plugins
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow" -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS) $(addsuffix /tests,$(PLUGINS))
 
 test-slow: $(VENV)/.installed $(VENV)/.plugins
-	$(PY) -m pytest -m slow $(PYTEST_ARGS)
+	$(PY) -m pytest -m slow -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 	$(PY) -m pytest -m slow $(PYTEST_ARGS) $(addsuffix /tests,$(PLUGINS)) || test $$? -eq 5
 
 test-all: test test-slow

@@ -122,6 +122,7 @@ def test_broken_draft_cache_lowers_alpha_and_trips_the_drift_check(healthy, tmp_
     assert same.returncode == 0
 
 
+@pytest.mark.slow          # a whole sweep in two local processes (~25 s on 2 cores)
 def test_joblib_launcher_runs_the_sweep_in_local_processes(tmp_path):
     out = specflow("ab", *SMALL, "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
                    f"hydra.sweep.dir={tmp_path}/jl", cwd=tmp_path)
@@ -147,6 +148,7 @@ def test_ray_launcher_runs_on_a_local_ray_instance(tmp_path):
     assert len(list((tmp_path / "ray").glob("*/rep0/metrics.json"))) == 3
 
 
+@pytest.mark.slow          # two sampled repetitions of every arm (~30 s on 2 cores)
 def test_sampling_arms_get_a_distribution_check(tmp_path):
     out = specflow("ab", *SMALL, "logits=[temperature]", "ab.repetitions=2",
                    f"hydra.sweep.dir={tmp_path}/s", cwd=tmp_path)

@@ -119,8 +119,9 @@ class Pipeline:
         self.packed = choose_pack(cfg.get("pack", "auto"), self.target, spec_k + 1,
                                   int(cfg.max_batch_size))
         ctx.tokenizer = self.tokenizer = self.target.tokenizer
+        self.draft_packed = False
         if cfg.get("draft") is not None:
-            ctx.build_draft = lambda: self._build("draft", ctx)
+            ctx.build_draft = lambda: self._build_draft(ctx)
         self.ctx = ctx
 
         self.speculates = cfg.proposer.name != "none"
@@ -191,6 +192,16 @@ class Pipeline:
                     plugins: Iterable[object] = ()) -> "Pipeline":
         """Compose conf/<config_name>.yaml with Hydra overrides and build the pipeline."""
         return cls(compose(overrides, config_name), plugins)
+
+    def _build_draft(self, ctx: BuildContext):
+        """The draft model, packed under the target's `pack` rule: its fullest step scores a
+        tree's frontier (proposer.topk positions; one for a chain) in every slot."""
+        draft = self._build("draft", ctx)
+        proposer = self.cfg.get("proposer")
+        width = int(proposer.get("topk", 1) or 1) if proposer is not None else 1
+        self.draft_packed = choose_pack(self.cfg.get("pack", "auto"), draft, width,
+                                        int(self.cfg.max_batch_size))
+        return draft
 
     def _build(self, kind: str, ctx: BuildContext):
         return self._build_node(kind, self.cfg[kind], ctx)

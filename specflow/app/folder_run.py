@@ -77,7 +77,7 @@ def run_into(cfg: DictConfig, folder: str | os.PathLike, *, owner: str, setting:
         rows, stats, resumed = run_resumable(pipe, prompts, out, progress=progress, rerun=rerun)
         _write(out / "metrics.json", atomic_write_json, {
             **(metrics_extra or {}), "config": config, "greedy": pipe.greedy, "threads": pipe.threads,
-            "packed": pipe.packed, "kernels": pipe.kernels,
+            "packed": pipe.packed, "draft_packed": pipe.draft_packed, "kernels": pipe.kernels,
             "aggregate": stats,
             "resumed_requests": resumed, "requests": [r["stats"] for r in rows]}, rerun, len(rows))
     return FolderRun(out, rows, stats, resumed, pipe.greedy, False, config)

@@ -1,6 +1,6 @@
 """`pack`: auto packs the target's weights when a one-row pass plus the pipeline's fullest pass
-(max_batch_size rows x k+1 positions) run faster packed (timed at start); true and false are
-applied; other values are refused."""
+(max_batch_size rows x k+1 positions) run faster packed (timed at start), and a draft model's by
+the same rule at its fullest step; true and false are applied; other values are refused."""
 from __future__ import annotations
 
 import pytest
@@ -50,6 +50,33 @@ def test_auto_keeps_plain_decoding_of_one_row_dense_and_true_false_are_applied(m
     prompts = ["def fibonacci(n):", "class Stack:\n    def push(self, x):"]
     assert [r.token_ids for r in pipe.generate(prompts)] == \
         [r.token_ids for r in dense.generate(prompts)]
+
+
+@needs_onednn
+@pytest.mark.parametrize("topk, rows, packed_faster", [(1, 1, True), (4, 1, True), (1, 4, False)])
+def test_a_draft_model_packs_by_the_same_rule_at_its_fullest_step(monkeypatch, topk, rows,
+                                                                   packed_faster):
+    """The draft's fullest step: a tree frontier (topk positions) or one position, in every
+    slot; one row at one position (a chain at batch 1) is never timed and stays dense."""
+    timed = []
+
+    def fake(backend, reps=5, positions=1, rows=1):
+        if backend.lean.model.config.hidden_size == 128:          # the demo draft
+            timed.append((backend.lean.packed, positions, rows))
+        fast = backend.lean.packed == packed_faster
+        return (0.004 if fast else 0.006) * (1 + positions * rows / 10)
+
+    monkeypatch.setattr(packing, "pass_seconds", fake)
+    tree = ["proposer.topk=4", "proposer.num_draft_tokens=8"] if topk > 1 else []
+    pipe = Pipeline.from_config([*DEMO[:-1], f"max_batch_size={rows}", "draft=demo",
+                                 "proposer=draft", "proposer.k=4", *tree])
+    fullest = topk * rows > 1
+    assert pipe.draft_packed is (fullest and packed_faster)
+    assert pipe.draft.lean.packed is pipe.draft_packed
+    assert set(timed) == ({(False, 1, 1), (False, topk, rows), (True, 1, 1), (True, topk, rows)}
+                          if fullest else set())
+    off = Pipeline.from_config([*DEMO, "draft=demo", "proposer=draft", "pack=false"])
+    assert off.draft_packed is False and not off.draft.lean.packed
 
 
 def test_synthetic_models_never_pack_and_nonsense_is_refused():

@@ -31,11 +31,11 @@ $(VENV)/.plugins: $(VENV)/.installed $(addsuffix /pyproject.toml,$(PLUGINS))
 PYTEST_WORKERS ?= auto
 test: $(VENV)/.installed $(VENV)/.plugins
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -m "not slow" -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS) $(addsuffix /tests,$(PLUGINS))
+	$(PY) -m pytest -m "not slow" -n $(PYTEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow" -n $(PYTEST_WORKERS) $(PYTEST_ARGS) $(addsuffix /tests,$(PLUGINS))
 
 test-slow: $(VENV)/.installed $(VENV)/.plugins
-	$(PY) -m pytest -m slow -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
+	$(PY) -m pytest -m slow -n $(PYTEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 	$(PY) -m pytest -m slow $(PYTEST_ARGS) $(addsuffix /tests,$(PLUGINS)) || test $$? -eq 5
 
 test-all: test test-slow

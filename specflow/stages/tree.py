@@ -191,6 +191,14 @@ def examined_levels(layout: TreeLayout, accepted: list[list[int]]) -> list[int]:
     return out
 
 
+def chain_only(batch) -> bool:
+    """Every row's node price is 1: no branch can be worth its position (a calibrated chance of
+    acceptance stays under 1), so a priced tree would be the proposer's own chain, which its chain
+    path drafts for less (a draft model: one argmax or sample per step instead of ranking
+    children), and the round is scored as a chain."""
+    return batch.node_price is not None and all(p >= 1 for p in batch.node_price)
+
+
 def tree_budget(k: int, topk: int, num_draft_tokens: int | None) -> int:
     """The node budget of proposer settings (SGLang's names: k = depth, topk = most children per
     node, num_draft_tokens = nodes per row, default k); ConfigError for settings that cannot

@@ -63,17 +63,20 @@ def test_a_priced_tree_proposes_only_branches_worth_the_price(make_pipeline, pri
         assert sum(sizes) / len(sizes) < 10
 
 
-@pytest.mark.parametrize("greedy", [True, False])
-def test_at_a_price_of_one_a_tree_proposer_drafts_its_own_chain_as_a_chain(make_pipeline, greedy):
-    """No branch can be worth a price of 1, so the tree would be the draft's own chain: the
+@pytest.mark.parametrize("proposer, greedy", [("draft", True), ("draft", False),
+                                              ("ngram", True)])
+def test_at_a_price_of_one_a_tree_proposer_drafts_its_own_chain_as_a_chain(make_pipeline,
+                                                                          proposer, greedy):
+    """No branch can be worth a price of 1, so the tree would be the proposer's own chain: the
     chain path drafts it (no tree is built, none is scored) and the output stays exact."""
     sampling = [] if greedy else ["logits=[temperature]", "logits.temperature.value=1.0", "seed=3"]
-    pipe = make_pipeline(*DRAFT_TREE, "max_batch_size=2", *sampling, plugins=[FixedPrice(1.0)])
-    trees = _proposed(pipe)
+    tree = [f"proposer={proposer}", *DRAFT_TREE[1:]]
+    pipe = make_pipeline(*tree, "max_batch_size=2", *sampling, plugins=[FixedPrice(1.0)])
+    trees = _proposed(pipe) if proposer == "draft" else []
     tree_passes = []
     original = pipe.target.forward_tree
     pipe.target.forward_tree = lambda *a, **kw: tree_passes.append(1) or original(*a, **kw)
-    chain = make_pipeline("proposer=draft", "proposer.k=4", "max_batch_size=2", *sampling)
+    chain = make_pipeline(f"proposer={proposer}", "proposer.k=4", "max_batch_size=2", *sampling)
     got = pipe.generate(REPEATING[:4], max_new_tokens=30)
     want = chain.generate(REPEATING[:4], max_new_tokens=30)
     assert [r.token_ids for r in got] == [r.token_ids for r in want]   # the chain's very drafts

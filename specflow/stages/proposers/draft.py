@@ -16,9 +16,8 @@ import torch
 
 from specflow.errors import ConfigError
 from specflow.plugins import hookimpl
-from specflow.stages.proposers.draft_tree import (Calibration, DraftTree, chain_only, draft_trees,
-                                                  keep_path, learn)
-from specflow.stages.tree import tree_budget
+from specflow.stages.proposers.draft_tree import Calibration, DraftTree, draft_trees, keep_path, learn
+from specflow.stages.tree import chain_only, tree_budget
 from specflow.stages.sampling import sample_categorical
 from specflow.state import PAD, Proposal
 

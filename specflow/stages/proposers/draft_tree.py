@@ -196,14 +196,6 @@ def build_trees(model, batch, ks: list[int], budgets: list[int], topk: int, firs
     return _select(rows, budgets, base)
 
 
-def chain_only(batch) -> bool:
-    """Every row's node price is 1: no branch can be worth its position (a calibrated chance of
-    acceptance stays under 1), so a tree would be the draft's own chain, which the chain path
-    drafts for less (one argmax or sample per step instead of ranking children), and the round
-    is scored as a chain."""
-    return batch.node_price is not None and all(p >= 1 for p in batch.node_price)
-
-
 def draft_trees(model, batch, ks: list[int], cfg, first_logits, align, calibration: Calibration,
                 target_length: int | None) -> tuple[torch.Tensor, torch.Tensor, list[DraftTree]]:
     """build_trees with the node budgets of proposer settings (cfg.k, cfg.topk, cfg.nodes): the

@@ -30,9 +30,8 @@ from specflow.errors import ConfigError
 from specflow.models.slot_cache import SlotKVCache
 from specflow.plugins import hookimpl
 from specflow.stages.proposers.draft import draft_steps, spread
-from specflow.stages.proposers.draft_tree import (Calibration, DraftTree, chain_only, draft_trees,
-                                                  learn)
-from specflow.stages.tree import tree_budget
+from specflow.stages.proposers.draft_tree import Calibration, DraftTree, draft_trees, learn
+from specflow.stages.tree import chain_only, tree_budget
 from specflow.state import Proposal
 
 DEMO_HEAD = pathlib.Path(__file__).resolve().parents[2] / "models" / "demo" / "eagle"

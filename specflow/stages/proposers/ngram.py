@@ -11,7 +11,7 @@ import torch
 
 from specflow.errors import ConfigError
 from specflow.plugins import hookimpl
-from specflow.stages.tree import node_budgets, tree_budget
+from specflow.stages.tree import chain_only, node_budgets, tree_budget
 from specflow.state import PAD, Proposal
 
 
@@ -137,7 +137,7 @@ class NgramProposer:
     @hookimpl
     def specflow_propose(self, batch, k):
         ks = k.tolist()
-        if self.cfg.topk > 1:
+        if self.cfg.topk > 1 and not chain_only(batch):      # price 1: no branch can pay
             return self._propose_tree(batch, ks)
         drafts = [self.index[s].propose(kb) for s, kb in zip(batch.slots.tolist(), ks)]
         K = max((len(d) for d in drafts), default=0)

@@ -216,8 +216,11 @@ class LeanLlama:
     def repick(self) -> None:
         """Pick the product forms again (the thread count changed; cached per thread count).
         Packed weights stay packed (they always take oneDNN); the dense forms are chosen again,
-        timed on the dense weights left (a tied head) when some are packed."""
+        timed on the dense weights left, or on the embedding table when every product is packed
+        (a tied head's dense copy: what an unpacked pass multiplies)."""
         dense = [w for w in self._weights() if not w.is_mkldnn]
+        if not dense and any(not modules for _, _, modules in self._packs):
+            dense = [self.embed]
         again = pick(dense) if dense else self.kernels
         self.kernels = dataclasses.replace(again, pack=self.packed)
         self.mm = self.kernels.matmul

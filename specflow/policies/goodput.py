@@ -44,10 +44,12 @@ The price sees what a node costs to score and to draft, not the fixed costs a tr
 (ranking children per level, the tree mask, shaping along every path), which depend on the
 machine and the model. So a tree proposer's drafting rounds run in one of two modes, trees or
 chains (price 1: no branch, and the proposer drafts its own chain by the cheaper chain path),
-and the mode is chosen on what each achieved: committed tokens per second of its drafting
-rounds, discounted. Each is tried first, then the faster one runs, and one round in
-MODE_EXPLORE runs the other so a change of traffic is seen. Acceptance is counted per mode (a
-tree's levels are accepted more often than a chain's tokens).
+and the mode is chosen on what each achieved: the committed tokens of its drafting rounds per
+the tokens plain decoding would have committed in their seconds at their batch (so rounds of a
+full batch and of a lone request compare alike; discounted; a new prompt's prefill left out).
+Each is tried first, then the better one runs, and one round in MODE_EXPLORE runs the other so a
+change of traffic is seen. Acceptance is counted per mode (a tree's levels are accepted more
+often than a chain's tokens), and a tree round whose price reaches 1 is a chain round.
 """
 from __future__ import annotations
 
@@ -361,7 +363,8 @@ class GoodputPolicy:
         # a tree proposer's drafting rounds run as trees or as chains (node price 1): what each
         # achieves is measured, and the better one is run (see _mode)
         self.mode = "tree" if self.tree else "chain"
-        self._mode_done = {m: np.zeros(2) for m in self.MODES}
+        # per mode, per batch size: discounted committed tokens and seconds of drafting rounds
+        self._mode_done: dict[str, dict[int, np.ndarray]] = {m: {} for m in self.MODES}
         self._mode_rounds = 0
 
     # --- what the decision reads (the oracle overrides these) ---------------------------------
@@ -402,14 +405,23 @@ class GoodputPolicy:
         """Trees or chains this round, for a tree proposer. The pricing of branches cannot see
         every cost a tree adds (ranking children per level, the tree mask, shaping along each
         path), and those differ by machine and model, so the two are compared on what their
-        drafting rounds achieve (committed tokens per second, discounted): each is tried first,
-        then the better one runs, and one round in MODE_EXPLORE runs the other, so a change of
-        traffic is noticed. Under load neither matters: k falls to 0."""
-        untried = [m for m in self.MODES if self._mode_done[m][1] == 0]
+        drafting rounds achieve (committed tokens against plain decoding's in the same seconds,
+        discounted): each is tried first, then the better one runs, and one round in
+        MODE_EXPLORE runs the other, so a change of traffic is noticed. Under load neither
+        matters: k falls to 0."""
+        untried = [m for m in self.MODES if not self._mode_done[m]]
         if untried:
             return untried[0]
-        rate = {m: done[0] / done[1] for m, done in self._mode_done.items()}
-        best = max(self.MODES, key=rate.__getitem__)
+        a, b = self.target_fit.coef()
+
+        def speedup(by_batch: dict[int, np.ndarray]) -> float:
+            # tokens over what plain decoding commits in the same seconds at each batch (one
+            # pass, a + b B, commits B), with today's fit for both modes
+            tokens = sum(done[0] for done in by_batch.values())
+            plain = sum(done[1] * B / max(a + b * B, 1e-12) for B, done in by_batch.items())
+            return tokens / max(plain, 1e-12)
+        score = {m: speedup(self._mode_done[m]) for m in self.MODES}
+        best = max(self.MODES, key=score.__getitem__)
         self._mode_rounds += 1
         if self._mode_rounds % self.MODE_EXPLORE == 0:
             return next(m for m in self.MODES if m != best)
@@ -427,10 +439,10 @@ class GoodputPolicy:
 
     @hookimpl
     def specflow_draft_length(self, batch):
+        if self.tree and batch.size:     # first: the mode's own acceptance sets k
+            self.mode = self._mode()
         acceptance = self.acceptance(batch)                                      # [B, K]
         a_t, b_t, a_d, b_d = self.costs()
-        if self.tree:
-            self.mode = self._mode()
         # a depth-k tree drafts about w k nodes: b_d per drafted node
         k = (choose_k_padded if self.padded else choose_k)(
             acceptance, a_t, b_t, a_d, b_d * (self.width if self.mode == "tree" else 1.0),
@@ -448,6 +460,8 @@ class GoodputPolicy:
             # pass: B positions for one node's gain
             scored = b_t * (batch.size if self.padded else 1)
             self.price = min(1.0, rate * (scored + self.branch_cost))
+            if self.price >= 1.0:       # no branch can pay: drafted (and counted) as a chain
+                self.mode = "chain"
         self.rounds += 1
         self.idle_rounds = self.idle_rounds + 1 if batch.size and not any(k) else 0
         # keep measuring what drafting costs and gains: after a stretch of rounds without drafts,
@@ -509,10 +523,13 @@ class GoodputPolicy:
         levels = result.draft_lengths()             # draft steps: a tree's depth
         if longest and draft > 0:                   # steps, and tokens drafted (a tree's nodes)
             self.draft_fit.add((1.0, max(levels), sum(result.num_drafts)), draft)
-        if self.tree and longest and spent > 0:    # what this round's mode achieved
-            done = self._mode_done[self.mode]
-            done *= 1 - self.cfg.cost_memory
-            done += [sum(len(c) for c in result.committed), spent]
+        drafting = spent - times.get("prefill", 0.0)   # a new prompt's catch-up is not the mode's
+        if self.tree and longest and drafting > 0:  # what this round's mode achieved, by batch
+            by_batch = self._mode_done[self.mode]
+            for done in by_batch.values():
+                done *= 1 - self.cfg.cost_memory
+            by_batch.setdefault(len(result.num_drafts), np.zeros(2))[:] += \
+                [sum(len(c) for c in result.committed), drafting]
         if self.mode == "tree" and sum(levels):    # nodes per level of the trees just scored
             w = sum(result.num_drafts) / sum(levels)
             self.width = (1 - self.cfg.ewma) * self.width + self.cfg.ewma * w

@@ -44,7 +44,8 @@ class TreeLayout:
         """[B, N+1, N+1] bool: position t may attend to position u (u is t or an ancestor)."""
         B, N1 = self.depth.shape
         up = torch.zeros(B, N1, dtype=torch.long)              # each position's parent position
-        up[:, 1:] = self.parents + 1                           # root and PAD: the root (0)
+        real = torch.arange(N1 - 1)[None, :] < torch.tensor(self.num_nodes)[:, None]  # [B, N]
+        up[:, 1:] = torch.where(real, self.parents + 1, 0)     # the root's children, PAD: root
         see = torch.eye(N1, dtype=torch.bool).expand(B, N1, N1).clone()               # [B, T, T]
         at = torch.arange(N1).expand(B, N1)                                            # [B, T]
         for _ in range(self.max_depth):      # one level up per step: the root within max_depth

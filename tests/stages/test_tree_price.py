@@ -211,3 +211,19 @@ def test_goodput_runs_trees_or_chains_whichever_commits_more_per_second(make_pip
     assert all(p < 1.0 for p, m in zip(prices, modes) if m == "tree")
     # the acceptance each mode learned is its own: a tree's levels, a chain's tokens
     assert pol._counts["tree"][0][0, 1] > 0 and pol._counts["chain"][0][0, 1] == 0
+
+
+def test_goodput_compares_trees_and_chains_against_plain_decoding_at_their_batch(make_pipeline):
+    """A mode measured while the batch was larger commits more tokens per second for that
+    alone: each mode is scored against what plain decoding commits in its seconds at its batch."""
+    import numpy as np
+
+    pol = make_pipeline(*DRAFT_TREE, "policy=goodput").pm.get_plugin("policy.goodput")
+    pol.target_fit.coef = lambda: (0.010, 0.001)       # a pass: 10 ms + 1 ms per row
+    # trees at batch 1: 2 tokens in 10 ms (200 / s, 2.2x plain's 91 / s at batch 1);
+    # chains at batch 4: 4 tokens in 15 ms (267 / s, but 0.93x plain's 286 / s at batch 4)
+    pol._mode_done = {"tree": {1: np.array([2.0, 0.010])}, "chain": {4: np.array([4.0, 0.015])}}
+    assert pol._mode() == "tree"
+    pol._mode_done["tree"] = {4: np.array([2.0, 0.010])}   # the same, but at batch 4: 0.7x
+    pol._mode_rounds = 0
+    assert pol._mode() == "chain"

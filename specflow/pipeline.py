@@ -41,7 +41,7 @@ from specflow.stages.logits import is_greedy
 from specflow.stages.request_settings import check_request_sampling
 from specflow.stages.score import TargetScorer
 from specflow.stages.tree import along_path, check_parents, check_tree, examined_levels, layout_of, \
-    scored_nodes, shape_tree
+    scored_nodes, shape_tree, tree_width
 from specflow.state import PAD, DecodeBatch, Proposal, RoundResult, ShapingBatch, VerifyOutput
 
 
@@ -197,9 +197,8 @@ class Pipeline:
         """The draft model, packed under the target's `pack` rule: its fullest step scores a
         tree's frontier (proposer.topk positions; one for a chain) in every slot."""
         draft = self._build("draft", ctx)
-        proposer = self.cfg.get("proposer")
-        width = int(proposer.get("topk", 1) or 1) if proposer is not None else 1
-        self.draft_packed = choose_pack(self.cfg.get("pack", "auto"), draft, width,
+        self.draft_packed = choose_pack(self.cfg.get("pack", "auto"), draft,
+                                        tree_width(self.cfg.get("proposer")),
                                         int(self.cfg.max_batch_size))
         return draft
 

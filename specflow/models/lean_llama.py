@@ -182,6 +182,11 @@ class LeanLlama:
     def packed(self) -> bool:
         return bool(self._packs)
 
+    @property
+    def _tied_copy(self) -> bool:
+        """The head is a packed copy of the embedding table (a pack entry with no owners)."""
+        return any(not modules for _, _, modules in self._packs)
+
     def unpack(self) -> None:
         """Dense weights back in the modules (views into the fused tensors, as before packing),
         the packed copies dropped, and dense product forms picked: transformers' forward runs
@@ -219,7 +224,7 @@ class LeanLlama:
         timed on the dense weights left, or on the embedding table when every product is packed
         (a tied head's dense copy: what an unpacked pass multiplies)."""
         dense = [w for w in self._weights() if not w.is_mkldnn]
-        if not dense and any(not modules for _, _, modules in self._packs):
+        if not dense and self._tied_copy:
             dense = [self.embed]
         again = pick(dense) if dense else self.kernels
         self.kernels = dataclasses.replace(again, pack=self.packed)
@@ -242,7 +247,7 @@ class LeanLlama:
             if ptr not in own and ptr not in seen:
                 seen.add(ptr)
                 extra += t.untyped_storage().nbytes()
-        if any(not modules for _, _, modules in self._packs):     # a tied head's packed copy
+        if self._tied_copy:                                        # the embedding's bytes again
             extra += self.embed.numel() * self.embed.element_size()
         return extra
 

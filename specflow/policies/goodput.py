@@ -60,6 +60,7 @@ import torch
 
 from specflow.errors import ConfigError
 from specflow.plugins import hookimpl
+from specflow.stages.tree import scored_nodes, tree_width
 
 
 @dataclass
@@ -263,8 +264,7 @@ def proposer_cfg(ctx):
 
 def builds_trees(ctx) -> bool:
     """The configured proposer builds token trees (proposer.topk > 1)."""
-    proposer = proposer_cfg(ctx)
-    return proposer is not None and int(proposer.get("topk", 1) or 1) > 1
+    return tree_width(proposer_cfg(ctx)) > 1
 
 
 def measured_target_cost(target, positions: int, rows: int) -> tuple[float, float] | None:
@@ -293,7 +293,7 @@ def measured_branch_cost(ctx) -> float:
 
     if not builds_trees(ctx):
         return 0.0
-    width = int(proposer_cfg(ctx).get("topk"))
+    width = tree_width(proposer_cfg(ctx))
     step = getattr(ctx, "draft_step_seconds", None)      # a draft head (proposer=eagle)
     if step is not None:
         return max(0.0, (step(1, positions=width) - step(1)) / (width - 1))
@@ -353,8 +353,6 @@ class GoodputPolicy:
         self.tree = ctx is not None and builds_trees(ctx)
         self.width = 1.0
         if self.tree:                   # a tree never scores more than its node budget
-            from specflow.stages.tree import scored_nodes
-
             self.max_nodes = scored_nodes(proposer_cfg(ctx))
         self.price = 0.0               # this round's node price (trees): see specflow_node_price
         self.branch_cost = measured_branch_cost(ctx) if self.tree and prior is not None else 0.0
@@ -539,15 +537,17 @@ class GoodputPolicy:
         # a new run's throughput is its own (a batch of 16 before must not price a batch of 1)
         self.rate, self._done = None, np.zeros(2)
 
+    def _forget(self, request_id: int) -> None:
+        for counts in self._counts.values():
+            counts.pop(request_id, None)
+
     @hookimpl
     def specflow_request_start(self, slot, request):
-        for counts in self._counts.values():           # a fresh request never inherits state
-            counts.pop(request.request_id, None)
+        self._forget(request.request_id)              # a fresh request never inherits state
 
     @hookimpl
     def specflow_request_end(self, slot, request, finish_reason):
-        for counts in self._counts.values():
-            counts.pop(request.request_id, None)
+        self._forget(request.request_id)
 
 
 @dataclass

@@ -78,47 +78,42 @@ class Calibration:
 
     def __init__(self, ranks: int, bins: int = 10, prior: float = 2.0, memory: float = 0.98):
         self.ranks, self.bins, self.prior, self.memory = ranks, bins, prior, memory
-        self.accepted = torch.zeros(ranks, bins, dtype=torch.float64)
-        self.tried = torch.zeros(ranks, bins, dtype=torch.float64)
-        self._table: tuple | None = None      # the counts as lists, read a few times per round
-
-    def _cell(self, q: torch.Tensor) -> torch.Tensor:
-        return (q * self.bins).long().clamp(0, self.bins - 1)
+        # discounted counts per rank and bin, plain floats: read a few times and written once
+        # per node every round, a dozen tiny tensor ops would cost more than the arithmetic
+        self.accepted = [[0.0] * bins for _ in range(ranks)]
+        self.tried = [[0.0] * bins for _ in range(ranks)]
 
     def log_rate(self, q: torch.Tensor) -> torch.Tensor:
         """q [R, t] of each row's children by rank -> log P(accepted) [R, t]."""
         return torch.tensor(self.log_rates(q.tolist()), dtype=q.dtype).view(q.shape)
 
+    def _cell(self, x: float) -> int:
+        return min(max(int(x * self.bins), 0), self.bins - 1)
+
     def log_rates(self, q: list[list[float]]) -> list[list[float]]:
-        """log_rate on host lists (a tree level's few children: plain floats beat a dozen tiny
-        tensor ops)."""
-        if self._table is None:
-            acc, tried = self.accepted.tolist(), self.tried.tolist()
-            self._table = (acc, tried, [sum(a) for a in acc], [sum(t) for t in tried])
-        acc, tried, acc_rank, tried_rank = self._table
-        prior, top, last = self.prior, self.bins - 1, self.ranks - 1
+        """log_rate on host lists: [R][t] q -> [R][t] log P(accepted)."""
+        acc_rank, tried_rank = [sum(a) for a in self.accepted], [sum(t) for t in self.tried]
+        prior, last = self.prior, self.ranks - 1
         out = []
         for row in q:
             rates = []
             for r, x in enumerate(row):
-                r = min(r, last)
-                cell = min(max(int(x * self.bins), 0), top)
+                r, cell = min(r, last), self._cell(x)
                 pooled = (acc_rank[r] + prior * x) / (tried_rank[r] + prior)
-                rate = (acc[r][cell] + prior * pooled) / (tried[r][cell] + prior)
+                rate = (self.accepted[r][cell] + prior * pooled) / (self.tried[r][cell] + prior)
                 rates.append(math.log(max(rate, 1e-12)))
             out.append(rates)
         return out
 
     def decay(self) -> None:
         """Once a round: older verdicts weigh less (a window of about 1 / (1 - memory) rounds)."""
-        self.accepted *= self.memory
-        self.tried *= self.memory
-        self._table = None
+        m = self.memory
+        self.accepted = [[x * m for x in row] for row in self.accepted]
+        self.tried = [[x * m for x in row] for row in self.tried]
 
     def observe(self, tree: DraftTree, path: list[int], greedy: bool) -> None:
         """The verifier's verdicts on one row's tree: at the root and at each accepted node, its
         children were tried in order until one was accepted (greedy tries them all)."""
-        self._table = None
         kids: dict[int, list[int]] = {}
         for n, p in enumerate(tree.parents):
             kids.setdefault(p, []).append(n)
@@ -126,10 +121,10 @@ class Calibration:
             nxt = path[i] if i < len(path) else None
             for c in kids.get(at, ()):           # in the order the verifier tried them
                 rank = min(tree.rank[c], self.ranks - 1)
-                cell = min(int(tree.q[c] * self.bins), self.bins - 1)
-                self.tried[rank, cell] += 1.0
+                cell = self._cell(tree.q[c])
+                self.tried[rank][cell] += 1.0
                 if c == nxt:
-                    self.accepted[rank, cell] += 1.0
+                    self.accepted[rank][cell] += 1.0
                     if not greedy:
                         break
 
@@ -143,12 +138,12 @@ def _top_children(shaped: torch.Tensor, topk: int, calibration: Calibration
     top, idx = shaped.topk(min(topk, shaped.shape[-1]), -1)                          # [R, t]
     norm = shaped.logsumexp(-1, keepdim=True)                                        # [R, 1]
     vals = (top - norm).exp()                                                        # [R, t] q
-    uniform = (vals[:, :1] * shaped.shape[-1] <= 1 + 1e-4).tolist()                  # [R, 1]
-    q_rows, tokens_rows = vals.tolist(), idx.tolist()
+    vals = vals * (vals[:, :1] * shaped.shape[-1] > 1 + 1e-4)       # a uniform row: q = 0
+    q_rows = vals.tolist()
     rates = calibration.log_rates(q_rows)
     qs, scores, tokens = [], [], []
-    for v, r, i, flat in zip(q_rows, rates, tokens_rows, uniform):
-        keep = [] if flat[0] else [(a, c, b) for a, c, b in zip(v, r, i) if a > 0]
+    for v, r, i in zip(q_rows, rates, idx.tolist()):
+        keep = [(a, c, b) for a, c, b in zip(v, r, i) if a > 0]
         qs.append([a for a, _, _ in keep])
         scores.append([c for _, c, _ in keep])
         tokens.append([b for _, _, b in keep])

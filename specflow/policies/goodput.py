@@ -53,6 +53,8 @@ often than a chain's tokens), and a tree round whose price reaches 1 is a chain 
 """
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -211,7 +213,8 @@ def choose_k(acceptance, a_t: float, b_t: float, a_d: float, b_d: float,
 
 
 def choose_k_padded(acceptance, a_t: float, b_t: float, a_d: float, b_d: float,
-                    rounds: int = 4, positions=None, first: float = 0.0) -> list[int]:
+                    rounds: int = 4, positions=None, first: float = 0.0,
+                    plain: float | None = None, row_first=None) -> list[int]:
     """acceptance [B, K] -> per row k, for a target whose pass pads every row to the longest
     (a transformer forward over [B, max k + 1]): the round costs a_t + b_t B (K + 1) for its
     largest K whatever the other rows draft, plus a_d per draft step and b_d per drafting row
@@ -221,7 +224,10 @@ def choose_k_padded(acceptance, a_t: float, b_t: float, a_d: float, b_d: float,
     (per-row shares would let one keen row make all B rows score K + 1 positions).
 
     For a cap the rows' choices and the round's rate depend on each other (Dinkelbach): each row
-    maximises E(k) - rate * b_d * k at the current rate, a few passes."""
+    maximises E(k) - rate * b_d * k at the current rate, a few passes. `plain`: the measured
+    seconds of a round without drafts at this batch, in place of the fit's a_t + b_t B;
+    `row_first` [B] (or a function returning it): seconds a row adds to the round if it drafts
+    at all (its draft's catch-up)."""
     E = expected_tokens(acceptance)                                              # [B, K+1]
     B, K = E.shape[0], E.shape[1] - 1
     if B == 0:
@@ -231,6 +237,8 @@ def choose_k_padded(acceptance, a_t: float, b_t: float, a_d: float, b_d: float,
     # positions a row scores with depth k: k + 1 for a chain, the tree's nodes + 1 for a tree
     scored = cap + 1 if positions is None else np.asarray(positions[:K + 1])    # [C]
     target = a_t + b_t * B * scored                                              # [C]
+    if plain is not None:
+        target[0] = plain
     # under load no longest draft K can beat plain decoding even if every row drafted K and all
     # were accepted at its estimated rates (the round then costs at least target + (a_d + b_d) K):
     # the common answer, found without the search
@@ -241,14 +249,20 @@ def choose_k_padded(acceptance, a_t: float, b_t: float, a_d: float, b_d: float,
     ks = np.repeat(cap[:, None], B, 1)                                           # [C, B]
     rows = np.arange(B)[None, :]
 
+    if callable(row_first):         # computed only past the common answer above
+        row_first = row_first()
+    extra = np.zeros(B) if row_first is None else np.asarray(row_first, dtype=np.float64)  # [B]
+    # what drafting k costs a row beyond its share of the pass: b_d per token, its catch-up once
+    own = b_d * j[None, :] + extra[:, None] * (j[None, :] > 0)                   # [B, J]
+
     def rate(ks):
         tokens = E[rows, ks].sum(1)                                              # [C]
         longest = ks.max(1)
         return tokens / np.maximum(target + a_d * longest + first * (longest > 0)
-                                   + b_d * ks.sum(1), 1e-12)
+                                   + own[rows, ks].sum(1), 1e-12)
 
     for _ in range(rounds):
-        score = E[None] - (rate(ks) * b_d)[:, None, None] * j[None, None, :]     # [C, B, J]
+        score = E[None] - rate(ks)[:, None, None] * own[None]                    # [C, B, J]
         score[np.broadcast_to(over[:, None, :], score.shape)] = -np.inf
         new = score.argmax(-1)                                                   # [C, B]
         if np.array_equal(new, ks):
@@ -324,6 +338,21 @@ def measured_draft_cost(ctx) -> tuple[float, float] | None:
     return max(one - b, 0.0), b
 
 
+def measured_catch_up_cost(ctx) -> float:
+    """Seconds per token of a draft model's catch-up (a prefill of tokens it has not fed), from
+    two timed passes when the policy is built (64 positions and one); 0 for other proposers and
+    simulated models (then it is learned from the rounds' catch-up seconds, if any)."""
+    from specflow.models.threads import pass_seconds
+
+    proposer = proposer_cfg(ctx)
+    if proposer is None or proposer.get("name") != "draft":    # (ctx.draft loads the model)
+        return 0.0
+    draft = ctx.draft
+    if draft is None or getattr(draft, "clock", None) is not None or not hasattr(draft, "truncate"):
+        return 0.0
+    return max(0.0, (pass_seconds(draft, 3, 64) - pass_seconds(draft, 3)) / 63)
+
+
 class GoodputPolicy:
     def __init__(self, cfg: GoodputPolicyConfig, ctx=None):
         self.cfg = cfg
@@ -345,7 +374,10 @@ class GoodputPolicy:
         self.draft_prior = draft or (cfg.prior_draft_cost * sum(self.target_prior), 0.0)
         # + a fixed cost per round that drafts at all (the first step's shaping, a tree's
         # selection): without it that cost is spread over the steps and deep drafts look dear
-        self.draft_fit = LinearFit3(cfg.cost_memory, (0.0, *self.draft_prior))
+        # per mode: a tree's steps feed its frontier and rank children, dearer than a chain's,
+        # and one shared fit drew a tree proposer's chains shallower than a chain proposer's
+        self.draft_fits = {m: LinearFit3(cfg.cost_memory, (0.0, *self.draft_prior))
+                           for m in self.MODES}
         self.rounds = 0
         self.idle_rounds = 0           # rounds in a row in which no row drafted
         # a tree proposer scores `width` nodes per level of depth on average (learned: a priced
@@ -357,19 +389,37 @@ class GoodputPolicy:
         self.price = 0.0               # this round's node price (trees): see specflow_node_price
         self.branch_cost = measured_branch_cost(ctx) if self.tree and prior is not None else 0.0
         self.rate: float | None = None  # measured tokens / s of recent rounds (discounted)
-        self._done = np.zeros(2)        # discounted committed tokens, round seconds
+        self._done = (0.0, 0.0)         # discounted committed tokens, round seconds
         # a tree proposer's drafting rounds run as trees or as chains (node price 1): what each
         # achieves is measured, and the better one is run (see _mode)
         self.mode = "tree" if self.tree else "chain"
         # per mode, per batch size: discounted committed tokens and seconds of drafting rounds
         self._mode_done: dict[str, dict[int, np.ndarray]] = {m: {} for m in self.MODES}
-        self._mode_rounds = 0
+        self._since_explore = 0        # drafting rounds since one ran in the slower mode
+        self._mode_count: dict[str, int] = {}    # drafting rounds run in each mode
+        # a real target's rounds without drafts, measured per batch size (the last PLAIN_KEPT):
+        # the fit's line is solved on the positions rounds compute, and while every round
+        # drafts it only sees 2B.. positions, so its a_t + b_t B for plain decoding is an
+        # extrapolation (50% over on the demo pair at batch 16, so drafting looked worth it)
+        self._plain: dict[int, deque[float]] = {}
+        self._since_plain: dict[int, int] = {}   # drafting rounds per batch size since its last
+                                                 # round without drafts
+        self._drafted: dict[int, int] = {}       # drafting rounds per batch size
+        # a draft model catches a row up on the tokens it has not fed before the row drafts (a
+        # new prompt; tokens committed while the row was at k = 0): seconds = c x tokens, c
+        # timed at build and fitted on the rounds' catch-up seconds
+        self.catch_up = LinearFit(cfg.cost_memory, 0.0, measured_catch_up_cost(ctx)
+                                  if prior is not None else 0.0)
+        self._seen: dict[int, int] = {}    # request id -> tokens its draft holds (after drafting)
+        self._fed: dict[int, tuple[int, int]] = {}   # this round's drafting rows: (length, lag)
 
     # --- what the decision reads (the oracle overrides these) ---------------------------------
 
     PRIOR = 2.0        # pseudo-observations behind each shrinkage
     MODES = ("tree", "chain")
-    MODE_EXPLORE = 10  # drafting rounds per round run in the mode measured slower
+    MODE_EXPLORE = 10  # drafting rounds per round run in the mode measured slower, when the
+    MODE_NOISE = 0.05  # two are within this (relative); further apart, proportionally fewer
+    MODE_FIRST, MODE_SURE = 4, 12   # rounds each mode runs first; rounds before a gap counts
 
     def acceptance(self, batch) -> np.ndarray:
         """Per row and draft position, the estimated chance of acceptance: [B, K]."""
@@ -385,6 +435,11 @@ class GoodputPolicy:
         bonus = self.cfg.optimism * np.sqrt(mean * (1 - mean) / (seen + self.PRIOR))
         return np.minimum(mean + bonus, 1.0)
 
+    @property
+    def draft_fit(self) -> LinearFit3:
+        """The current mode's draft cost fit."""
+        return self.draft_fits[self.mode]
+
     def costs(self) -> tuple[float, float, float, float]:
         """(a_t, b_t, a_d, b_d): the pass's fixed cost and per position, the draft's per step
         and per drafted token."""
@@ -393,6 +448,51 @@ class GoodputPolicy:
     def draft_overhead(self) -> float:
         """Seconds a round spends on drafting at all, beyond its steps and tokens."""
         return self.draft_fit.coef()[0]
+
+    PLAIN_KEPT, PLAIN_FIRST = 5, 3   # rounds without drafts kept per batch size; measured first
+    MIN_DRAFTED = 4                  # drafting rounds at a batch size before plain is measured
+
+    def plain_seconds(self, batch_size: int) -> float | None:
+        """Seconds of a round without drafts at this batch size as measured (a real target):
+        the median of the last PLAIN_KEPT, so one slow round does not set it; None before any."""
+        times = self._plain.get(batch_size)
+        return statistics.median(times) if times else None     # (numpy's: 30x the time)
+
+    def _check_plain(self, k: list[int], size: int) -> list[int]:
+        """The k = 0 choice is priced by measured rounds without drafts at this batch size, not
+        by the cost fit's extrapolation (the fit sees the positions drafting rounds compute, 2B
+        and more, and a few percent off decides near the break-even). So at a batch size that
+        has drafted MIN_DRAFTED rounds (past the first rounds' warm-up), the next PLAIN_FIRST
+        rounds run without drafts, and then one after every explore_every drafting rounds."""
+        if not (self.padded and size and any(k)):
+            return k
+        drafted = self._drafted.get(size, 0)
+        since = self._since_plain.get(size, 0)
+        if (drafted >= self.MIN_DRAFTED and len(self._plain.get(size, ())) < self.PLAIN_FIRST) \
+                or since >= self.cfg.explore_every:
+            self._since_plain[size] = 0
+            return [0] * size
+        self._since_plain[size] = since + 1
+        self._drafted[size] = drafted + 1
+        return k
+
+    LAG_FREE = 2       # tokens a row's draft may lag and catch up in its first step, for nothing
+
+    def catch_up_costs(self, batch, acceptance: np.ndarray) -> np.ndarray:
+        """Per row, seconds of the draft's catch-up charged to a round in which it drafts: the
+        tokens its draft has not fed (a new prompt, tokens committed while it idled) at the
+        measured seconds per token, spread over the drafting rounds the row has left (its
+        remaining tokens over the most a round can commit), since catching up once lets every
+        later round draft. [B]"""
+        c = self.catch_up.coef()[1]
+        if c <= 0:
+            return np.zeros(batch.size)
+        lag = np.array([max(0, len(ids) - self._seen.get(rid, 0) - self.LAG_FREE)
+                        for rid, ids in zip(batch.request_ids, batch.token_ids)], dtype=float)
+        left = np.array([max(1, cap - batch.num_generated(b))
+                         for b, cap in enumerate(batch.max_new_tokens)], dtype=float)
+        rounds = np.maximum(1.0, left / expected_tokens(acceptance)[:, -1])
+        return c * lag / rounds
 
     @property
     def counts(self) -> dict[int, np.ndarray]:
@@ -404,25 +504,36 @@ class GoodputPolicy:
         every cost a tree adds (ranking children per level, the tree mask, shaping along each
         path), and those differ by machine and model, so the two are compared on what their
         drafting rounds achieve (committed tokens against plain decoding's in the same seconds,
-        discounted): each is tried first, then the better one runs, and one round in
-        MODE_EXPLORE runs the other, so a change of traffic is noticed. Under load neither
-        matters: k falls to 0."""
-        untried = [m for m in self.MODES if not self._mode_done[m]]
-        if untried:
-            return untried[0]
+        discounted): each runs MODE_FIRST rounds first, then the better one runs, and one round
+        in MODE_EXPLORE runs the other, so a change of traffic is noticed (once the other has
+        MODE_SURE rounds, one in MODE_EXPLORE x gap / MODE_NOISE when it measured further
+        behind, at most 10x fewer: exploring a mode 20% slower one round in 10 cost 2%). Under
+        load neither matters: k falls to 0."""
+        counts = {m: self._mode_count.get(m, 0) for m in self.MODES}
+        untried = [m for m in self.MODES if counts[m] < self.MODE_FIRST]
+        if untried:                          # each tried a few rounds first, taking turns
+            return min(untried, key=counts.__getitem__)
         a, b = self.target_fit.coef()
 
         def speedup(by_batch: dict[int, np.ndarray]) -> float:
             # tokens over what plain decoding commits in the same seconds at each batch (one
             # pass, a + b B, commits B), with today's fit for both modes
             tokens = sum(done[0] for done in by_batch.values())
-            plain = sum(done[1] * B / max(a + b * B, 1e-12) for B, done in by_batch.items())
+            plain = sum(done[1] * B / max(self.plain_seconds(B) or a + b * B, 1e-12)
+                        for B, done in by_batch.items())
             return tokens / max(plain, 1e-12)
         score = {m: speedup(self._mode_done[m]) for m in self.MODES}
         best = max(self.MODES, key=score.__getitem__)
-        self._mode_rounds += 1
-        if self._mode_rounds % self.MODE_EXPLORE == 0:
-            return next(m for m in self.MODES if m != best)
+        other = next(m for m in self.MODES if m != best)
+        gap = 1 - score[other] / max(score[best], 1e-12)
+        # a gap measured on few rounds is noise: the slower mode keeps its one round in
+        # MODE_EXPLORE until it has MODE_SURE of them
+        sure = counts[other] >= self.MODE_SURE
+        every = self.MODE_EXPLORE * (min(max(1.0, gap / self.MODE_NOISE), 10.0) if sure else 1.0)
+        self._since_explore += 1
+        if self._since_explore >= every:
+            self._since_explore = 0
+            return other
         return best
 
     @property
@@ -442,9 +553,15 @@ class GoodputPolicy:
         acceptance = self.acceptance(batch)                                      # [B, K]
         a_t, b_t, a_d, b_d = self.costs()
         # a depth-k tree drafts about w k nodes: b_d per drafted node
-        k = (choose_k_padded if self.padded else choose_k)(
-            acceptance, a_t, b_t, a_d, b_d * (self.width if self.mode == "tree" else 1.0),
-            positions=self.positions, first=self.draft_overhead())
+        b_node = b_d * (self.width if self.mode == "tree" else 1.0)
+        if self.padded:
+            k = self._check_plain(choose_k_padded(
+                acceptance, a_t, b_t, a_d, b_node, positions=self.positions,
+                first=self.draft_overhead(), plain=self.plain_seconds(batch.size),
+                row_first=lambda: self.catch_up_costs(batch, acceptance)), batch.size)
+        else:
+            k = choose_k(acceptance, a_t, b_t, a_d, b_node, positions=self.positions,
+                         first=self.draft_overhead())
         if self.mode == "chain":
             self.price = 1.0           # no branch is worth a position: the draft's own chain
         elif batch.size:
@@ -468,6 +585,9 @@ class GoodputPolicy:
         if self.idle_rounds >= self.cfg.explore_every * (batch.size if self.padded else 1):
             k[int(acceptance[:, 0].argmax())] = 1
             self.idle_rounds = 0
+        # the rows that draft: what their drafts are caught up on (observe learns its seconds)
+        self._fed = {rid: (len(ids), max(0, len(ids) - self._seen.get(rid, 0) - self.LAG_FREE))
+                     for rid, ids, kb in zip(batch.request_ids, batch.token_ids, k) if kb}
         return torch.tensor(k, dtype=torch.long)
 
     @hookimpl
@@ -502,9 +622,11 @@ class GoodputPolicy:
         # the throughput a tree node must beat (specflow_node_price): what rounds achieve
         spent = sum(times.values())
         if spent > 0:
-            self._done = (1 - self.cfg.cost_memory) * self._done + \
-                [sum(len(c) for c in result.committed), spent]
-            self.rate = float(self._done[0] / self._done[1])
+            keep = 1 - self.cfg.cost_memory
+            tokens, seconds = self._done
+            self._done = (keep * tokens + sum(len(c) for c in result.committed),
+                          keep * seconds + spent)
+            self.rate = self._done[0] / self._done[1]
         # the pass and what follows it per scored position (shaping, verification, commits, cache
         # sync: measured together, so a position is priced at all it costs); a simulated clock
         # charges the pass alone
@@ -521,13 +643,28 @@ class GoodputPolicy:
         levels = result.draft_lengths()             # draft steps: a tree's depth
         if longest and draft > 0:                   # steps, and tokens drafted (a tree's nodes)
             self.draft_fit.add((1.0, max(levels), sum(result.num_drafts)), draft)
-        drafting = spent - times.get("prefill", 0.0)   # a new prompt's catch-up is not the mode's
-        if self.tree and longest and drafting > 0:  # what this round's mode achieved, by batch
+        # the draft's catch-up: seconds per token fed, and what each drafting row's draft holds
+        # now (everything committed but the last token, which the next round feeds)
+        lagged = sum(lag for _, lag in self._fed.values())
+        if lagged:
+            self.catch_up.add(lagged, times.get("prefill", 0.0))
+        for rid, committed in zip(result.request_ids, result.committed):
+            if rid in self._fed:
+                self._seen[rid] = self._fed[rid][0] + len(committed) - 1
+        self._fed = {}
+        # the round's own work: a new prompt's catch-up is not the mode's, the policy's time
+        # is every round's
+        work = spent - times.get("prefill", 0.0) - times.get("policy", 0.0)
+        if self.padded and not longest and work > 0:   # plain decoding at this batch, measured
+            self._plain.setdefault(len(result.num_drafts),
+                                   deque(maxlen=self.PLAIN_KEPT)).append(work)
+        if longest and work > 0:                    # what this round's mode achieved, by batch
             by_batch = self._mode_done[self.mode]
             for done in by_batch.values():
                 done *= 1 - self.cfg.cost_memory
             by_batch.setdefault(len(result.num_drafts), np.zeros(2))[:] += \
-                [sum(len(c) for c in result.committed), drafting]
+                [sum(len(c) for c in result.committed), work]
+            self._mode_count[self.mode] = self._mode_count.get(self.mode, 0) + 1
         if self.mode == "tree" and sum(levels):    # nodes per level of the trees just scored
             w = sum(result.num_drafts) / sum(levels)
             self.width = (1 - self.cfg.ewma) * self.width + self.cfg.ewma * w
@@ -535,11 +672,12 @@ class GoodputPolicy:
     @hookimpl
     def specflow_run_start(self, pipeline, requests):
         # a new run's throughput is its own (a batch of 16 before must not price a batch of 1)
-        self.rate, self._done = None, np.zeros(2)
+        self.rate, self._done = None, (0.0, 0.0)
 
     def _forget(self, request_id: int) -> None:
         for counts in self._counts.values():
             counts.pop(request_id, None)
+        self._seen.pop(request_id, None)
 
     @hookimpl
     def specflow_request_start(self, slot, request):

@@ -268,8 +268,9 @@ def test_goodput_seeds_its_costs_from_timed_passes_so_steady_rounds_cannot_hide_
     for _ in range(200):
         flat.add(80.0, a_t + 80 * b_t)
     assert flat.coef()[1] < b_t / 5
-    # k falls with the batch under the measured costs
-    acc = torch.full((1, 8), 0.75)
+    # k falls with the batch under the measured costs (a sure draft: timings taken beside
+    # another test worker can make a middling one never pay)
+    acc = torch.full((1, 8), 0.9)
     ks = [choose_k(acc.expand(b, 8), a_t, b_t, *pol.draft_prior)[0] for b in (1, 16, 64)]
     assert ks == sorted(ks, reverse=True) and ks[-1] < ks[0]
     # the synthetic pair keeps its simulated clock's prior (nothing is timed)
@@ -353,3 +354,107 @@ def test_a_fixed_cost_of_drafting_at_all_can_make_k_zero(chooser):
     assert chooser(acc, *costs, first=5.0) == [0, 0]     # five passes' worth to draft at all
     deep = chooser(np.full((2, 6), 0.9), *costs, first=0.5)
     assert min(deep) >= max(chooser(np.full((2, 6), 0.9), *costs)) - 1   # paid once, not per step
+
+
+class _Padded:
+    pads_rows = True          # a real forward: every row padded to the longest
+
+
+def _timed_round(k: int, batch: int, tokens_per_row: float, seconds: float,
+                 prefill: float = 0.0) -> RoundResult:
+    """A round of `batch` rows each drafting k and committing about tokens_per_row, timed."""
+    n = [int(tokens_per_row)] * batch
+    result = RoundResult(0, list(range(batch)), [k] * batch, [max(t - 1, 0) for t in n],
+                         [[1] * t for t in n], [None] * batch, batch,
+                         seconds={"target": seconds * 0.7, "propose": seconds * 0.3,
+                                  **({"prefill": prefill} if prefill else {})})
+    return result
+
+
+def _drive(pol, batch: int, rounds: int, drafting: tuple[float, float],
+           plain: tuple[float, float]) -> list[bool]:
+    """Run the policy's choices against measured rounds: (tokens per row, seconds) for a round
+    that drafts and one that does not. -> per round, whether any row drafted."""
+    b = DecodeBatch.make_dummy(batch)
+    out = []
+    for _ in range(rounds):
+        k = pol.specflow_draft_length(b).tolist()
+        drafted = any(k)
+        out.append(drafted)
+        tokens, seconds = drafting if drafted else plain
+        pol.specflow_observe(_timed_round(max(k), batch, tokens, seconds))
+    return out
+
+
+def test_goodput_measures_plain_decoding_at_each_batch_size_it_drafts_at():
+    """After MIN_DRAFTED drafting rounds at a batch size, PLAIN_FIRST rounds run without drafts
+    (their seconds price k = 0 from then on), and one after every explore_every drafting
+    rounds keeps the measure current."""
+    pol = GoodputPolicy(GoodputPolicyConfig(k_max=4, explore_every=10),
+                        SimpleNamespace(target=_Padded(), slots=4))
+    pol.costs = lambda: (0.010, 0.0001, 0.0001, 0.0)        # drafting looks nearly free
+    drafted = _drive(pol, 4, 80, drafting=(3, 0.015), plain=(1, 0.010))
+    m, f = pol.MIN_DRAFTED, pol.PLAIN_FIRST
+    assert drafted[:m] == [True] * m and drafted[m:m + f] == [False] * f
+    later = drafted[m + f:]
+    assert later.count(False) == len(later) // 11
+    assert pol.plain_seconds(4) == pytest.approx(0.010) and pol.plain_seconds(3) is None
+    # the synthetic pair's clock prices rows separately: nothing is forced there
+    pol = GoodputPolicy(GoodputPolicyConfig(k_max=4, explore_every=10))
+    pol.costs = lambda: (0.010, 0.0001, 0.0001, 0.0)
+    assert all(_drive(pol, 4, 30, drafting=(3, 0.015), plain=(1, 0.010)))
+
+
+def test_a_rows_catch_up_is_charged_to_drafting_spread_over_the_rounds_it_has_left():
+    """A draft that has not fed a row's prompt must prefill it before the row drafts: seconds
+    plain decoding never spends. Charged once (spread over the drafting rounds the row has
+    left), it keeps a loaded batch of fresh requests from drafting while a long request, or one
+    whose draft is caught up, still drafts."""
+    pol = GoodputPolicy(GoodputPolicyConfig(k_max=4), SimpleNamespace(target=_Padded(), slots=16))
+    pol.catch_up = LinearFit(0.05, 0.0, 20e-6)                  # 20 us per token
+    batch = DecodeBatch.make_dummy(16)
+    for ids in batch.token_ids:
+        ids[:] = [1] * 300                                       # fresh 300-token prompts
+    batch.prompt_lens = [300] * 16
+    batch.max_new_tokens = [64] * 16
+    acc = np.full((16, 4), 0.8)
+    short = pol.catch_up_costs(batch, acc)
+    batch.max_new_tokens = [4096] * 16
+    long = pol.catch_up_costs(batch, acc)
+    E4 = 1 + 0.8 + 0.64 + 0.512 + 0.4096
+    assert short[0] == pytest.approx(20e-6 * 298 / (64 / E4))
+    assert long[0] == pytest.approx(short[0] * 64 / 4096)
+    costs = (0.012, 0.0005, 0.0008, 0.0)         # a plain round 17 ms: drafting pays a little
+    assert max(choose_k_padded(acc, *costs, plain=0.017, row_first=long)) > 0
+    assert choose_k_padded(acc, *costs, plain=0.017, row_first=short) == [0] * 16
+    # a row whose draft fed everything but the last tokens owes nothing
+    pol._seen[batch.request_ids[0]] = 299
+    assert pol.catch_up_costs(batch, acc)[0] == 0.0
+
+
+def test_goodput_learns_the_catch_up_seconds_per_token_and_what_each_draft_holds():
+    pol = GoodputPolicy(GoodputPolicyConfig(k_max=4), SimpleNamespace(target=_Padded(), slots=2))
+    pol.costs = lambda: (0.010, 0.0001, 0.0001, 0.0)
+    batch = DecodeBatch.make_dummy(2)
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        for ids in batch.token_ids:               # rows grow by a random stretch between rounds
+            ids.extend([1] * int(rng.integers(3, 60)))
+        k = pol.specflow_draft_length(batch).tolist()
+        lagged = sum(lag for _, lag in pol._fed.values())
+        result = _timed_round(max(k), 2, 2, 0.015, prefill=30e-6 * lagged)
+        pol.specflow_observe(result)
+        if any(k):       # the drafts hold what was committed, but the last token
+            assert pol._seen[0] == len(batch.token_ids[0]) + 2 - 1
+    assert pol.catch_up.coef()[1] == pytest.approx(30e-6, rel=0.05)
+    pol.specflow_request_end(0, SimpleNamespace(request_id=0), "length")
+    assert 0 not in pol._seen
+
+
+def test_a_measured_plain_round_replaces_the_fits_extrapolation():
+    """The fit says a plain round at batch 16 costs 20 ms and a k = 2 round 34 ms (E = 2.4 a
+    row: drafting pays); measured, a plain round costs 13 ms, and then it does not."""
+    acc = np.full((16, 4), 0.8)
+    costs = (0.012, 0.0005, 0.002, 0.0)
+    assert max(choose_k_padded(acc, *costs)) > 0
+    assert choose_k_padded(acc, *costs, plain=0.013) == [0] * 16

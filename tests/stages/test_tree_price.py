@@ -182,31 +182,42 @@ def test_goodput_prices_nodes_higher_under_load_and_stays_exact(make_pipeline):
     assert 0 < prices[1] < prices[16] / 2
 
 
-def _round(mode_tree: bool) -> RoundResult:
-    """A drafting round of one row: a tree commits 3 tokens in 30 ms, a chain 2 in 10 ms."""
+def _round(mode_tree: bool, tree_seconds: float = 0.03) -> RoundResult:
+    """A drafting round of one row: a tree commits 3 tokens in 30 ms (by default), a chain 2 in
+    10 ms."""
     result = RoundResult.make_dummy([6 if mode_tree else 2], [2 if mode_tree else 1])
-    result.seconds = {"target": 0.02 if mode_tree else 0.006, "draft": 0.01 if mode_tree else 0.004}
+    result.seconds = {"target": tree_seconds * 2 / 3 if mode_tree else 0.006,
+                      "draft": tree_seconds / 3 if mode_tree else 0.004}
     if mode_tree:
         result.tree_depths, result.accepted_nodes, result.num_examined = [3], [[0, 2]], [3]
     return result
 
 
-def test_goodput_runs_trees_or_chains_whichever_commits_more_per_second(make_pipeline):
-    """A tree proposer's rounds run as trees or as chains (price 1), each tried first, then the
-    one measured faster, with one round in MODE_EXPLORE given to the other."""
+@pytest.mark.parametrize("tree_ms,every", [(15.5, 10), (20, 50), (30, 100)])
+def test_goodput_runs_trees_or_chains_whichever_commits_more_per_second(make_pipeline, tree_ms,
+                                                                        every):
+    """A tree proposer's rounds run as trees or as chains (price 1), each MODE_FIRST rounds
+    first, then the one measured faster, with one round in MODE_EXPLORE given to the other
+    until it has MODE_SURE rounds; then still one in MODE_EXPLORE while the two are within
+    MODE_NOISE, proportionally fewer the further behind it measured (a tree round of 3 tokens
+    in 15.5 ms is 3% behind a chain's 2 in 10 ms: 1 in 10; in 20 ms 25% behind: 1 in 50; in
+    30 ms 50%: 1 in 100, the most)."""
     from specflow.state import DecodeBatch
 
     pol = make_pipeline(*DRAFT_TREE, "policy=goodput").pm.get_plugin("policy.goodput")
     batch = DecodeBatch.make_dummy(1)
+    first, sure, explore = pol.MODE_FIRST, pol.MODE_SURE, pol.MODE_EXPLORE
+    settle = 2 * first + explore * (sure - first)
     modes, prices = [], []
-    for _ in range(60):
+    for _ in range(settle + 200):
         pol.specflow_draft_length(batch)
         modes.append(pol.mode)
         prices.append(float(pol.specflow_node_price(batch, None)[0]))
-        pol.specflow_observe(_round(pol.mode == "tree"))
-    assert modes[:2] == ["tree", "chain"]
-    later = modes[2:]
-    assert later.count("tree") == len(later) // pol.MODE_EXPLORE      # explored, no more
+        pol.specflow_observe(_round(pol.mode == "tree", tree_ms / 1000))
+    assert modes[:2 * first] == ["tree", "chain"] * first
+    assert modes[2 * first:settle].count("tree") == sure - first     # a gap on few rounds: noise
+    later = modes[settle:]
+    assert later.count("tree") == len(later) // every      # explored, no more
     assert all(p == 1.0 for p, m in zip(prices, modes) if m == "chain")
     assert all(p < 1.0 for p, m in zip(prices, modes) if m == "tree")
     # the acceptance each mode learned is its own: a tree's levels, a chain's tokens
@@ -223,7 +234,8 @@ def test_goodput_compares_trees_and_chains_against_plain_decoding_at_their_batch
     # trees at batch 1: 2 tokens in 10 ms (200 / s, 2.2x plain's 91 / s at batch 1);
     # chains at batch 4: 4 tokens in 15 ms (267 / s, but 0.93x plain's 286 / s at batch 4)
     pol._mode_done = {"tree": {1: np.array([2.0, 0.010])}, "chain": {4: np.array([4.0, 0.015])}}
+    pol._mode_count = {"tree": 20, "chain": 20}
     assert pol._mode() == "tree"
     pol._mode_done["tree"] = {4: np.array([2.0, 0.010])}   # the same, but at batch 4: 0.7x
-    pol._mode_rounds = 0
+    pol._since_explore = 0
     assert pol._mode() == "chain"

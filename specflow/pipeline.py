@@ -30,7 +30,7 @@ from specflow.engine import Engine
 from specflow.errors import ConfigError, InputError, PluginError
 from specflow.metrics import MetricsRecorder
 from specflow.models.base import Backend, SimClock
-from specflow.models.packing import choose_pack
+from specflow.models.packing import choose_draft_pack, choose_pack
 from specflow.models.threads import choose_threads
 from specflow.request import GenerationResult, Request, Row
 from specflow.plugins import blame, check_hooks, get_registry, new_plugin_manager
@@ -194,12 +194,13 @@ class Pipeline:
         return cls(compose(overrides, config_name), plugins)
 
     def _build_draft(self, ctx: BuildContext):
-        """The draft model, packed under the target's `pack` rule: its fullest step scores a
-        tree's frontier (proposer.topk positions; one for a chain) in every slot."""
+        """The draft model, packed under `pack`: its fullest step scores a tree's frontier
+        (proposer.topk positions; one for a chain) in every slot, and auto may keep both
+        layouts (choose_draft_pack)."""
         draft = self._build("draft", ctx)
-        self.draft_packed = choose_pack(self.cfg.get("pack", "auto"), draft,
-                                        tree_width(self.cfg.get("proposer")),
-                                        int(self.cfg.max_batch_size))
+        self.draft_packed = choose_draft_pack(self.cfg.get("pack", "auto"), draft,
+                                              tree_width(self.cfg.get("proposer")),
+                                              int(self.cfg.max_batch_size))
         return draft
 
     def _build(self, kind: str, ctx: BuildContext):

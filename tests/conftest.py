@@ -21,9 +21,10 @@ def _short_pack_timing():
     decide here; the choice is made by the same code either way."""
     from specflow.models import packing
 
-    saved, packing.REPS = packing.REPS, 3
+    saved = packing.REPS, packing.DRAFT_REPS
+    packing.REPS = packing.DRAFT_REPS = 3
     yield
-    packing.REPS = saved
+    packing.REPS, packing.DRAFT_REPS = saved
 
 
 def pytest_collection_modifyitems(config, items):

@@ -14,7 +14,9 @@ keys and values into the same SlotKVCache:
   the dense ones (the model's parameters keep their shapes over a one-element placeholder); the
   first call of transformers' forward on this model, or a `state_dict()`, unpacks them again, so
   packing costs no memory either, but for a head tied to the embedding, packed as a copy (the
-  embedding table's bytes once more: the lookup reads the dense one);
+  embedding table's bytes once more: the lookup reads the dense one). `pack(keep_dense=True)`
+  keeps both layouts instead (a draft model's choice: its weights once more), and each pass
+  takes the packed one from `dual_from` product rows up;
 - rotary cos/sin from a table grown on demand, fp32 RMSNorm fused where the dtype allows, keys and
   values read from the cache as views when the batch's slots are contiguous, GQA without copies.
 
@@ -122,6 +124,10 @@ class LeanLlama:
         self.mm = self.kernels.matmul
         self._packs: list[tuple[int, int, list]] = []     # (layer, field, modules sharing it)
         self._hooks: list = []
+        # both layouts (pack(keep_dense=True)): packed copies of the layers and head, used by
+        # passes of at least `dual_from` product rows (B x T); smaller ones keep the dense forms
+        self._dual: tuple[list[tuple], torch.Tensor] | None = None
+        self.dual_from = 1
 
     # the fields of a layer tuple that are product weights, and the modules each one feeds
     _PRODUCTS = {1: ("self_attn", ("q_proj", "k_proj", "v_proj")), 3: ("self_attn", ("o_proj",)),
@@ -138,15 +144,27 @@ class LeanLlama:
         block = getattr(self.model.model.layers[index], part)
         return [getattr(block, name) for name in names]
 
-    def pack(self) -> None:
+    def pack(self, keep_dense: bool = False, from_rows: int = 1) -> None:
         """Pack every product weight for oneDNN and free the dense one: each owning module's
         weight becomes a one-element placeholder of the same shape, and a forward pre-hook on it
         (and a state_dict pre-hook on it and on the model) unpacks before anything reads the
         placeholder. A head tied to the embedding is packed as a copy (the embedding lookup
         reads the dense table): the one weight packing holds twice, worth it because the head is
         the widest product of a pass (a quarter of the demo target's weights; for 17 rows oneDNN
-        reads it in half MKL's time). Idempotent; CPU only."""
-        if self._packs or self.embed.device.type != "cpu":
+        reads it in half MKL's time). Idempotent; CPU only.
+
+        keep_dense: keep the dense weights too and pack copies, used by passes of `from_rows`
+        product rows (B x T) or more: one-row steps stay on MKL's dense products (faster there)
+        and wider ones take oneDNN, for the weights' memory once more (a draft model's choice:
+        a draft is small, and it steps one row in a chain but a frontier in a tree)."""
+        if self._packs or self._dual is not None or self.embed.device.type != "cpu":
+            return
+        if keep_dense:
+            with torch.no_grad():
+                layers = [tuple(pack(w) if f in self._PRODUCTS else w for f, w in enumerate(layer))
+                          for layer in self.layers]
+                self._dual = (layers, pack(self.lm_head))
+            self.dual_from = max(1, int(from_rows))
             return
         with torch.no_grad():
             for i, layer in enumerate(self.layers):
@@ -180,7 +198,13 @@ class LeanLlama:
 
     @property
     def packed(self) -> bool:
-        return bool(self._packs)
+        """Some passes run on packed weights (all of them, or the wide ones of a dual layout)."""
+        return bool(self._packs) or self._dual is not None
+
+    @property
+    def dual(self) -> bool:
+        """Both layouts are held: passes of dual_from product rows or more run packed."""
+        return self._dual is not None
 
     @property
     def _tied_copy(self) -> bool:
@@ -191,6 +215,7 @@ class LeanLlama:
         """Dense weights back in the modules (views into the fused tensors, as before packing),
         the packed copies dropped, and dense product forms picked: transformers' forward runs
         on this model again. Idempotent."""
+        self._dual = None
         if not self._packs:
             return
         for hook in self._hooks:
@@ -249,6 +274,11 @@ class LeanLlama:
                 extra += t.untyped_storage().nbytes()
         if self._tied_copy:                                        # the embedding's bytes again
             extra += self.embed.numel() * self.embed.element_size()
+        if self._dual is not None:                                 # the packed copies
+            layers, head = self._dual
+            extra += sum(layer[f].numel() * layer[f].element_size()
+                         for layer in layers for f in self._PRODUCTS)
+            extra += head.numel() * head.element_size()
         return extra
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -282,7 +312,9 @@ class LeanLlama:
         # a row fed nothing sits at its length, which may equal kv_len: one row more
         cos, sin = self._rope(positions, x.dtype, cache.get_seq_length() + 1)         # [B, 1, T, D]
         gqa = {"enable_gqa": True} if self.gqa_in_sdpa else {}
-        for i, (ln1, wqkv, bqkv, wo, bo, ln2, wgu, wdown) in enumerate(self.layers):
+        layers, head = self._dual if self._dual is not None and B * T >= self.dual_from \
+            else (self.layers, self.lm_head)
+        for i, (ln1, wqkv, bqkv, wo, bo, ln2, wgu, wdown) in enumerate(layers):
             if i in capture:
                 captured.append(x)                                                    # [B, T, E]
             qkv = mm(self._rms(x, ln1), wqkv)                                         # [B, T, (H+2Hkv)D]
@@ -303,4 +335,4 @@ class LeanLlama:
             x = x + mm(F.silu(gate) * up, wdown)
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
-        return mm(self._rms(x, self.norm), self.lm_head)                              # [B, T, V]
+        return mm(self._rms(x, self.norm), head)                                      # [B, T, V]

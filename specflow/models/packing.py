@@ -8,12 +8,13 @@ overhead than MKL's, and it streams a single row more slowly), while 5 positions
 runs passes between two ends: one row at one position (plain decoding of a lone request) and a
 full batch at k+1 positions (max_batch_size rows; k = 0 without speculation). `auto` times a pass
 at each end both ways when the pipeline is built and packs when their sum is lower packed; if
-the full pass is the one-row pass, nothing is timed and the weights stay dense. A draft model is
-decided alike when it is built, its fullest step being a tree's frontier (proposer.topk
-positions) or one position in every slot. (Its one-row step is ~0.6 ms dearer packed on the
-demo draft and its 16-row steps ~20% cheaper, so at batch 16 the two ends nearly tie and auto
-may keep it dense, although whole runs of 16 requests measured ~10% faster with it packed:
-`pack=true` packs both.) `true` packs whenever the CPU's torch build can, `false` never. A
+the full pass is the one-row pass, nothing is timed and the weights stay dense. A draft model
+steps between one row (a chain at batch 1) and its fullest step (a tree's frontier, proposer.topk
+positions, or one position, in every slot), and on the demo draft a one-row step is ~0.7 ms
+dearer packed while a 4-row step is ~0.7 ms cheaper: so `choose_draft_pack` times steps of 1, 2,
+4, ... rows both ways and keeps both layouts where packed wins only the wider ones (its weights
+once more: 5.9 MB for the demo draft), each pass taking the faster. `true` packs whenever the
+CPU's torch build can, `false` never (for both models). A
 packed weight replaces the dense one, so neither choice costs memory, but for an LM head tied
 to the embedding, packed as a copy (the lookup reads the dense table): the widest product of a
 pass, a quarter of the demo target's weights, and at 17 positions oneDNN reads it in about half
@@ -53,3 +54,41 @@ def choose_pack(setting, backend, positions: int, rows: int = 1) -> bool:
     if both_ends() >= dense:
         lean.unpack()
     return lean.packed
+
+
+DRAFT_REPS = 15    # passes timed per point and layout for a draft model (its passes are short)
+
+
+def choose_draft_pack(setting, backend, positions: int, rows: int = 1) -> bool:
+    """Apply `pack` for a draft model whose fullest step scores `positions` positions (a tree's
+    frontier, or one) in each of `rows` rows; return whether any of its passes run packed.
+
+    `auto` times steps of 1, 2, 4, ... rows up to `rows` (and the fullest) dense and packed, and
+    packs from the fewest product rows (B x T) at which packed wins there and at every wider
+    point timed. From one row: every weight packed, as for the target. Wider: the draft keeps
+    both layouts (LeanLlama.pack(keep_dense=True)), so its one-row chain steps stay on MKL's
+    dense products (on the demo draft ~0.7 ms cheaper a step) and its frontier steps take
+    oneDNN, for its weights' memory once more (a draft is small by design). Never: dense."""
+    if setting is False or not packable(backend):
+        return False
+    lean = backend.lean
+    if setting is True:
+        lean.pack()
+        return True
+    if positions * rows <= 1:
+        return False
+    points = sorted({(1, 1), *((1, 2 ** i) for i in range(1, rows.bit_length())), (1, rows),
+                     (positions, rows)}, key=lambda p: (p[0] * p[1], p))
+    dense = [pass_seconds(backend, DRAFT_REPS, p, q) for p, q in points]
+    lean.pack(keep_dense=True, from_rows=1)
+    packed = [pass_seconds(backend, DRAFT_REPS, p, q) for p, q in points]
+    lean.unpack()
+    wins = [pk < dn for pk, dn in zip(packed, dense)]
+    start = next((i for i in range(len(points)) if all(wins[i:])), None)
+    if start is None:
+        return False
+    if start == 0:
+        lean.pack()
+    else:
+        lean.pack(keep_dense=True, from_rows=points[start][0] * points[start][1])
+    return True

@@ -72,8 +72,9 @@ def test_a_draft_model_packs_by_the_same_rule_at_its_fullest_step(monkeypatch, t
                                  "proposer=draft", "proposer.k=4", *tree])
     fullest = topk * rows > 1
     assert pipe.draft_packed is (fullest and packed_faster)
-    assert pipe.draft.lean.packed is pipe.draft_packed
-    assert set(timed) == ({(False, 1, 1), (False, topk, rows), (True, 1, 1), (True, topk, rows)}
+    assert pipe.draft.lean.packed is pipe.draft_packed and not pipe.draft.lean.dual
+    points = {(1, 1), (1, rows), (topk, rows)} | ({(1, 2)} if rows >= 2 else set())
+    assert set(timed) == ({(packed, p, q) for packed in (False, True) for p, q in points}
                           if fullest else set())
     off = Pipeline.from_config([*DEMO, "draft=demo", "proposer=draft", "pack=false"])
     assert off.draft_packed is False and not off.draft.lean.packed
@@ -83,3 +84,42 @@ def test_synthetic_models_never_pack_and_nonsense_is_refused():
     assert Pipeline.from_config(["model=synthetic", "draft=synthetic", "pack=true"]).packed is False
     with pytest.raises(ConfigError, match=r"pack='sometimes'; use auto"):
         Pipeline.from_config(["model=synthetic", "draft=synthetic", "pack=sometimes"])
+
+
+@needs_onednn
+def test_a_draft_keeps_both_layouts_when_packed_wins_only_on_its_wider_steps(monkeypatch):
+    """One-row chain steps faster dense, four-row frontier steps faster packed: the draft keeps
+    both (its weights once more), each pass taking the faster, and decodes the same tokens."""
+    def fake(backend, reps=5, positions=1, rows=1):
+        wide = positions * rows >= 4
+        fast = backend.lean.packed == wide
+        return (0.004 if fast else 0.006) * (1 + positions * rows / 10)
+
+    tree = ["draft=demo", "proposer=draft", "proposer.k=4", "proposer.topk=4",
+            "proposer.num_draft_tokens=8"]
+    monkeypatch.setattr(packing, "pass_seconds", fake)
+    pipe = Pipeline.from_config([*DEMO, *tree])
+    lean = pipe.draft.lean
+    assert pipe.draft_packed and lean.dual and lean.dual_from == 4
+    assert lean.extra_bytes() >= sum(p.numel() * 4 for p in lean.model.parameters()) * 0.9
+    calls = []
+    real = lean._dual[1]
+    monkeypatch.setattr(packing, "pass_seconds", lambda *a, **k: 0.0)
+    dense = Pipeline.from_config([*DEMO, *tree, "pack=false"])
+    original = lean.mm
+
+    vocab = lean.embed.shape[0]
+
+    def spy(x, w):          # the head may see fewer rows than its pass (logits_to_keep)
+        if w.shape[0] != vocab:
+            calls.append((x.numel() // x.shape[-1], w.is_mkldnn))
+        return original(x, w)
+    lean.mm = spy
+    prompts = ["def fibonacci(n):", "class Stack:\n    def push(self, x):"]
+    assert [r.token_ids for r in pipe.generate(prompts, max_new_tokens=24)] == \
+        [r.token_ids for r in dense.generate(prompts, max_new_tokens=24)]
+    assert {packed for rows, packed in calls if rows < 4} == {False}
+    assert {packed for rows, packed in calls if 4 <= rows <= 64} == {True}
+    assert real is lean._dual[1]
+    lean.unpack()
+    assert not lean.packed and not lean.dual

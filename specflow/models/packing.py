@@ -34,17 +34,23 @@ def packable(backend) -> bool:
     return lean is not None and backend.device.type == "cpu" and can_pack(backend.model.dtype)
 
 
+def _untimed(setting, backend, positions: int, rows: int) -> bool | None:
+    """What `pack` decides without timing anything, applied: false, a backend that cannot pack
+    and a fullest pass of one position in one row stay dense, true packs; None: auto times."""
+    if setting is False or not packable(backend) or (setting is not True and positions * rows <= 1):
+        return False
+    if setting is True:
+        backend.lean.pack()
+        return True
+    return None
+
+
 def choose_pack(setting, backend, positions: int, rows: int = 1) -> bool:
     """Apply `pack` for the target `backend`, whose fullest pass scores `positions` positions
     (k+1) in each of `rows` rows (the batch); return whether its weights are packed."""
-    if setting is False or not packable(backend):
-        return False
+    if (decided := _untimed(setting, backend, positions, rows)) is not None:
+        return decided
     lean = backend.lean
-    if setting is True:
-        lean.pack()
-        return True
-    if positions * rows <= 1:
-        return False
 
     def both_ends() -> float:
         return pass_seconds(backend, REPS) + pass_seconds(backend, REPS, positions, rows)
@@ -69,14 +75,9 @@ def choose_draft_pack(setting, backend, positions: int, rows: int = 1) -> bool:
     both layouts (LeanLlama.pack(keep_dense=True)), so its one-row chain steps stay on MKL's
     dense products (on the demo draft ~0.7 ms cheaper a step) and its frontier steps take
     oneDNN, for its weights' memory once more (a draft is small by design). Never: dense."""
-    if setting is False or not packable(backend):
-        return False
+    if (decided := _untimed(setting, backend, positions, rows)) is not None:
+        return decided
     lean = backend.lean
-    if setting is True:
-        lean.pack()
-        return True
-    if positions * rows <= 1:
-        return False
     points = sorted({(1, 1), *((1, 2 ** i) for i in range(1, rows.bit_length())), (1, rows),
                      (positions, rows)}, key=lambda p: (p[0] * p[1], p))
     dense = [pass_seconds(backend, DRAFT_REPS, p, q) for p, q in points]

@@ -645,12 +645,14 @@ class GoodputPolicy:
             self.draft_fit.add((1.0, max(levels), sum(result.num_drafts)), draft)
         # the draft's catch-up: seconds per token fed, and what each drafting row's draft holds
         # now (everything committed but the last token, which the next round feeds)
-        lagged = sum(lag for _, lag in self._fed.values())
+        # (a row the length cap or the draft's own context held at k = 0 was not fed)
+        fed = [(rid, c) for rid, k, c in zip(result.request_ids, result.num_drafts,
+                                             result.committed) if k and rid in self._fed]
+        lagged = sum(self._fed[rid][1] for rid, _ in fed)
         if lagged:
             self.catch_up.add(lagged, times.get("prefill", 0.0))
-        for rid, committed in zip(result.request_ids, result.committed):
-            if rid in self._fed:
-                self._seen[rid] = self._fed[rid][0] + len(committed) - 1
+        for rid, committed in fed:
+            self._seen[rid] = self._fed[rid][0] + len(committed) - 1
         self._fed = {}
         # the round's own work: a new prompt's catch-up is not the mode's, the policy's time
         # is every round's

@@ -447,6 +447,14 @@ def test_goodput_learns_the_catch_up_seconds_per_token_and_what_each_draft_holds
         if any(k):       # the drafts hold what was committed, but the last token
             assert pol._seen[0] == len(batch.token_ids[0]) + 2 - 1
     assert pol.catch_up.coef()[1] == pytest.approx(30e-6, rel=0.05)
+    # a row given k but held at 0 after the policy (the length cap, the draft's own context)
+    # was not fed: what its draft holds and the catch-up fit stay as they were
+    seen, fit = dict(pol._seen), pol.catch_up.coef()
+    batch.token_ids[0].extend([1] * 50)
+    pol._since_plain.clear()                      # (not a round forced without drafts)
+    assert pol.specflow_draft_length(batch).sum() > 0
+    pol.specflow_observe(_timed_round(0, 2, 1, 0.010))
+    assert pol._seen == seen and pol.catch_up.coef() == fit
     pol.specflow_request_end(0, SimpleNamespace(request_id=0), "length")
     assert 0 not in pol._seen
 

@@ -14,9 +14,9 @@ positions, or one position, in every slot), and on the demo draft a one-row step
 dearer packed while a 4-row step is ~0.7 ms cheaper: so `choose_draft_pack` times steps of 1, 2,
 4, ... rows both ways and keeps both layouts where packed wins only the wider ones (its weights
 once more: 5.9 MB for the demo draft), each pass taking the faster. `true` packs whenever the
-CPU's torch build can, `false` never (for both models). A
-packed weight replaces the dense one, so neither choice costs memory, but for an LM head tied
-to the embedding, packed as a copy (the lookup reads the dense table): the widest product of a
+CPU's torch build can, `false` never (for both models). For the
+target a packed weight replaces the dense one, so neither choice costs memory, but for an LM
+head tied to the embedding, packed as a copy (the lookup reads the dense table): the widest product of a
 pass, a quarter of the demo target's weights, and at 17 positions oneDNN reads it in about half
 MKL's time (a 17-position tree pass 12 ms packed against 18-23 dense). A change of thread count
 afterwards keeps the choice. CUDA, forward=hf and non-lean models never pack.

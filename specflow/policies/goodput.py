@@ -299,6 +299,18 @@ def measured_target_cost(target, positions: int, rows: int) -> tuple[float, floa
     return max(one - b, 0.0), b
 
 
+def timed_draft_model(ctx):
+    """The draft model a `proposer=draft` pipeline steps, when its passes can be timed (a real
+    model, not the synthetic clock); None otherwise, without loading one for other proposers."""
+    proposer = proposer_cfg(ctx)
+    if proposer is None or proposer.get("name") != "draft":
+        return None
+    draft = ctx.draft                                     # (loads the model on first use)
+    if draft is None or getattr(draft, "clock", None) is not None or not hasattr(draft, "truncate"):
+        return None
+    return draft
+
+
 def measured_branch_cost(ctx) -> float:
     """Seconds one more frontier node adds to a tree step of a draft model or head (a forward
     over topk positions against one), timed when the policy is built; 0 for chains, simulated
@@ -311,9 +323,8 @@ def measured_branch_cost(ctx) -> float:
     step = getattr(ctx, "draft_step_seconds", None)      # a draft head (proposer=eagle)
     if step is not None:
         return max(0.0, (step(1, positions=width) - step(1)) / (width - 1))
-    draft = ctx.draft
-    if proposer_cfg(ctx).get("name") != "draft" or draft is None \
-            or getattr(draft, "clock", None) is not None or not hasattr(draft, "truncate"):
+    draft = timed_draft_model(ctx)
+    if draft is None:
         return 0.0
     return max(0.0, (pass_seconds(draft, 5, width) - pass_seconds(draft, 5)) / (width - 1))
 
@@ -344,11 +355,8 @@ def measured_catch_up_cost(ctx) -> float:
     simulated models (then it is learned from the rounds' catch-up seconds, if any)."""
     from specflow.models.threads import pass_seconds
 
-    proposer = proposer_cfg(ctx)
-    if proposer is None or proposer.get("name") != "draft":    # (ctx.draft loads the model)
-        return 0.0
-    draft = ctx.draft
-    if draft is None or getattr(draft, "clock", None) is not None or not hasattr(draft, "truncate"):
+    draft = timed_draft_model(ctx)
+    if draft is None:
         return 0.0
     return max(0.0, (pass_seconds(draft, 3, 64) - pass_seconds(draft, 3)) / 63)
 
@@ -403,8 +411,8 @@ class GoodputPolicy:
         # extrapolation (50% over on the demo pair at batch 16, so drafting looked worth it)
         self._plain: dict[int, deque[float]] = {}
         self._since_plain: dict[int, int] = {}   # drafting rounds per batch size since its last
-                                                 # round without drafts
-        self._drafted: dict[int, int] = {}       # drafting rounds per batch size
+                                                 # round without drafts (kept by observe)
+        self._drafted: dict[int, int] = {}       # drafting rounds per batch size (kept by observe)
         # a draft model catches a row up on the tokens it has not fed before the row drafts (a
         # new prompt; tokens committed while the row was at k = 0): seconds = c x tokens, c
         # timed at build and fitted on the rounds' catch-up seconds
@@ -466,14 +474,10 @@ class GoodputPolicy:
         rounds run without drafts, and then one after every explore_every drafting rounds."""
         if not (self.padded and size and any(k)):
             return k
-        drafted = self._drafted.get(size, 0)
-        since = self._since_plain.get(size, 0)
-        if (drafted >= self.MIN_DRAFTED and len(self._plain.get(size, ())) < self.PLAIN_FIRST) \
-                or since >= self.cfg.explore_every:
-            self._since_plain[size] = 0
+        first = self._drafted.get(size, 0) >= self.MIN_DRAFTED \
+            and len(self._plain.get(size, ())) < self.PLAIN_FIRST
+        if first or self._since_plain.get(size, 0) >= self.cfg.explore_every:
             return [0] * size
-        self._since_plain[size] = since + 1
-        self._drafted[size] = drafted + 1
         return k
 
     LAG_FREE = 2       # tokens a row's draft may lag and catch up in its first step, for nothing
@@ -657,14 +661,18 @@ class GoodputPolicy:
         # the round's own work: a new prompt's catch-up is not the mode's, the policy's time
         # is every round's
         work = spent - times.get("prefill", 0.0) - times.get("policy", 0.0)
+        size = len(result.num_drafts)
         if self.padded and not longest and work > 0:   # plain decoding at this batch, measured
-            self._plain.setdefault(len(result.num_drafts),
-                                   deque(maxlen=self.PLAIN_KEPT)).append(work)
+            self._plain.setdefault(size, deque(maxlen=self.PLAIN_KEPT)).append(work)
+            self._since_plain[size] = 0
+        elif longest:
+            self._since_plain[size] = self._since_plain.get(size, 0) + 1
+            self._drafted[size] = self._drafted.get(size, 0) + 1
         if longest and work > 0:                    # what this round's mode achieved, by batch
             by_batch = self._mode_done[self.mode]
             for done in by_batch.values():
                 done *= 1 - self.cfg.cost_memory
-            by_batch.setdefault(len(result.num_drafts), np.zeros(2))[:] += \
+            by_batch.setdefault(size, np.zeros(2))[:] += \
                 [sum(len(c) for c in result.committed), work]
             self._mode_count[self.mode] = self._mode_count.get(self.mode, 0) + 1
         if self.mode == "tree" and sum(levels):    # nodes per level of the trees just scored

@@ -296,6 +296,17 @@ def test_goodput_times_a_draft_head_s_step_as_it_times_a_draft_model():
     assert pipe.generate("def f(x):", max_new_tokens=8)[0].token_ids
 
 
+def test_goodput_times_no_draft_model_for_an_ngram_tree():
+    """Branch and catch-up costs are timed on a draft model only for proposer=draft: an n-gram
+    tree pipeline with a draft configured never loads it."""
+    from specflow import Pipeline
+
+    pipe = Pipeline.from_config(["model=demo", "draft=demo", "proposer=ngram", "proposer.topk=4",
+                                 "proposer.num_draft_tokens=8", "policy=goodput", "threads=2"])
+    assert pipe.ctx._draft is None
+    assert pipe.pm.get_plugin("policy.goodput").catch_up.coef()[1] == 0.0
+
+
 def test_goodput_prices_a_tree_by_the_nodes_it_scores_per_level(make_pipeline):
     """A depth-k tree costs 1 + w k positions, w learned from the trees scored (a fixed 16-node
     n-gram tree: 4 per level); chains stay k + 1."""

@@ -24,12 +24,12 @@ from specflow.stages.proposers.eagle import EagleProposer, EagleProposerConfig
 from specflow.stages.proposers.ngram import NgramProposer, NgramProposerConfig
 from specflow.stages.proposers.none import NoneProposer, NoneProposerConfig
 from specflow.stages.stop import StopConfig, StopTrimmer
-from specflow.stages.verify import StandardVerifier
+from specflow.stages.verify import StandardVerifier, StandardVerifierConfig
 
 
 @dataclass
 class NamedOnly:
-    """Schema of options that have nothing to set (constraint=none, draft=none, verifier=standard)."""
+    """Schema of options that have nothing to set (constraint=none, draft=none)."""
 
     name: str
 
@@ -95,7 +95,7 @@ def specflow_register(registry):
     add("constraint", "json_schema", GrammarConstraint, JsonSchemaConfig)
     add("constraint", "regex", GrammarConstraint, RegexConfig)
     add("constraint", "choice", GrammarConstraint, ChoiceConfig)
-    add("verifier", "standard", StandardVerifier, NamedOnly)
+    add("verifier", "standard", StandardVerifier, StandardVerifierConfig)
     add("stop", "default", StopTrimmer, StopConfig)
     add("policy", "static", StaticPolicy, StaticPolicyConfig)
     add("policy", "adaptive", AdaptivePolicy, AdaptivePolicyConfig)

@@ -180,7 +180,9 @@ class Engine:
             prompt_lens=[len(r.request.prompt_ids) for r in rows],
             max_new_tokens=[r.request.max_new_tokens for r in rows],
             generators=[r.generator for r in rows], greedy=pipe.greedy,
-            max_batch_size=self.capacity, shaper=pipe.shape)
+            max_batch_size=self.capacity, shaper=pipe.shape,
+            seeds=torch.tensor([r.request.seed for r in rows], dtype=torch.long)
+            if pipe.draws_by_position else None)
         result, trim, shaped = pipe._round(batch, self.round_index)
         self.round_index += 1
         if any(r.request.logprobs is not None for r in rows):
@@ -221,7 +223,7 @@ class Engine:
         while self.queue and self.free:
             req = self.queue.popleft()
             slot = self.free.pop(0)
-            gen = None if pipe.greedy else torch.Generator(
+            gen = None if pipe.greedy or pipe.draws_by_position else torch.Generator(
                 device=pipe.target.device).manual_seed(req.seed)
             self.active[slot] = row = Row(req, slot, list(req.prompt_ids), gen)
             admitted.append(row)

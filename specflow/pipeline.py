@@ -105,6 +105,10 @@ class Pipeline:
         self.pm = new_plugin_manager()
         self.hook = self.pm.hook
         self.greedy = is_greedy(cfg.get("logits"))
+        # sampling draws keyed by (seed, position): the standard verifier's default rule (a
+        # plugin verifier without `rule` gets per-request generator streams, as before)
+        self.draws_by_position = not self.greedy and \
+            (cfg.get("verifier") or {}).get("rule") == "coupled"
         self.clock = SimClock()
         self.empty_rows = EmptyRowLog()     # this round's shape() calls, checked after verify
         self.sampling_settings: list[str] = []   # what a request may set for itself (sampling=)

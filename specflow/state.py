@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from specflow.stages.sampling import position_choice, sample_categorical
+
 if TYPE_CHECKING:
     pass
 
@@ -33,6 +35,24 @@ class DecodeBatch:
     # [B] per row, the least chance of acceptance a tree node must have to be proposed this round
     # (specflow_node_price); None = the proposer's configured budget alone decides
     node_price: list[float] | None = None
+    # [B] long, each row's request seed when sampling draws are keyed by (seed, position)
+    # (verifier.rule=coupled); None: draws come from `generators` (rule=rejection) or greedy
+    seeds: torch.Tensor | None = None
+
+    @property
+    def draws_by_position(self) -> bool:
+        """Sampling whose draws are a function of (seed, position): the verifier commits the
+        token plain sampling would, so it matches every child of a node against that one token."""
+        return not self.greedy and self.seeds is not None
+
+    def sample(self, probs: torch.Tensor, offset: int) -> torch.Tensor:
+        """One draft per row from q [B, V] for the token `offset` places after each row's
+        committed tokens, with the draws the verifier will use there -> [B] long."""
+        if self.seeds is None:
+            return sample_categorical(probs, self.generators)
+        positions = torch.tensor([[len(ids) + offset] for ids in self.token_ids],
+                                 device=probs.device)                                # [B, 1]
+        return position_choice(probs[:, None], self.seeds, positions)[:, 0]
 
     def shape(self, logits: torch.Tensor, draft_token_ids: torch.Tensor, first_draft_index: int,
               source: str) -> torch.Tensor:
@@ -53,7 +73,8 @@ class DecodeBatch:
             max_new_tokens=[self.max_new_tokens[b] for b in rows],
             generators=[self.generators[b] for b in rows], greedy=self.greedy,
             max_batch_size=self.max_batch_size, shaper=self.shaper,
-            node_price=None if self.node_price is None else [self.node_price[b] for b in rows])
+            node_price=None if self.node_price is None else [self.node_price[b] for b in rows],
+            seeds=None if self.seeds is None else self.seeds[rows])
 
     def num_generated(self, row: int) -> int:
         return len(self.token_ids[row]) - self.prompt_lens[row]
@@ -225,6 +246,9 @@ class RoundResult:
     accepted_nodes: list[list[int]] | None = None
     num_examined: list[int] | None = None
     tree_depths: list[int] | None = None   # [B] each row's deepest node (num_drafts counts nodes)
+    # [B] tokens the round drew up to and including the one that ended the row: the committed
+    # ones plus an EOS or a stop string's tokens the trim held back (None: len(committed))
+    drawn: list[int] | None = None
 
     def draft_lengths(self) -> list[int]:
         """Per row, the most tokens the drafts could have added: k for a chain, the depth for

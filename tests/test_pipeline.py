@@ -85,7 +85,8 @@ def test_desynchronised_draft_cache_lowers_acceptance(make_pipeline, monkeypatch
     for fault in (False, True):
         if fault:
             leak_draft_cache(monkeypatch)
-        pipe = make_pipeline("proposer=draft", "draft.noise=0.3", "logits=[temperature]")
+        pipe = make_pipeline("proposer=draft", "draft.noise=0.3", "logits=[temperature]",
+                             "verifier.rule=rejection")     # whose acceptance is 1 - TV(p, q)
         pipe.generate(PROMPTS, max_new_tokens=100)
         alphas[fault] = pipe.last_stats["alpha"]
     assert alphas[False] == pytest.approx(0.86, abs=0.03)      # the pair's true acceptance
@@ -165,7 +166,7 @@ def test_metrics_count_examined_drafts_not_proposed(make_pipeline):
     per_pos = s["acceptance_per_position"]
     assert len(per_pos) == 8 and all(0 <= a <= 1 for a in per_pos)
     # the synthetic clock charges c per draft step; rows capped near their end waste a little
-    assert s["c"] == pytest.approx(0.1, rel=0.01)
+    assert s["c"] == pytest.approx(0.1, rel=0.05)
 
 
 def test_stop_strings_and_eos_through_the_pipeline(make_pipeline):
@@ -184,15 +185,17 @@ def test_stop_strings_and_eos_through_the_pipeline(make_pipeline):
 
 
 @pytest.mark.slow
-def test_sampling_distribution_is_the_targets_with_and_without_speculation(make_pipeline):
-    """First-3-token histograms: speculative vs plain vs the exact target distribution."""
+@pytest.mark.parametrize("rule", ["coupled", "rejection"])
+def test_sampling_distribution_is_the_targets_with_and_without_speculation(make_pipeline, rule):
+    """First-3-token histograms: speculative vs plain vs the exact target distribution, under
+    either verifier rule."""
     small = ["model.vocab_size=6", "model.contexts=16"]
     n = 20_000
 
     def sample(proposer):
         k = ["proposer.k=3"] if proposer != "none" else []
         pipe = make_pipeline(f"proposer={proposer}", "logits=[temperature]", "draft.noise=0.6",
-                             "max_batch_size=512", *k, *small)
+                             "max_batch_size=512", f"verifier.rule={rule}", *k, *small)
         res = pipe.generate(["a"] * n, max_new_tokens=3, seed=1 if proposer == "none" else 99_999)
         codes = np.array([r.token_ids[0] * 36 + r.token_ids[1] * 6 + r.token_ids[2] for r in res])
         return np.bincount(codes, minlength=216), pipe

@@ -40,13 +40,16 @@ class Arm:
 
 
 MODEL_KEYS = ("vocab_size", "contexts", "concentration", "seed")
+# the articles' formulas are for rejection sampling (acceptance 1 - TV(p, q)); the default coupled
+# rule accepts a sampled draft less often (docs/decisions.md)
+ARTICLES_RULE = ("verifier.rule=rejection",)
 
 
 def run_arm(arm: Arm, model: dict | None = None) -> dict:
     """One static-k sampling run over `rows` sequences of `tokens` tokens; returns the figures."""
     model_overrides = [f"model.{key}={model[key]}" for key in MODEL_KEYS if key in (model or {})]
     overrides = ["model=synthetic", "draft=synthetic", "proposer=draft", "policy=static",
-                 "logits=[temperature]", f"draft.noise={arm.noise}", f"draft.step_cost={arm.c}",
+                 "logits=[temperature]", *ARTICLES_RULE, f"draft.noise={arm.noise}", f"draft.step_cost={arm.c}",
                  f"proposer.k={arm.k}", f"max_batch_size={arm.rows}",
                  f"max_new_tokens={arm.tokens}", f"seed={arm.seed}", *model_overrides]
     pipe = Pipeline(compose(overrides))
@@ -140,7 +143,7 @@ def policy_mix(arms: dict[str, list[str]], mix: dict[str, float], requests: int,
     classes = list(mix)
     prompts = [f"{classes[i % len(classes)]} {i}" for i in range(requests)]
     noise = ", ".join(f"{name}: {n}" for name, n in mix.items())
-    base = ["model=synthetic", "draft=synthetic", "proposer=draft", "logits=[temperature]",
+    base = ["model=synthetic", "draft=synthetic", "proposer=draft", "logits=[temperature]", *ARTICLES_RULE,
             f"draft.noise_by_prefix={{{noise}}}", f"max_batch_size={rows}", f"seed={seed}",
             f"model.token_cost={costs['target_token']}", f"draft.step_cost={costs['draft_step']}",
             f"draft.token_cost={costs['draft_token']}",

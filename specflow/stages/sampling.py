@@ -1,8 +1,17 @@
 """Random draws for verification and drafting, reproducible per request.
 
-`generator` may be one torch.Generator for the batch, or a list with one per row. With a list,
-row b consumes its draws from its own generator only, so a seeded request gets the same tokens
-whatever batch it shares (the per-row draws are the only loop).
+Two schemes:
+- Per position (the pipeline's default, `verifier.rule=coupled`): the draws for the token at
+  position n of a request are a fixed function of (its seed, n), computed by a counter-based hash
+  (`position_exponentials`) rather than read from a stream. The token plain sampling would put at
+  n is argmax(p / E(seed, n)) (the exponential race), and a speculative round commits exactly that
+  token, whatever was drafted: a seeded request gives the same tokens whatever the policy, the
+  draft length, the batch and the load (docs/decisions.md, "Sampling draws keyed by position").
+  No generator, no per-row loop, nothing read back from the device.
+- Per stream (`verifier.rule=rejection` and the public `verify()`): `generator` may be one
+  torch.Generator for the batch, or a list with one per row. With a list, row b consumes its
+  draws from its own generator only, so a seeded request gets the same tokens whatever batch it
+  shares, as long as its draft lengths are the same (the per-row draws are the only loop).
 """
 from __future__ import annotations
 
@@ -11,6 +20,63 @@ from typing import Sequence
 import torch
 
 Generators = torch.Generator | Sequence[torch.Generator | None] | None
+
+_M32 = 0xFFFFFFFF
+_COLUMNS: dict[tuple[int, str], torch.Tensor] = {}    # (V, device) -> the vocabulary's hash offsets
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser (lowbias32-style) on int64 tensors holding values < 2^32; every
+    product stays below 2^63, so nothing relies on overflow."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & _M32
+    return x ^ (x >> 16)
+
+
+def position_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One 32-bit key per (seed, position): seeds [B] long (any value in [0, 2^63)), positions
+    [B, P] long -> [B, P] int64 in [0, 2^32)."""
+    seeds = seeds.to(positions.device)
+    low, high = (seeds & _M32)[:, None], (seeds >> 32)[:, None]                   # [B, 1]
+    return _mix32(_mix32(_mix32(low) ^ positions) ^ high)                          # [B, P]
+
+
+def _columns(vocab_size: int, device: torch.device) -> torch.Tensor:
+    key = (vocab_size, str(device))
+    col = _COLUMNS.get(key)
+    if col is None:     # token v's offset from the key: v times the 32-bit golden ratio, as int32
+        col = ((torch.arange(vocab_size, dtype=torch.long) * 0x9E3779B1) & _M32)
+        col = _COLUMNS[key] = torch.where(col >= 2 ** 31, col - 2 ** 32, col).to(torch.int32).to(device)
+    return col                                                                     # [V] int32
+
+
+def position_exponentials(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Exponential(1) draws [B, P, V] float32, a fixed function of (seed, position, token).
+
+    The per-token part runs in int32 with wrapping products (as two's-complement hardware and
+    torch's CPU and CUDA kernels compute them; tests/stages/test_sampling.py checks the values
+    against an exact reference) and logical shifts made by masking; its top 24 bits give the
+    uniform w, as torch.rand's float32 draws have 24 bits. E = -log(1 - w) is finest near E = 0,
+    where the race is decided, and never 0 (w >= 2^-25); a w that rounds up to 1 gives E = inf, a
+    token that cannot win."""
+    keys = position_keys(seeds, positions)                                          # [B, P]
+    keys = torch.where(keys >= 2 ** 31, keys - 2 ** 32, keys).to(torch.int32)
+    x = keys[..., None] + _columns(vocab_size, positions.device)                   # [B, P, V]
+    x.bitwise_xor_((x >> 16) & 0xFFFF)
+    x.mul_(0x7FEB352D)
+    x.bitwise_xor_((x >> 15) & 0x1FFFF)
+    x.mul_(0x2C1B3C6D)
+    x.bitwise_xor_((x >> 16) & 0xFFFF)
+    w = ((x >> 8) & 0xFFFFFF).to(torch.float32).add_(0.5).mul_(2.0 ** -24)        # (0, 1]
+    return w.neg_().log1p_().neg_()
+
+
+def position_choice(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The token plain sampling puts at each position: argmax(p / E(seed, position)) over
+    unnormalised non-negative weights probs [B, P, V] -> [B, P] long (Categorical(p) exactly)."""
+    return (probs / position_exponentials(seeds, positions, probs.shape[-1])).argmax(-1)
 
 
 def row_uniforms(shape: tuple[int, int], k: list[int], generator: Generators,

@@ -18,7 +18,6 @@ from specflow.errors import ConfigError
 from specflow.plugins import hookimpl
 from specflow.stages.proposers.draft_tree import Calibration, DraftTree, draft_trees, keep_path, learn
 from specflow.stages.tree import chain_only, tree_budget
-from specflow.stages.sampling import sample_categorical
 from specflow.state import PAD, Proposal
 
 
@@ -106,7 +105,7 @@ def draft_steps(batch, ks: list[int], K: int, vocab_size: int, device, step):
             x = shaped.argmax(-1)                                                   # [L]
         else:
             q = shaped.softmax(-1)                                                  # [L, V]
-            x = sample_categorical(q, sub.generators)
+            x = sub.sample(q, i)                                                    # [L]
             probs[idx, i] = q
         drafts[idx, i] = x
     return drafts, probs
@@ -209,7 +208,8 @@ class DraftModelProposer:
         if self.trees:
             if result.accepted_nodes is not None:
                 slots = batch.slots.tolist()
-                learn(self.calibration, self.trees, slots, result.accepted_nodes, batch.greedy)
+                learn(self.calibration, self.trees, slots, result.accepted_nodes,
+                      batch.greedy or batch.draws_by_position)
                 keep_path(self.model, slots, self.trees, result.accepted_nodes)
             self.trees = {}
         keep = [len(ids) - 1 for ids in batch.token_ids]

@@ -113,7 +113,8 @@ class Calibration:
 
     def observe(self, tree: DraftTree, path: list[int], greedy: bool) -> None:
         """The verifier's verdicts on one row's tree: at the root and at each accepted node, its
-        children were tried in order until one was accepted (greedy tries them all)."""
+        children were tried in order until one was accepted; `greedy`: every child was matched
+        against one token (greedy verification, or sampling with draws keyed by position)."""
         kids: dict[int, list[int]] = {}
         for n, p in enumerate(tree.parents):
             kids.setdefault(p, []).append(n)

@@ -83,7 +83,7 @@ def main() -> None:
         rows.append({
             "arm": name, "overrides": ARMS[name],
             "tokens_per_second": run["tokens"] / run["seconds"],
-            "tau": sum(s["num_committed_tokens"] for s in run["stats"]) / rounds,
+            "tau": sum(s["num_drawn_tokens"] for s in run["stats"]) / rounds,
             "nodes_per_round": sum(s["num_draft_tokens"] for s in run["stats"]) / rounds,
             "ms_per_round": {k: 1000 * v / rounds for k, v in stages.items()},
             "identical_outputs": sum(a == b for a, b in zip(run["outputs"],

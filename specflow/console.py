@@ -40,7 +40,7 @@ def metrics_table(stats: dict, title: str = "metrics (formulas: specflow/metrics
          f"{stats['num_accepted_tokens']}"),
         ("acceptance_rate = accepted / proposed", _f(stats["acceptance_rate"])),
         ("α = accepted / examined", _f(stats["alpha"])),
-        ("τ = committed / target passes", _f(stats["mean_acceptance_length"])),
+        ("τ = drawn / target passes (committed + the ending EOS / stop tokens)", _f(stats["mean_acceptance_length"])),
         ("acceptance per position", " ".join(_f(a, 2) for a in stats["acceptance_per_position"])
          or "-"),
         ("c (measured draft cost per token / target pass)", _f(stats["c"])),

@@ -4,7 +4,9 @@ Formulas, published with the numbers (pitfalls 15 and 24 in docs/design.md):
     acceptance_rate        = accepted / proposed draft tokens                       (vLLM's)
     alpha                  = accepted / examined draft tokens; a draft is examined when every
                              draft before it was accepted (never-examined drafts are not "rejected")
-    mean_acceptance_length = committed tokens / target passes                       (tau)
+    mean_acceptance_length = drawn tokens / target passes                            (tau)
+                             drawn = committed + the token that ended a request where it is not
+                             returned (an EOS, a stop string's tokens): plain decoding is 1.0
     c                      = (propose time per draft token) / (target time per pass), measured
     predicted_speedup      = (1 - alpha^(k+1)) / ((1 - alpha)(k c + 1)), k = mean drafts per round
                              that drafted; rounds without drafts (a proposer with nothing to
@@ -43,6 +45,8 @@ class Counters:
     num_examined_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_committed_tokens: int = 0          # after stop trimming: what the user receives
+    num_drawn_tokens: int = 0              # committed + the EOS / stop-string tokens that ended
+                                           # a request (drawn by a pass, not returned): tau's
     num_tree_drafts: int = 0               # rounds a row drafted a token tree (its
                                            # num_draft_tokens are nodes; per position = per level)
     accepted_per_position: list[int] = field(default_factory=list)
@@ -55,9 +59,10 @@ class Counters:
     sim_time: dict[str, float] = field(default_factory=dict)   # synthetic backend's clock
 
     def add_row(self, k: int, accepted: int, committed: int, skip_reason: str | None = None,
-                examined: int | None = None) -> None:
+                examined: int | None = None, drawn: int | None = None) -> None:
         """One row of one round. k: drafts (a tree's nodes); examined: the tree levels the
-        verifier tried (a chain: min(accepted + 1, k)); per-position counts are per depth."""
+        verifier tried (a chain: min(accepted + 1, k)); per-position counts are per depth;
+        drawn: tokens the pass drew through the one that ended the row (default committed)."""
         tree = examined is not None
         if examined is None:
             examined = min(accepted + 1, k)
@@ -71,6 +76,7 @@ class Counters:
         self.num_examined_draft_tokens += examined
         self.num_accepted_tokens += accepted
         self.num_committed_tokens += committed
+        self.num_drawn_tokens += committed if drawn is None else max(drawn, committed)
         self.tokens_per_step_histogram[committed] += 1
         depth = examined if tree else k
         if depth > len(self.examined_per_position):
@@ -84,7 +90,7 @@ class Counters:
 
     COUNTS = ("num_rounds", "num_target_passes", "num_drafts", "num_draft_tokens",
               "num_examined_draft_tokens", "num_accepted_tokens", "num_committed_tokens",
-              "num_tree_drafts")
+              "num_tree_drafts", "num_drawn_tokens")
 
     @classmethod
     def from_dict(cls, d: dict) -> "Counters":
@@ -92,6 +98,8 @@ class Counters:
         c = cls()
         for key in cls.COUNTS:
             setattr(c, key, int(d.get(key, 0)))
+        if "num_drawn_tokens" not in d:      # written before tau counted the ending token
+            c.num_drawn_tokens = c.num_committed_tokens
         c.accepted_per_position = list(d.get("accepted_per_position", []))
         c.examined_per_position = list(d.get("examined_per_position", []))
         c.tokens_per_step_histogram = Counter({int(n): v for n, v in
@@ -126,7 +134,7 @@ class Counters:
         return {
             "acceptance_rate": self.num_accepted_tokens / proposed if proposed else 0.0,
             "alpha": alpha,
-            "mean_acceptance_length": (self.num_committed_tokens / self.num_target_passes
+            "mean_acceptance_length": (self.num_drawn_tokens / self.num_target_passes
                                        if self.num_target_passes else 0.0),
             "mean_k": mean_k,
             "acceptance_per_position": [a / e if e else 0.0 for a, e in
@@ -188,11 +196,12 @@ class MetricsRecorder:
         seconds = result.seconds
         reasons = result.skip_reasons or [None] * len(result.request_ids)
         examined = result.num_examined or [None] * len(result.request_ids)
-        for rid, k, acc, committed, why, seen in zip(result.request_ids, result.num_drafts,
-                                                     result.num_accepted, result.committed,
-                                                     reasons, examined):
+        drawn = result.drawn or [None] * len(result.request_ids)
+        for rid, k, acc, committed, why, seen, n in zip(result.request_ids, result.num_drafts,
+                                                        result.num_accepted, result.committed,
+                                                        reasons, examined, drawn):
             for counters in (self.requests[rid], self.total):
-                counters.add_row(k, acc, len(committed), why, seen)
+                counters.add_row(k, acc, len(committed), why, seen, n)
             self.round_commits[rid].append(len(committed))
             self.requests[rid].add_seconds(seconds)
             if result.sim_time:

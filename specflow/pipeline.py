@@ -396,8 +396,9 @@ class Pipeline:
         that request. Speculation stays exact per row: draft and target share the shaping call.
         indices: each prompt's index in a larger list (default 0..n-1). A request's index is its
         result's `index` and its seed offset (seed + index), so resuming the unfinished part of a
-        list reproduces the whole list's output (greedy always; sampling when draft lengths do
-        not depend on the other requests).
+        list reproduces the whole list's output (greedy always; sampling too under the default
+        verifier.rule=coupled, whose draws depend only on the seed and the position; under
+        rule=rejection only when draft lengths do not depend on the other requests).
         """
         requests = self._requests(prompts, max_new_tokens, stop, seed, logprobs, indices,
                                   sampling, grammar)
@@ -605,7 +606,7 @@ class Pipeline:
                       if v != sim_before.get(s, 0.0)},
             accepted_nodes=accepted,
             num_examined=None if layout is None else examined_levels(layout, accepted),
-            tree_depths=None if layout is None else layout.row_depths)
+            tree_depths=None if layout is None else layout.row_depths, drawn=trim.consumed)
         hook.specflow_sync_cache(batch=batch, result=result)
         t6 = time.perf_counter()
         catch_up = proposal.catch_up_seconds          # a proposer caching prompts: prefill work

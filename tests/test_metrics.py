@@ -49,3 +49,23 @@ def test_taking_back_tokens_keeps_the_histogram_and_the_count_in_agreement():
         assert c.num_committed_tokens == 2
         assert sum(n * k for n, k in c.tokens_per_step_histogram.items()) == 2
         assert c.tokens_per_step_histogram == {2: 1, 0: 2}
+
+
+@pytest.mark.parametrize("ending", [
+    ["constraint=choice", "constraint.choices=[yes,no,maybe]"],   # the grammar ends in an EOS
+    ["stop.strings=[o]"],                                         # a stop string, trimmed
+])
+def test_tau_of_plain_decoding_is_one_whatever_ends_the_requests(ending):
+    """A trial found tau 0.79 for plain decoding with a grammar: the pass that drew the ending
+    EOS was counted, its token was not."""
+    from specflow import Pipeline
+
+    pipe = Pipeline.from_config(overrides=["proposer=none", "pack=false", *ending])
+    results = pipe.generate(["def fib(n):", "import os\n", "x = 1"], max_new_tokens=12)
+    s = pipe.last_stats
+    assert any(r.finish_reason in ("eos", "stop") for r in results)
+    assert s["mean_acceptance_length"] == 1.0
+    assert s["num_drawn_tokens"] == s["num_target_passes"]
+    assert s["num_committed_tokens"] == sum(len(r.token_ids) for r in results)
+    for r in results:
+        assert r.stats["mean_acceptance_length"] == 1.0

@@ -233,6 +233,8 @@ def _aggregate(reps: dict) -> dict:
         for c in COUNTERS:
             agg[c] += a[c]
         agg["num_tree_drafts"] = agg.get("num_tree_drafts", 0) + a.get("num_tree_drafts", 0)
+        # tau's numerator (older metrics.json files predate it: their committed tokens)
+        agg["num_drawn_tokens"] = agg.get("num_drawn_tokens", 0) + a.get("num_drawn_tokens", a["num_committed_tokens"])
         for i, v in enumerate(a["accepted_per_position"]):
             acc_pos[i] += v
         for i, v in enumerate(a["examined_per_position"]):
@@ -249,7 +251,7 @@ def _aggregate(reps: dict) -> dict:
         **agg, "alpha": alpha,
         "acceptance_rate": (agg["num_accepted_tokens"] / agg["num_draft_tokens"]
                             if agg["num_draft_tokens"] else 0.0),
-        "tau": agg["num_committed_tokens"] / max(agg["num_target_passes"], 1),
+        "tau": agg["num_drawn_tokens"] / max(agg["num_target_passes"], 1),
         "mean_k": mean_k, "c": c,
         "acceptance_per_position": [acc_pos[i] / exam_pos[i] for i in sorted(exam_pos)
                                     if exam_pos[i]],

@@ -17,11 +17,26 @@ except ImportError:       # pragma: no cover - Windows: run folders are not lock
     fcntl = None
 
 
+def _umask() -> int:
+    try:                        # Linux says it without changing it (no window for other threads)
+        for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)      # elsewhere reading it means setting it: put it straight back
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> pathlib.Path:
+    """Write `path` whole or not at all (a temporary file renamed over it), with the permissions
+    an ordinary open() would give (mkstemp's own are 0600)."""
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
             fh.flush()

@@ -217,3 +217,19 @@ def test_a_full_disk_while_writing_metrics_is_one_line_and_the_rerun_finishes(tm
     monkeypatch.setattr(specflow.io, "atomic_write_json", real)
     assert main(args) == 0                  # the lock went with the failed run: no leak
     assert json.loads((run / "metrics.json").read_text())["resumed_requests"] == 1
+
+
+def test_files_written_whole_have_ordinary_permissions(tmp_path):
+    """A trial found model.safetensors 0600 beside 0644 files: every file specflow writes gets
+    what open() gives under the umask (mkstemp alone gives 0600)."""
+    import os
+    import stat
+
+    from specflow.io import atomic_write_json
+
+    old = os.umask(0o022)
+    try:
+        path = atomic_write_json(tmp_path / "metrics.json", {"a": 1})
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644

@@ -76,13 +76,123 @@ class HeadShape:
 
 
 def default_layer_ids(num_layers: int) -> list[int]:
-    """The target layers (inputs of) a head reads when its config names none: EAGLE-3's low,
-    middle and high layers (2, L/2, L-3), which vLLM and SafeAILab use; de-duplicated for
-    shallow targets."""
-    ids = sorted({min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 1)})
-    while len(ids) < 3:     # a 1-3 layer target: repeat the top one (the format wants three)
-        ids.append(ids[-1])
-    return ids
+    """The target layers (inputs of) a head reads when neither its config nor train_head.layers
+    names them: EAGLE-3's low, middle and high layers (2, L/2, L-3), which vLLM and SafeAILab use,
+    kept distinct on shallow targets, where those three collide (L = 4: 1, 2, 3; L = 5 and 6:
+    2, 3, 4), and every layer of a target with fewer than three (too few: layer_ids_problem)."""
+    if num_layers < 3:
+        return list(range(num_layers))
+    low = min(2, num_layers - 3)
+    high = max(num_layers - 3, low + 2)
+    mid = min(max(num_layers // 2, low + 1), high - 1)
+    return [low, mid, high]
+
+
+def layer_ids_problem(ids: list[int], num_layers: int | None = None) -> str | None:
+    """Why a head cannot read the inputs of layers `ids` (None when it can): the target's pass
+    hands out each layer once and in layer order, so they must be two or more distinct layers
+    (one would leave fc's input as wide as the head's own state), none negative, and, when the
+    target's depth is known, below it."""
+    repeated = sorted({i for i in ids if ids.count(i) > 1})
+    if repeated:
+        return f"repeats layer {repeated[0]} in {ids}; each layer's input is handed out once"
+    if len(ids) < 2:
+        return f"names {len(ids)} layer(s) {ids}; a head reads the inputs of two or more layers"
+    bad = [i for i in ids if i < 0 or (num_layers is not None and i >= num_layers)]
+    if bad:
+        where = f"of a {num_layers}-layer target" if num_layers is not None else "(negative)"
+        return f"has layers {bad} {where}"
+    return None
+
+
+@dataclass
+class TargetDims:
+    """What a head is checked against (an HFBackend has the same attributes): at compose time
+    they come from the target folder's config.json, before any weights load."""
+
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    path: str
+
+
+def target_dims(cfg) -> TargetDims | None:
+    """The target's depth, width and vocabulary from config.json when model=hf (model=demo too)
+    points at a local folder; None when it does not or the file says too little (the checks
+    then wait for the loaded model)."""
+    from omegaconf import OmegaConf
+
+    if cfg.get("model") is None or cfg.model.get("name") != "hf":
+        return None
+    path = OmegaConf.select(cfg, "model.path", throw_on_missing=False)
+    if path is None:
+        return None
+    try:
+        config = json.loads((pathlib.Path(str(path)).expanduser() / "config.json").read_text())
+        dims = [next(config[k] for k in keys if k in config) for keys in (
+            ("num_hidden_layers", "n_layer"), ("hidden_size", "n_embd"), ("vocab_size",))]
+    except (OSError, ValueError, TypeError, StopIteration):
+        return None
+    if not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
+        return None
+    return TargetDims(*dims, path=str(path))
+
+
+def train_layer_ids(layers, dims) -> list[int]:
+    """The layers train-head's head reads: `layers` (train_head.layers) or the default for the
+    target's depth, checked (repeats, negative ids, too few: always; the range: when `dims`, an
+    HFBackend or TargetDims, is known). Sorted: the target's pass hands them out in layer order."""
+    if not layers and dims is None:
+        return []                       # the default waits for the target's depth
+    ids = [int(i) for i in layers] if layers else default_layer_ids(dims.num_layers)
+    problem = layer_ids_problem(ids, dims.num_layers if dims is not None else None)
+    if problem is None:
+        return sorted(ids)
+    if not layers:
+        raise ConfigError(f"train-head: the target {dims.path!r} has {dims.num_layers} layer(s), "
+                          f"too few for a draft head (it reads the inputs of two or more "
+                          f"distinct layers); train one for a deeper target")
+    span = f" in 0..{dims.num_layers - 1}, e.g. train_head.layers=" \
+           f"{default_layer_ids(dims.num_layers)}" if dims is not None else ""
+    raise ConfigError(f"train_head.layers={ids} {problem}; give two or more distinct layer "
+                      f"ids{span}")
+
+
+DEMO_HEAD = pathlib.Path(__file__).resolve().parent / "demo" / "eagle"   # the demo target's head
+
+
+def demo_head_for(target) -> str | None:
+    """The shipped head's folder when `target` (an HFBackend, or TargetDims at compose time) is
+    the embedded demo target."""
+    from specflow.models.hf import DEMO_DIR
+
+    try:
+        same = pathlib.Path(target.path).resolve() == (DEMO_DIR / "target").resolve()
+    except (OSError, TypeError):
+        return None
+    return str(DEMO_HEAD) if same and (DEMO_HEAD / "config.json").is_file() else None
+
+
+def missing_head(target_path: str) -> ConfigError:
+    return ConfigError(f"proposer=eagle needs a head for {target_path!r}: set "
+                       f"proposer.path=<folder with an EAGLE-3 head> (train one with "
+                       f"`specflow train-head`); only the demo target has one built in")
+
+
+def check_config(cfg) -> None:
+    """At compose time (config.validate), before any model loads: proposer=eagle's head folder
+    (exists, has a head's config.json and weights, fits the target) and train_head.layers, against
+    the target folder's config.json when it is local (target_dims); load_head checks again."""
+    proposer = cfg.get("proposer")
+    if proposer is not None and proposer.get("name") == "eagle":
+        dims = target_dims(cfg)
+        path = proposer.get("path") or (demo_head_for(dims) if dims is not None else None)
+        if path is None and dims is not None:
+            raise missing_head(dims.path)
+        if path is not None:
+            check_head_folder(str(path), dims)
+    if cfg.get("train_head") is not None:
+        train_layer_ids(cfg.train_head.get("layers"), target_dims(cfg))
 
 
 class _Attention(nn.Module):
@@ -268,7 +378,8 @@ def _read_config(folder: pathlib.Path, what: str) -> dict:
 
 
 def head_shape(config: dict, target, what: str) -> HeadShape:
-    """The head's shape from its config.json, checked against the target it will read."""
+    """The head's shape from its config.json, checked against the target it will read (an
+    HFBackend, or TargetDims at compose time; None: only what needs no target)."""
     arch = (config.get("architectures") or [""])[0]
     if config.get("num_hidden_layers", 1) != 1 or "draft_vocab_size" not in config and \
             "Eagle" not in arch:
@@ -281,6 +392,7 @@ def head_shape(config: dict, target, what: str) -> HeadShape:
         eagle = config.get("eagle_config") or {}
         ids = eagle.get("eagle_aux_hidden_state_layer_ids",
                         config.get("eagle_aux_hidden_state_layer_ids"))
+        named = [int(i) for i in ids] if ids else None
         shape = HeadShape(
             hidden_size=E, intermediate_size=int(config["intermediate_size"]),
             num_attention_heads=int(config["num_attention_heads"]),
@@ -289,13 +401,25 @@ def head_shape(config: dict, target, what: str) -> HeadShape:
             vocab_size=int(config["vocab_size"]),
             draft_vocab_size=int(config.get("draft_vocab_size") or config["vocab_size"]),
             target_hidden_size=int(config.get("target_hidden_size") or E),
-            layer_ids=[int(i) for i in ids] if ids else default_layer_ids(target.num_layers),
+            layer_ids=named if named is not None else
+            default_layer_ids(target.num_layers) if target is not None else [],
             head_dim=config.get("head_dim"), rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             rope_theta=float(config.get("rope_theta", 10000.0)),
             max_position_embeddings=int(config.get("max_position_embeddings", 2048)))
     except (KeyError, TypeError, ValueError) as exc:
         raise ConfigError(f"{what}: config.json lacks or garbles {exc}; copy the head again") \
             from None
+    problem = layer_ids_problem(named) if named is not None else None
+    if problem:
+        raise ConfigError(f"{what}: config.json's eagle_aux_hidden_state_layer_ids {problem}, so "
+                          f"the head cannot run; train it again with distinct layers (specflow "
+                          f"train-head train_head.layers=[...])")
+    if target is not None:
+        _check_against(shape, target, what)
+    return shape
+
+
+def _check_against(shape: HeadShape, target, what: str) -> None:
     problems = []
     if shape.target_hidden_size != target.hidden_size:
         problems.append(f"it reads hidden states of width {shape.target_hidden_size}, the target's "
@@ -305,13 +429,30 @@ def head_shape(config: dict, target, what: str) -> HeadShape:
     bad = [i for i in shape.layer_ids if not 0 <= i < target.num_layers]
     if bad:
         problems.append(f"layers {bad} of a {target.num_layers}-layer target")
+    elif layer_ids_problem(shape.layer_ids):      # the target's default ids for a shallow one
+        problems.append(f"a {target.num_layers}-layer target has too few layers for a head")
     if shape.hidden_size != target.hidden_size:
         problems.append(f"its width {shape.hidden_size} differs from the target's embedding "
                         f"{target.hidden_size}")
     if problems:
         raise ConfigError(f"{what} was trained for another target ({'; '.join(problems)}); use a "
                           f"head trained on this target (specflow train-head)")
-    return shape
+
+
+def check_head_folder(path: str, target) -> tuple[HeadShape, list[pathlib.Path]]:
+    """What can be checked without reading weights: `path` is a folder with a head's config.json
+    that fits `target` (see head_shape) and safetensors files. -> (shape, the weight files)."""
+    folder = pathlib.Path(path).expanduser()
+    what = f"proposer.path={path!r}"
+    if not folder.is_dir():
+        raise ConfigError(f"{what} is not a folder; point it at a folder with an EAGLE-3 head "
+                          f"(config.json and model.safetensors)")
+    shape = head_shape(_read_config(folder, what), target, what)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{what} has no .safetensors weights; copy the head's model.safetensors "
+                          f"into the folder")
+    return shape, files
 
 
 def _strip(name: str) -> str:
@@ -325,16 +466,8 @@ def load_head(path: str, target, device: torch.device, dtype: torch.dtype) -> Ea
     """A published (or train-head) EAGLE-3 head folder, checked against `target` (an HFBackend)."""
     from safetensors import safe_open
 
-    folder = pathlib.Path(path).expanduser()
     what = f"proposer.path={path!r}"
-    if not folder.is_dir():
-        raise ConfigError(f"{what} is not a folder; point it at a folder with an EAGLE-3 head "
-                          f"(config.json and model.safetensors)")
-    shape = head_shape(_read_config(folder, what), target, what)
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"{what} has no .safetensors weights; copy the head's model.safetensors "
-                          f"into the folder")
+    shape, files = check_head_folder(path, target)
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         try:
@@ -360,6 +493,7 @@ def load_head(path: str, target, device: torch.device, dtype: torch.dtype) -> Ea
         if tuple(weights[name].shape) != tuple(tensor.shape):
             raise ConfigError(f"{what}: {name} has shape {tuple(weights[name].shape)} but its "
                               f"config.json says {tuple(tensor.shape)}; the folder mixes two heads")
+    _in_layer_order(shape, weights)
     head.load_state_dict({k: weights[k] for k in expected}, strict=True)
     head.to(device=device, dtype=dtype)
     head.d2t, head.t2d = head.d2t.long(), head.t2d.bool()
@@ -373,6 +507,19 @@ def load_head(path: str, target, device: torch.device, dtype: torch.dtype) -> Ea
     return head
 
 
+def _in_layer_order(shape: HeadShape, weights: dict[str, torch.Tensor]) -> None:
+    """The lean forward hands out the layers' inputs in layer order: a head whose config names
+    its layers in another order gets them sorted, and fc's column blocks (one [E, E_t] block per
+    layer) with them, which computes the same."""
+    ids = shape.layer_ids
+    order = sorted(range(len(ids)), key=ids.__getitem__)
+    if order == list(range(len(ids))):
+        return
+    w = weights["fc.weight"]                                                     # [E, n E_t]
+    weights["fc.weight"] = w.view(w.shape[0], len(ids), -1)[:, order].reshape(w.shape)
+    shape.layer_ids = [ids[i] for i in order]
+
+
 def _t2d(d2t: torch.Tensor | None, vocab: int) -> torch.Tensor:
     t2d = torch.zeros(vocab, dtype=torch.bool)
     if d2t is not None:
@@ -383,14 +530,15 @@ def _t2d(d2t: torch.Tensor | None, vocab: int) -> torch.Tensor:
 
 def save_head(head: Eagle3Head, folder: str | pathlib.Path, extra: dict | None = None) -> None:
     """config.json + model.safetensors (fp16 weights, int64 d2t, bool t2d), the published layout."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     folder = pathlib.Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {k: (v.half() if v.is_floating_point() else v).contiguous().cpu()
                for k, v in head.state_dict().items()}
     tmp = folder / "model.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    # written by Python's open(), which honours the umask (safetensors' save_file makes 0600)
+    tmp.write_bytes(save(tensors, metadata={"format": "pt"}))
     tmp.replace(folder / "model.safetensors")
     config = head.shape.to_config()
     if extra:

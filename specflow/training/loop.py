@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specflow.errors import ConfigError
 from specflow.training.data import Sequences
 from specflow.training.ttt import chain_acceptance, chain_states, ttt_loss
 
@@ -97,8 +98,13 @@ def train(head, windows: Windows, s: Settings, checkpoint: pathlib.Path, resume:
     start = 0
     if resume and checkpoint.is_file():
         state = torch.load(checkpoint, weights_only=False)
-        head.load_state_dict(state["head"])
-        opt.load_state_dict(state["opt"])
+        try:
+            head.load_state_dict(state["head"])
+            opt.load_state_dict(state["opt"])
+        except (RuntimeError, ValueError, KeyError) as exc:   # other sizes (sizes mismatch)
+            raise ConfigError(f"{checkpoint} holds a head of other sizes ({type(exc).__name__}); "
+                              f"pick another train_head.output, delete the folder, or pass "
+                              f"train_head.resume=false") from None
         gen.set_state(state["rng"])
         start = int(state["step"])
         advance(start)

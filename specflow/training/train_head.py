@@ -3,12 +3,16 @@
 1. the target continues the workload's prompts (plain decoding, batched);
 2. one forward over each whole sequence records the head's inputs and the target's last state;
 3. the head trains with training-time test (loop.py), checkpointing as it goes; a rerun with the
-   same output folder resumes from the last checkpoint (and reuses the recorded data);
+   same output folder and settings resumes from the last checkpoint (and reuses the recorded
+   data); one with other settings is refused (train_settings.json records them);
 4. the head is written in the published EAGLE-3 layout (config.json + model.safetensors), with
-   the held-out acceptance and the recipe under config.json's "specflow" key.
+   the held-out acceptance and the recipe under config.json's "specflow" key;
+5. the written head drafts a few tokens through the real proposer=eagle pipeline, so a head that
+   cannot run fails train-head itself.
 """
 from __future__ import annotations
 
+import gc
 import pathlib
 import time
 from dataclasses import dataclass
@@ -27,7 +31,7 @@ class TrainHeadConfig:
     generate_batch: int = 16            # rows decoded together while generating
     draft_vocab_size: int | None = None  # null: min(vocabulary, 32000), EAGLE-3's usual size
     intermediate_size: int | None = None  # null: the target's
-    layers: list[int] | None = None     # target layers whose inputs the head reads; null: (2, L/2, L-3)
+    layers: list[int] | None = None     # distinct layers whose inputs it reads; null: (2, L/2, L-3)
     steps: int = 600
     batch: int = 4
     seq: int = 256
@@ -55,14 +59,10 @@ class TrainHeadConfig:
 
 
 def head_shape_for(target, cfg: TrainHeadConfig, vocab: int):
-    from specflow.models.eagle_head import HeadShape, default_layer_ids
+    from specflow.models.eagle_head import HeadShape, train_layer_ids
 
     c = target.model.config
-    layers = [int(i) for i in cfg.layers] if cfg.layers else default_layer_ids(target.num_layers)
-    bad = [i for i in layers if not 0 <= i < target.num_layers]
-    if bad or len(layers) != 3:
-        raise ConfigError(f"train_head.layers={layers}: give three layer indices in "
-                          f"0..{target.num_layers - 1} (the inputs of those layers are read)")
+    layers = train_layer_ids(cfg.layers, target)
     heads = c.num_attention_heads
     return HeadShape(
         hidden_size=c.hidden_size,
@@ -81,6 +81,25 @@ def head_shape_for(target, cfg: TrainHeadConfig, vocab: int):
 def run(cfg, prompts: list[str], progress) -> dict:
     """Everything train-head does; `progress(description, total)` returns an advance(n, **info)
     callable for each phase. Returns the summary written into config.json."""
+    from omegaconf import OmegaConf
+
+    from specflow.models.eagle_head import target_dims, train_layer_ids
+
+    th = TrainHeadConfig(**OmegaConf.to_container(cfg.train_head, resolve=True))
+    out = pathlib.Path(th.output).expanduser()
+    settings = settings_of(cfg, th, train_layer_ids(th.layers, target_dims(cfg)))
+    if th.resume:
+        check_rerun(out, settings)
+    summary, check_prompts = _train(cfg, th, out, settings, prompts, progress)
+    gc.collect()                    # the training pipeline's target, before the check loads one
+    check_head_runs(cfg, out, check_prompts)
+    return summary
+
+
+def _train(cfg, th: TrainHeadConfig, out: pathlib.Path, settings: dict, prompts: list[str],
+           progress) -> tuple[dict, list[str]]:
+    """Data, training, the head's files. -> (summary, two prompts for check_head_runs); the
+    target and the data are released when it returns."""
     from omegaconf import OmegaConf, open_dict
 
     from specflow.models.eagle_head import init_head, save_head
@@ -88,8 +107,6 @@ def run(cfg, prompts: list[str], progress) -> dict:
     from specflow.pipeline import Pipeline
     from specflow.training import data, loop
 
-    th = TrainHeadConfig(**OmegaConf.to_container(cfg.train_head, resolve=True))
-    out = pathlib.Path(th.output).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     run_cfg = cfg.copy()
@@ -108,16 +125,19 @@ def run(cfg, prompts: list[str], progress) -> dict:
     cache = out / "train_data.pt"
     if th.resume and cache.is_file():
         seqs = torch.load(cache, weights_only=False)
+        check_recorded_width(cache, seqs, shape)
     else:
         cut = data.cut_prompts(prompts, target.tokenizer, th.prompt_tokens, th.prompts)
         if not cut:
             raise ConfigError("train-head: the workload gave no non-empty prompts")
+        write_settings(out, {**settings, "train_head.layers": shape.layer_ids})
         adv = progress("target writes continuations", len(cut))
         sequences = data.continuations(pipe, cut, th.new_tokens, lambda: adv(1))
         lens = [len(target.tokenizer.encode(p)) for p in cut][:len(sequences)]
         adv = progress("target states of each sequence", len(sequences))
         seqs = data.target_states(target.model, sequences, shape.layer_ids, lens, adv)
         torch.save(seqs, cache)
+    check_prompts = data.cut_prompts(prompts, target.tokenizer, th.prompt_tokens, 2)
     generated = time.perf_counter() - started
     torch.set_num_threads(threads)
     train_seqs, held = seqs.split(th.heldout)
@@ -132,12 +152,12 @@ def run(cfg, prompts: list[str], progress) -> dict:
     head.to(target.device)      # trains where the target runs (device=cuda: on the GPU)
     head.embed = head.embed.to(target.device)
     lm = target.model.get_output_embeddings().weight.detach().float()[used.to(target.device)]
-    settings = loop.Settings(steps=th.steps, batch=th.batch, seq=th.seq, ttt_steps=th.ttt_steps,
+    schedule = loop.Settings(steps=th.steps, batch=th.batch, seq=th.seq, ttt_steps=th.ttt_steps,
                              lr=th.lr, checkpoint_every=th.checkpoint_every, seed=th.seed)
     windows = loop.Windows(train_seqs, lm, th.seq, th.ttt_steps)
     adv = progress("training (training-time test)", th.steps)
     t0 = time.perf_counter()
-    log = loop.train(head, windows, settings, out / "checkpoint.pt", th.resume, adv)
+    log = loop.train(head, windows, schedule, out / "checkpoint.pt", th.resume, adv)
     trained = time.perf_counter() - t0
     figure = loop.heldout_acceptance(head, loop.Windows(held, lm, th.seq, 4), 4) if len(held) \
         else None
@@ -156,4 +176,125 @@ def run(cfg, prompts: list[str], progress) -> dict:
         "params": sum(p.numel() for p in head.parameters()),
     }
     save_head(head, out, summary)
-    return summary
+    return summary, check_prompts
+
+
+# --- a rerun into the same folder ----------------------------------------------------------------
+
+SETTINGS_FILE = "train_settings.json"
+RESULTS = ("train_data.pt", "checkpoint.pt", "model.safetensors")
+# what the recorded data, the head's shape and its training depend on, besides the target, the
+# workload, the logits settings and the layers: a rerun must keep them to resume (steps may
+# grow; checkpoint_every, generate_batch, device and threads may change)
+KEPT = ("prompts", "prompt_tokens", "new_tokens", "draft_vocab_size", "intermediate_size",
+        "batch", "seq", "ttt_steps", "lr", "heldout", "seed")
+
+
+def settings_of(cfg, th: TrainHeadConfig, layers: list[int]) -> dict:
+    """The settings a folder's results are made with, flat as overrides ("workload.limit": 40),
+    as they read back from SETTINGS_FILE; `layers`: the resolved ones ([]: known after load)."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    flat = {"model.path": str(OmegaConf.select(cfg, "model.path", throw_on_missing=False)),
+            "train_head.layers": layers or th.layers}
+    for group in ("workload", "logits"):         # greedy (no logits): no keys
+        node = cfg.get(group)
+        if node:
+            flat.update(_flat(OmegaConf.to_container(node, resolve=True), group))
+    flat.update({f"train_head.{k}": getattr(th, k) for k in KEPT})
+    return json.loads(json.dumps(flat))
+
+
+def _flat(value, prefix: str) -> dict:
+    if not isinstance(value, dict):
+        return {prefix: value}
+    return {k: v for key, item in value.items() for k, v in _flat(item, f"{prefix}.{key}").items()}
+
+
+def write_settings(out: pathlib.Path, settings: dict) -> None:
+    import json
+
+    tmp = out / (SETTINGS_FILE + ".tmp")
+    tmp.write_text(json.dumps(settings, indent=2) + "\n")
+    tmp.replace(out / SETTINGS_FILE)
+
+
+def check_rerun(out: pathlib.Path, settings: dict) -> None:
+    """Refuse to resume in a folder whose data, checkpoint or head were made with other settings
+    (other sizes crash on load; other data or a recipe would be mixed into one head)."""
+    import json
+
+    from specflow.io import read_json
+
+    path = out / SETTINGS_FILE
+    if not path.is_file() or not any((out / name).is_file() for name in RESULTS):
+        return
+    fix = (f"pick another train_head.output, delete {out}, or pass train_head.resume=false to "
+           f"start it over")
+    recorded = read_json(path, str(path), fix, ConfigError)
+    if not isinstance(recorded, dict):
+        raise ConfigError(f"{path} is not a JSON object; {fix}")
+    if settings.get("train_head.layers") is None:        # resolved only once the target loads
+        recorded = {**recorded, "train_head.layers": None}
+    unset = object()
+
+    def show(value) -> str:
+        return "unset" if value is unset else value if isinstance(value, str) else json.dumps(value)
+    diffs = [f"{key}={show(recorded.get(key, unset))} there, {show(settings.get(key, unset))} now"
+             for key in sorted(set(recorded) | set(settings))
+             if recorded.get(key, unset) != settings.get(key, unset)]
+    if diffs:
+        raise ConfigError(f"train_head.output={str(out)!r} holds a head trained with other "
+                          f"settings ({'; '.join(diffs)}); rerun with those to resume it, or "
+                          f"{fix}")
+
+
+def check_recorded_width(cache: pathlib.Path, seqs, shape) -> None:
+    """train_data.pt of a folder without SETTINGS_FILE (written before it was): its states must
+    be as wide as the head's input."""
+    width = shape.target_hidden_size * len(shape.layer_ids)
+    got = int(seqs.states[0].shape[-1]) if len(seqs) else width
+    if got != width:
+        raise ConfigError(f"{cache} holds target states {got} wide, but layers "
+                          f"{shape.layer_ids} of this target are {width}: it was recorded with "
+                          f"other train_head.layers or another target; pick another "
+                          f"train_head.output, delete the folder, or pass train_head.resume=false")
+
+
+# --- the closing check ---------------------------------------------------------------------------
+
+def check_head_runs(cfg, out: pathlib.Path, prompts: list[str], new_tokens: int = 8) -> None:
+    """Run the written head the way `proposer=eagle proposer.path=<out>` will: the real pipeline
+    (the target loaded again, the proposer's own loading and drafting) on a few tokens of two
+    prompts. A head that cannot run fails train-head here, in one line, before any figure is
+    reported."""
+    from omegaconf import OmegaConf, open_dict
+
+    from specflow.errors import SpecflowError
+    from specflow.pipeline import Pipeline
+
+    check_cfg = cfg.copy()
+    with open_dict(check_cfg):
+        check_cfg.proposer = OmegaConf.create({"name": "eagle", "k": 4, "path": str(out)})
+        check_cfg.policy = OmegaConf.create({"name": "static", "k": 4})
+        check_cfg.stop = OmegaConf.create({"name": "default", "eos": False})   # all the tokens
+        check_cfg.max_batch_size = 2
+        check_cfg.pack = False
+        check_cfg.threads = torch.get_num_threads()
+    what = f"train-head: the head written to {str(out)!r}"
+    try:
+        pipe = Pipeline(check_cfg)
+        pipe.generate(prompts, max_new_tokens=new_tokens)
+    except SpecflowError as exc:
+        raise ConfigError(f"{what} fails under proposer=eagle: {exc}") from exc
+    except (RuntimeError, ValueError, IndexError) as exc:
+        reason = (str(exc).strip().splitlines() or [""])[0]
+        raise ConfigError(f"{what} does not run under proposer=eagle ({type(exc).__name__}: "
+                          f"{reason}); do not use it: delete the folder and report this with "
+                          f"the train-head command that wrote it") from exc
+    if not pipe.last_stats.get("num_draft_tokens"):
+        raise ConfigError(f"{what} drafted no token under proposer=eagle in {new_tokens} tokens "
+                          f"of two prompts; do not use it: delete the folder and report this "
+                          f"with the train-head command that wrote it")

@@ -62,14 +62,14 @@ def test_a_head_written_in_the_published_layout_loads_back(hf_models, tmp_path):
     pipe = pipeline(hf_models, "proposer=none")
     shape = HeadShape(hidden_size=64, intermediate_size=96, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=pipe.target.vocab_size,
-                      draft_vocab_size=100, target_hidden_size=64, layer_ids=[0, 1, 1])
+                      draft_vocab_size=100, target_hidden_size=64, layer_ids=[0, 1])
     head = init_head(shape, pipe.target.model.get_input_embeddings().weight, seed=3)
     head.set_vocab(torch.arange(0, 300, 3))
     save_head(head, tmp_path / "h")
     config = json.loads((tmp_path / "h" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
     assert config["draft_vocab_size"] == 100
-    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 1]
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1]
     back = load_head(str(tmp_path / "h"), pipe.target, torch.device("cpu"), torch.float32)
     for name, value in head.state_dict().items():
         torch.testing.assert_close(back.state_dict()[name], value.half().to(value.dtype))
@@ -100,7 +100,7 @@ def test_training_time_test_computes_what_drafting_computes(hf_models, tiny_head
     head = prop.head
     T, steps = 10, 3
     gen = torch.Generator().manual_seed(0)
-    states = torch.randn(1, T, 3 * 64, generator=gen)
+    states = torch.randn(1, T, len(head.shape.layer_ids) * 64, generator=gen)
     tokens = torch.randint(0, 300, (1, T + 1 + steps), generator=gen)
     # training: all roots at once
     h = head.layer_input(states)
@@ -240,3 +240,90 @@ def test_train_head_refuses_a_missing_output_and_bad_settings():
         TrainHeadConfig(output="x", steps=0)
     with pytest.raises(ConfigError, match=r"train_head.heldout=1.5 must be in \[0, 1\)"):
         TrainHeadConfig(output="x", heldout=1.5)
+
+
+# --- proposer.path and train_head.layers, checked at compose time (no model loads) -------------
+
+def _head_copy(tiny_head, dst, **config_changes):
+    """The tiny head's folder with its config.json changed (None deletes a key)."""
+    import shutil
+
+    shutil.copytree(tiny_head[0], dst)
+    config = json.loads((dst / "config.json").read_text())
+    for key, value in config_changes.items():
+        if key == "layers":
+            config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = value
+        else:
+            config[key] = value
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_proposer_path_problems_are_found_at_compose_time(hf_models, tiny_head, tmp_path):
+    target = ["model=hf", f"model.path={hf_models['llama']}", "proposer=eagle"]
+    cases = [
+        (tmp_path / "nope", "is not a folder"),
+        (tmp_path, "has no config.json, so it is not a draft head"),
+        (hf_models["llama_draft"], "is not an EAGLE-3 head"),
+        (_head_copy(tiny_head, tmp_path / "wide", target_hidden_size=4096),
+         "trained for another target.*4096"),
+        (_head_copy(tiny_head, tmp_path / "deep", layers=[0, 5]),
+         r"trained for another target \(layers \[5\] of a 2-layer target"),
+        (_head_copy(tiny_head, tmp_path / "repeat", layers=[1, 1]), "repeats layer 1"),
+        (_head_copy(tiny_head, tmp_path / "negative", layers=[-1, 1]), r"has layers \[-1\]"),
+    ]
+    (tmp_path / "garbled").mkdir()
+    (tmp_path / "garbled" / "config.json").write_text("{not json")
+    cases.append((tmp_path / "garbled", "config.json is not valid JSON"))
+    for path, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            compose([*target, f"proposer.path={path}"])
+    # the demo target (the default model): a head for the tiny llama fits neither its width nor
+    # its vocabulary
+    with pytest.raises(ConfigError, match="trained for another target.*vocabulary 400 vs"):
+        compose(["proposer=eagle", f"proposer.path={tiny_head[0]}"])
+    with pytest.raises(ConfigError, match="needs a head for"):     # no head, not the demo target
+        compose(target)
+    compose([*target, f"proposer.path={tiny_head[0]}"])             # the right one passes
+
+
+def test_a_head_with_repeated_layers_is_refused_at_load_too(hf_models, tiny_head, tmp_path):
+    pipe = pipeline(hf_models, "proposer=none")
+    bad = _head_copy(tiny_head, tmp_path / "repeat", layers=[1, 1, 0])
+    with pytest.raises(ConfigError, match=r"eagle_aux_hidden_state_layer_ids repeats layer 1 in "
+                                          r"\[1, 1, 0\].*cannot run"):
+        load_head(str(bad), pipe.target, torch.device("cpu"), torch.float32)
+
+
+def test_a_head_naming_its_layers_out_of_order_reads_them_in_layer_order(hf_models, tmp_path):
+    """The lean forward hands out layer inputs in layer order: fc's blocks are sorted with them."""
+    pipe = pipeline(hf_models, "proposer=none")
+    shape = HeadShape(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=pipe.target.vocab_size,
+                      draft_vocab_size=100, target_hidden_size=64, layer_ids=[1, 0])
+    head = init_head(shape, pipe.target.model.get_input_embeddings().weight, seed=3)
+    head.set_vocab(torch.arange(0, 300, 3))
+    save_head(head, tmp_path / "h")
+    back = load_head(str(tmp_path / "h"), pipe.target, torch.device("cpu"), torch.float32)
+    assert back.shape.layer_ids == [0, 1]
+    layer0, layer1 = torch.randn(2, 1, 5, 64, generator=torch.Generator().manual_seed(0))
+    head.fc.weight.data = head.fc.weight.data.half().float()        # as saved
+    torch.testing.assert_close(back.layer_input(torch.cat([layer0, layer1], -1)),
+                               head.layer_input(torch.cat([layer1, layer0], -1)))
+
+
+def test_train_head_layers_are_checked_at_compose_time(hf_models, tmp_path):
+    base = TRAIN + [f"model.path={hf_models['llama']}", f"train_head.output={tmp_path / 'h'}"]
+    for layers, message in (("[1,1,0]", r"train_head.layers=\[1, 1, 0\] repeats layer 1"),
+                            ("[0,5]", r"train_head.layers=\[0, 5\] has layers \[5\] of a 2-layer "
+                                      r"target; give two or more distinct layer ids in 0..1"),
+                            ("[-1,1]", r"has layers \[-1\]"), ("[1]", "names 1 layer")):
+        with pytest.raises(ConfigError, match=message):
+            compose(base + [f"train_head.layers={layers}"], "train_head")
+    shallow = tmp_path / "one-layer"          # config.json is all compose reads
+    shallow.mkdir()
+    (shallow / "config.json").write_text(json.dumps(
+        {"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 64, "vocab_size": 400}))
+    with pytest.raises(ConfigError, match="has 1 layer.*too few for a draft head"):
+        compose(TRAIN + [f"model.path={shallow}", f"train_head.output={tmp_path / 'h'}"],
+                "train_head")

@@ -1,12 +1,12 @@
 """`proposer=eagle`: an EAGLE-3 head drafts from the target's own hidden states.
 
-The target's pass hands out the inputs of the head's three layers at every position it scores
-(`HFBackend.capture_layers`, no extra forward); they wait here per slot until their position is
-committed. Each round the head first reads the pairs (target state at t, committed token t + 1)
-it has not seen — the prompt after prefill, then the accepted drafts and the bonus token of the
-last round — into its own slot cache, then drafts k tokens feeding back its own state. Its draft
-steps are dropped from its cache after the round's drafting (they rest on its own states, not
-the target's), so rollback is only a length change.
+The target's pass hands out the inputs of the head's layers (usually three; distinct, in layer
+order) at every position it scores (`HFBackend.capture_layers`, no extra forward); they wait here
+per slot until their position is committed. Each round the head first reads the pairs (target
+state at t, committed token t + 1) it has not seen — the prompt after prefill, then the accepted
+drafts and the bonus token of the last round — into its own slot cache, then drafts k tokens
+feeding back its own state. Its draft steps are dropped from its cache after the round's
+drafting (they rest on its own states, not the target's), so rollback is only a length change.
 
 Draft logits live on a reduced vocabulary; they are placed into the target's vocabulary (-inf
 elsewhere) before the pipeline's shape() call, so processors, penalties and grammar masks apply
@@ -21,7 +21,6 @@ round reads the states of the committed tokens only.
 """
 from __future__ import annotations
 
-import pathlib
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +33,6 @@ from specflow.stages.proposers.draft_tree import Calibration, DraftTree, draft_t
 from specflow.stages.tree import chain_only, tree_budget
 from specflow.state import Proposal
 
-DEMO_HEAD = pathlib.Path(__file__).resolve().parents[2] / "models" / "demo" / "eagle"
 
 
 @dataclass
@@ -51,20 +49,9 @@ class EagleProposerConfig:
         self.nodes = tree_budget(self.k, self.topk, self.num_draft_tokens)
 
 
-def demo_head_for(target) -> str | None:
-    """The shipped head's folder when `target` is the embedded demo target."""
-    from specflow.models.hf import DEMO_DIR
-
-    try:
-        same = pathlib.Path(target.path).resolve() == (DEMO_DIR / "target").resolve()
-    except (OSError, TypeError):
-        return None
-    return str(DEMO_HEAD) if same and (DEMO_HEAD / "config.json").is_file() else None
-
-
 class EagleProposer:
     def __init__(self, cfg: EagleProposerConfig, ctx):
-        from specflow.models.eagle_head import load_head
+        from specflow.models.eagle_head import demo_head_for, load_head, missing_head
         from specflow.models.hf import HFBackend
 
         target = ctx.target
@@ -74,9 +61,7 @@ class EagleProposer:
                               f"proposer=draft")
         path = cfg.path or demo_head_for(target)
         if path is None:
-            raise ConfigError(f"proposer=eagle needs a head for {target.path!r}: set "
-                              f"proposer.path=<folder with an EAGLE-3 head> (train one with "
-                              f"`specflow train-head`); only the demo target has one built in")
+            raise missing_head(target.path)
         self.cfg = cfg
         self.head = load_head(path, target, target.device, target.model.dtype)
         target.capture_layers = tuple(self.head.shape.layer_ids)
@@ -184,7 +169,7 @@ class EagleProposer:
     def specflow_sync_cache(self, batch, result):
         if self.trees and result.accepted_nodes is not None:      # the verdicts teach it
             learn(self.calibration, self.trees, batch.slots.tolist(), result.accepted_nodes,
-                  batch.greedy)
+                  batch.greedy or batch.draws_by_position)
         self.trees = {}
 
     def _keep(self, slots: list[int], base: list[int], picks: list[list[int]]) -> None:

@@ -1,0 +1,145 @@
+"""`specflow train-head` with its defaults, a rerun into a used folder, and its closing check."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from specflow import ConfigError, Pipeline
+from specflow.app.prompts import read_prompts
+from specflow.config import compose
+from specflow.models.eagle_head import default_layer_ids
+from specflow.training import train_head
+
+SPECFLOW = os.path.join(os.path.dirname(sys.executable), "specflow")
+PROMPTS = ["def fib(n):\n    ", "import os", "class Stack:\n    def __init__(self):\n        self"]
+# tiny and short: the head need not be good, only be written and run
+TRAIN = ["model=hf", "draft=none", "workload.limit=12", "workload.chars=120",
+         "train_head.prompts=12", "train_head.new_tokens=24", "train_head.steps=6",
+         "train_head.batch=2", "train_head.seq=24", "train_head.draft_vocab_size=120",
+         "train_head.checkpoint_every=3", "train_head.heldout=0.2"]
+
+
+def quiet(*_args):
+    return lambda *_a, **_k: None
+
+
+@pytest.fixture(scope="module")
+def deep_target(hf_models, tmp_path_factory):
+    """The tiny llama's shape with 4 layers, as the demo target has (defaults once gave 1, 2, 2)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(hf_models["llama"])
+    config.num_hidden_layers = 4
+    torch.manual_seed(4)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    path = tmp_path_factory.mktemp("deep") / "llama4"
+    model.save_pretrained(path)
+    hf_models["tokenizer"].save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def deep_head(deep_target, tmp_path_factory):
+    """train-head with its default layers on the 4-layer target, under a umask of 022."""
+    out = tmp_path_factory.mktemp("deep-head") / "head"
+    cfg = compose(TRAIN + [f"model.path={deep_target}", f"train_head.output={out}"], "train_head")
+    old = os.umask(0o022)
+    try:
+        train_head.run(cfg, read_prompts(cfg), quiet)
+    finally:
+        os.umask(old)
+    return out
+
+
+def test_default_layers_are_distinct_and_valid_for_any_depth():
+    for depth in range(2, 130):
+        ids = default_layer_ids(depth)
+        assert ids == sorted(set(ids)) and len(ids) == min(3, depth), (depth, ids)
+        assert 0 <= ids[0] and ids[-1] < depth, (depth, ids)
+        if depth >= 7:                                    # vLLM's and SafeAILab's (2, L/2, L-3)
+            assert ids == [2, depth // 2, depth - 3]
+    assert default_layer_ids(4) == [1, 2, 3]              # the demo target: the shipped head's
+
+
+def test_a_default_head_for_a_4_layer_target_runs_under_proposer_eagle(deep_target, deep_head):
+    config = json.loads((deep_head / "config.json").read_text())
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    base = ["model=hf", f"model.path={deep_target}", "draft=none", "max_batch_size=3"]
+    plain = Pipeline.from_config([*base, "proposer=none"]).generate(PROMPTS, max_new_tokens=16)
+    for forward in ("lean", "hf"):
+        pipe = Pipeline.from_config([*base, "proposer=eagle", f"proposer.path={deep_head}",
+                                     f"model.forward={forward}"])
+        got = pipe.generate(PROMPTS, max_new_tokens=16)
+        assert [r.token_ids for r in got] == [r.token_ids for r in plain]
+        assert pipe.last_stats["num_draft_tokens"] > 0
+
+
+def test_train_head_writes_its_weights_with_the_umask_like_its_other_files(deep_head):
+    modes = {name: os.stat(deep_head / name).st_mode & 0o777
+             for name in ("model.safetensors", "config.json", "checkpoint.pt")}
+    assert set(modes.values()) == {0o644}, modes
+
+
+def test_a_rerun_with_other_sizes_is_one_line_naming_them(deep_target, deep_head):
+    base = TRAIN + [f"model.path={deep_target}", f"train_head.output={deep_head}"]
+    cfg = compose(base + ["train_head.draft_vocab_size=100", "train_head.seq=16"], "train_head")
+    with pytest.raises(ConfigError) as info:
+        train_head.run(cfg, read_prompts(cfg), quiet)
+    message = str(info.value)
+    assert "holds a head trained with other settings" in message and "\n" not in message
+    assert "train_head.draft_vocab_size=120 there, 100 now" in message
+    assert "train_head.seq=24 there, 16 now" in message
+    assert "pick another train_head.output" in message
+    cfg = compose(base + ["train_head.layers=[0,3]"], "train_head")
+    with pytest.raises(ConfigError, match=r"train_head.layers=\[1, 2, 3\] there, \[0, 3\] now"):
+        train_head.run(cfg, read_prompts(cfg), quiet)
+
+
+def test_the_cli_refuses_a_rerun_with_other_sizes_before_loading(deep_target, deep_head, tmp_path):
+    args = TRAIN + [f"model.path={deep_target}", f"train_head.output={deep_head}",
+                    "train_head.ttt_steps=2", f"hydra.run.dir={tmp_path}/run"]
+    out = subprocess.run([SPECFLOW, "train-head", *args, "--quiet"], capture_output=True,
+                         timeout=300, env={**os.environ, "SPECFLOW_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    err = out.stderr.decode().strip()
+    assert out.returncode == 2, err
+    assert err.startswith("specflow: error:") and len(err.splitlines()) == 1, err
+    assert "train_head.ttt_steps=3 there, 2 now" in err
+
+
+def test_a_folder_written_before_settings_were_recorded_is_checked_by_width(
+        deep_target, deep_head, tmp_path):
+    import shutil
+
+    old = tmp_path / "old"
+    shutil.copytree(deep_head, old)
+    (old / train_head.SETTINGS_FILE).unlink()
+    cfg = compose(TRAIN + [f"model.path={deep_target}", f"train_head.output={old}",
+                           "train_head.layers=[0,3]"], "train_head")
+    with pytest.raises(ConfigError, match="holds target states 192 wide, but layers"):
+        train_head.run(cfg, read_prompts(cfg), quiet)
+
+
+def test_a_head_that_cannot_run_fails_train_head_in_one_line(hf_models, tmp_path, monkeypatch):
+    """The closing check drafts through proposer=eagle's own code: a head whose states do not fit
+    (here the proposer's forward made to fail as a 1536-wide fc did on 1024-wide states) stops
+    train-head instead of a held-out figure being reported."""
+    from specflow.stages.proposers.eagle import EagleProposer
+
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied (792x1024 and 1536x512)")
+
+    monkeypatch.setattr(EagleProposer, "_forward", broken)
+    cfg = compose(TRAIN + [f"model.path={hf_models['llama']}", f"train_head.output={tmp_path}",
+                           "train_head.steps=2"], "train_head")
+    with pytest.raises(ConfigError) as info:
+        train_head.run(cfg, read_prompts(cfg), quiet)
+    message = str(info.value)
+    assert "does not run under proposer=eagle (RuntimeError: mat1 and mat2" in message
+    assert "\n" not in message

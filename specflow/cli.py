@@ -66,11 +66,31 @@ def _overrides_only(args: list[str]) -> tuple[list[str], bool]:
     return out, multirun
 
 
+def _hydra_argv(prog: str, args: list[str], added: list[str]) -> list[str]:
+    """Hydra's argv: its flags first, then the user's overrides and those specflow adds (the
+    search path, the job name). Hydra's parser takes the overrides as one run of positionals, so
+    one added after a flag (`specflow run proposer=ngram --cfg job`) would be refused as an
+    argument the user never typed."""
+    from specflow.config import with_searchpath
+
+    flags, overrides, skip = [], [], False
+    for a in args:
+        if skip:                    # a flag's value
+            flags.append(a)
+            skip = False
+        elif a.startswith("-"):
+            flags.append(a)
+            skip = a in _FLAGS_WITH_VALUE
+        else:
+            overrides.append(a)
+    return [prog, *flags, *with_searchpath(overrides + added)]
+
+
 def _hydra_app(task: Callable, config_name: str, command: str, args: list[str]) -> int:
     """Validate the overrides (exit 2 on a bad one), then hand over to hydra.main."""
     import hydra
 
-    from specflow.config import compose, normalize_overrides, with_searchpath
+    from specflow.config import compose, normalize_overrides
 
     quiet = "--quiet" in args
     args = normalize_overrides([a for a in args if a != "--quiet"])
@@ -81,7 +101,7 @@ def _hydra_app(task: Callable, config_name: str, command: str, args: list[str]) 
     helping = any(a in ("--help", "-h", "--hydra-help") for a in args)
     if not multirun and not helping:
         compose(overrides, config_name)   # raises ConfigError -> exit 2
-    sys.argv = [f"specflow {command}", *with_searchpath(args), f"hydra.job.name={command}"]
+    sys.argv = _hydra_argv(f"specflow {command}", args, [f"hydra.job.name={command}"])
     main = hydra.main(version_base="1.3", config_path="pkg://specflow.conf",
                       config_name=config_name)(task)
     main()
@@ -119,6 +139,7 @@ def run_task(cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from specflow.app.folder_run import run_into
+    from specflow.config import decode_escapes
     from specflow.console import console, metrics_table, print_results
     from specflow.pipeline import GenerationResult
 
@@ -127,9 +148,9 @@ def run_task(cfg) -> None:
     rerun = f"rerun the same command with hydra.run.dir={out}"
     try:
         with interrupt_message(out, rerun):
-            run = run_into(cfg, out, owner="specflow run", setting="hydra.run.dir", rerun=rerun,
-                           progress=bool(cfg.show_progress) and console.is_terminal and not quiet,
-                           replace_finished=True)
+            run = run_into(decode_escapes(cfg), out, owner="specflow run", setting="hydra.run.dir",
+                           rerun=rerun, replace_finished=True,
+                           progress=bool(cfg.show_progress) and console.is_terminal and not quiet)
     except SpecflowError as exc:
         raise SystemExit(fail(str(exc))) from None
     if not quiet:
@@ -206,14 +227,14 @@ def calibrate_task(cfg) -> None:
     from rich.progress import Progress
 
     from specflow.app.prompts import read_prompts
-    from specflow.config import validate
+    from specflow.config import decode_escapes, validate
     from specflow.console import calibrate_table, console
     from specflow.experiments import calibrate, plots
     from specflow.io import atomic_write_json
 
     refused = None
     try:
-        cfg = validate(cfg)
+        cfg = validate(decode_escapes(cfg))
         prompts = read_prompts(cfg)
         cal = cfg.calibrate
         calibrate.check_settings(cal)
@@ -255,12 +276,12 @@ def train_head_task(cfg) -> None:
         TimeRemainingColumn
 
     from specflow.app.prompts import read_prompts
-    from specflow.config import validate
+    from specflow.config import decode_escapes, validate
     from specflow.console import console
     from specflow.training import train_head
 
     try:
-        cfg = validate(cfg)
+        cfg = validate(decode_escapes(cfg))
         prompts = read_prompts(cfg)
         with Progress(TextColumn("{task.description}"), BarColumn(),
                       TextColumn("{task.completed}/{task.total}"), TextColumn("{task.fields[info]}"),
@@ -291,7 +312,7 @@ def cmd_ab(args: list[str]) -> int:
     """specflow ab experiment=NAME [overrides] [hydra/launcher=joblib] [--quiet]"""
     import hydra
 
-    from specflow.config import compose, normalize_overrides, with_searchpath
+    from specflow.config import compose, normalize_overrides
     from specflow.console import console
     from specflow.experiments import ab as ab_mod
     from specflow.io import folder_lock
@@ -309,8 +330,8 @@ def cmd_ab(args: list[str]) -> int:
     if not any(a.startswith("hydra.sweep.dir=") for a in argv):
         argv.append(f"hydra.sweep.dir={sweep_dir}")
     quiet_logs = ["hydra/job_logging=disabled", "hydra/hydra_logging=disabled"] if quiet else []
-    sys.argv = ["specflow ab", "-m", *with_searchpath(argv), *ab_mod.sweep_overrides(ab),
-                "hydra.job.name=ab", *quiet_logs]
+    sys.argv = _hydra_argv("specflow ab", ["-m", *argv],
+                           [*ab_mod.sweep_overrides(ab), "hydra.job.name=ab", *quiet_logs])
     # this command owns the sweep folder until every job is done (another `specflow ab` on it is
     # refused), and nothing runs when a job folder holds results of other overrides; each job
     # also holds its own folder (parallel launchers). A folder Hydra computes (${...}) is left to
@@ -403,11 +424,11 @@ def cmd_report(args: list[str]) -> int:
 # --- serve ---------------------------------------------------------------------------------------
 
 def serve_task(cfg) -> None:
-    from specflow.config import validate
+    from specflow.config import decode_escapes, validate
     from specflow.serving.app import serve
 
     try:
-        serve(validate(cfg))
+        serve(validate(decode_escapes(cfg)))
     except SpecflowError as exc:
         raise SystemExit(fail(str(exc))) from None
 

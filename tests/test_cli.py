@@ -147,3 +147,79 @@ def test_sim_writes_tables_json_and_plots(tmp_path):
     assert (tmp_path / "sim/k_sweep.png").stat().st_size > 10_000
     assert (tmp_path / "sim/tokens_per_round.png").stat().st_size > 10_000
     assert "formula(α)" in out.stdout.decode()
+
+
+def test_a_quoted_stop_string_with_escapes_stops_at_a_blank_line(tmp_path):
+    """The README's `'stop.strings=["\n\n"]'`: Hydra keeps the backslashes, specflow decodes them
+    (the demo target writes Python, so a blank line comes within a few tokens)."""
+    out = specflow("run", 'stop.strings=["\\n\\n"]', "prompt=class A:\n    pass\n",
+                   "max_new_tokens=24", "--quiet", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr.decode()
+    row = json.loads((tmp_path / "run/requests.jsonl").read_text())
+    assert row["finish_reason"] == "stop" and len(row["token_ids"]) < 24, row
+    assert row["text"] and "\n\n" not in row["text"]
+
+
+def test_cfg_job_prints_the_config_and_no_argument_the_user_did_not_type(tmp_path):
+    out = specflow("run", "proposer=ngram", "--cfg", "job", "max_new_tokens=7", cwd=tmp_path)
+    text = out.stdout.decode()
+    assert out.returncode == 0, out.stderr.decode()
+    assert "max_new_tokens: 7" in text and "  name: ngram" in text
+    assert "hydra.searchpath" not in text + out.stderr.decode() and "job.name" not in text
+
+
+def test_a_prompt_near_the_context_lowers_max_new_tokens_with_one_warning(tmp_path):
+    (tmp_path / "p.txt").write_text("abcdefghij\nabc\nabcdefghijkl\n")
+    out = specflow("run", *SYNTHETIC, "model.max_length=16", "workload=file",
+                   f"workload.path={tmp_path}/p.txt", "max_new_tokens=8", "--quiet",
+                   f"hydra.run.dir={tmp_path}/r", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr.decode()
+    warnings = [line for line in out.stderr.decode().splitlines() if "warning" in line]
+    assert warnings == ["specflow: warning: prompt 0 has 10 tokens and the model's context is 16, "
+                        "so max_new_tokens=8 is lowered to 6 for it (and for 1 more prompt); "
+                        "shorten the prompt or ask for fewer tokens"]
+    rows = [json.loads(line) for line in (tmp_path / "r/requests.jsonl").read_text().splitlines()]
+    assert [len(r["token_ids"]) for r in sorted(rows, key=lambda r: r["index"])] == [6, 8, 4]
+
+
+def test_serve_prints_its_banner_once_bound_and_a_taken_port_is_one_line(tmp_path):
+    """server.port=0: the banner names the port the system picked, once the socket is bound; a
+    second server on that port is refused in one line, before any model loads, with no banner."""
+    import re
+    import select
+    import signal
+    import time
+
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("fastapi")
+    env = {**os.environ, "SPECFLOW_DISABLE_PLUGIN_AUTOLOAD": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([SPECFLOW, "serve", *SYNTHETIC, "server.port=0",
+                             f"hydra.run.dir={tmp_path}/a"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert select.select([proc.stdout], [], [], 120)[0], "no banner within 120 s"
+        banner = proc.stdout.readline()
+        port = int(re.match(r"specflow serve: http://127\.0\.0\.1:(\d+) \(", banner).group(1))
+        assert port > 0, banner
+        for _ in range(100):
+            try:
+                assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+                break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        else:
+            raise AssertionError("the server did not answer after its banner")
+        taken = specflow("serve", *SYNTHETIC, f"server.port={port}", f"hydra.run.dir={tmp_path}/b",
+                         cwd=tmp_path)
+        err = taken.stderr.decode().strip()
+        assert taken.returncode == 2 and len(err.splitlines()) == 1, err
+        assert f"server.port={port}: 127.0.0.1:{port} is already in use" in err
+        assert b"specflow serve: http" not in taken.stdout
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

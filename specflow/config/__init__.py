@@ -196,6 +196,68 @@ def _escaped(value):
     return value
 
 
+# Escapes in the free-text lists of a config (FREE_TEXT_LIST_KEYS: stop strings, choices, bad
+# words), Python's and JSON's: Hydra keeps the backslashes of `'stop.strings=["\n\n"]'`, and a stop
+# string of backslash-n never matches what a user means. generate(stop=[...]) takes real strings.
+ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", '"': '"', "'": "'", "/": "/", "$": "$",
+           "a": "\a", "b": "\b", "f": "\f", "v": "\v"}
+HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
+ESCAPE_HELP = r"\n \t \r \\ \" \' \xHH \uXXXX \UXXXXXXXX"
+
+
+def unescape(text: str, where: str) -> str:
+    """`text` with its escapes decoded; ConfigError (one line) for a backslash that starts none,
+    so a stop string that cannot be what the user meant never passes."""
+    out, i = [], 0
+    while i < len(text):
+        j = text.find("\\", i)
+        if j < 0:
+            out.append(text[i:])
+            break
+        out.append(text[i:j])
+        code = text[j + 1:j + 2]
+        if code in ESCAPES:
+            out.append(ESCAPES[code])
+            i = j + 2
+        elif code in HEX_ESCAPES:
+            digits = text[j + 2:j + 2 + HEX_ESCAPES[code]]
+            if len(digits) < HEX_ESCAPES[code] or not re.fullmatch(r"[0-9a-fA-F]+", digits) \
+                    or int(digits, 16) > 0x10FFFF:
+                raise ConfigError(f"{where} has the escape \\{code}{digits}, which needs "
+                                  f"{HEX_ESCAPES[code]} hex digits of a Unicode code point; "
+                                  f"write \\\\ for a backslash (escapes: {ESCAPE_HELP})")
+            out.append(chr(int(digits, 16)))
+            i = j + 2 + HEX_ESCAPES[code]
+        else:
+            what = f"\\{code}, which is not an escape" if code else "a lone \\ at the end"
+            raise ConfigError(f"{where} has {what}; write \\\\ for a backslash (escapes: "
+                              f"{ESCAPE_HELP})")
+    decoded = re.sub("[\ud800-\udbff][\udc00-\udfff]", lambda m: m.group().encode(
+        "utf-16", "surrogatepass").decode("utf-16"), "".join(out))     # JSON's "\ud83d\ude00"
+    lone = re.search("[\ud800-\udfff]", decoded)
+    if lone:
+        raise ConfigError(f"{where} has the lone surrogate \\u{ord(lone.group()):04x}, which is "
+                          f"not text; pair it (\\ud83d\\ude00) or write \\U0001f600")
+    return decoded
+
+
+def decode_escapes(cfg: DictConfig) -> DictConfig:
+    """A composed config's free-text lists with their escapes decoded (`\\n` a newline, `\\\\` a
+    backslash); once per composition: compose() does it, and so does the CLI for the config
+    Hydra composes for its task. Returns cfg."""
+    for key in FREE_TEXT_LIST_KEYS:
+        node = OmegaConf.select(cfg, key, default=None)
+        if not OmegaConf.is_list(node):
+            continue
+        values = OmegaConf.to_container(node, resolve=True)
+        decoded = [unescape(v, f"{key}[{i}]") if isinstance(v, str) else v
+                   for i, v in enumerate(values)]
+        if decoded != values:
+            with open_dict(cfg):
+                OmegaConf.update(cfg, key, _escaped(decoded), merge=False)
+    return cfg
+
+
 @contextmanager
 def _hydra(config_module: str) -> Iterator[None]:
     """initialize_config_module that also works inside another Hydra app (restores its state)."""
@@ -221,7 +283,7 @@ def compose(overrides: Sequence[str] = (), config_name: str = "config",
     cfg = _hydra_compose(overrides, config_name, config_module)
     _refuse_new_root_keys(cfg, overrides, config_name, config_module)
     try:
-        return validate(cfg)
+        return validate(decode_escapes(cfg))
     except OmegaConfBaseException as exc:    # an interpolation in a value, say
         raise ConfigError(one_line_hydra_error(exc)) from None
 
@@ -322,6 +384,9 @@ def _schema_node(kind: str, node: DictConfig, where: str):
             _check_finite(value, f"{where}.{key}", key in neg_inf_ok)
         # resolved values: any `${` left in them is text, not an interpolation
         typed = OmegaConf.merge(OmegaConf.structured(component.schema), _escaped(plain))
+        # again as converted: `Infinity` or 'nan' given as text becomes a float in the merge
+        for key, value in OmegaConf.to_container(typed).items():
+            _check_finite(value, f"{where}.{key}", key in neg_inf_ok)
         obj = OmegaConf.to_object(typed)
     except ConfigError:
         raise
@@ -369,6 +434,8 @@ def validate(cfg: DictConfig) -> DictConfig:
                 for key in list(cfg[kind].keys()):
                     cfg[kind][key], _ = _schema_node(kind, cfg[kind][key], f"{kind}.{key}")
     _check_root(cfg)
+    from specflow.models.eagle_head import check_config
+    check_config(cfg)     # proposer.path's head, train_head.layers: vs the target's config.json
     return cfg
 
 
@@ -425,6 +492,90 @@ def _check_root(cfg: DictConfig) -> None:
     dtype = str(cfg.get("dtype", "float32"))
     if dtype not in DTYPES:
         raise ConfigError(f"dtype={dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+    if cfg.get("server") is not None:
+        check_server(cfg.server)
+    check_token_ids(cfg)
+
+
+# `specflow serve`'s whole-number settings (conf/serve.yaml): (key, lowest, may be null, the fix)
+SERVER_INTS = (
+    ("port", 0, False, "give a TCP port, e.g. server.port=8000 (0: any free port)"),
+    ("max_queue", 0, False, "give how many requests may wait for a slot, e.g. server.max_queue=64"),
+    ("max_prompt_tokens", 1, True, "give the longest prompt admitted in tokens, or null for the "
+     "model's context"),
+    ("max_tokens", 1, False, "give the most tokens a request may ask for, e.g. "
+     "server.max_tokens=1024"),
+)
+HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                      r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$")
+
+
+def check_server(server) -> None:
+    """The server's settings, before any model loads: an address or host name, ports and counts
+    in range, a non-negative grace."""
+    import ipaddress
+    import math
+
+    host = server.get("host")
+    fix = "give an IP address or a host name, e.g. 127.0.0.1, 0.0.0.0 (every interface), ::1 or " \
+          "localhost"
+    if not isinstance(host, str) or not host:
+        raise ConfigError(f"server.host={host!r} is not an address; {fix}")
+    if ":" in host or re.fullmatch(r"[\d.]+", host):      # IP-looking: must be one
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            raise ConfigError(f"server.host={host!r} is not a valid IP address; {fix}") from None
+    elif not HOSTNAME.match(host):
+        raise ConfigError(f"server.host={host!r} is not a valid host name; {fix}")
+    for key, lo, nullable, why in SERVER_INTS:
+        value = server.get(key)
+        if not (nullable and value is None):
+            whole_number(value, f"server.{key}", lo, 65535 if key == "port" else None, why)
+    grace = server.get("grace_seconds")
+    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not math.isfinite(grace) \
+            or grace < 0:
+        raise ConfigError(f"server.grace_seconds={grace!r} must be a number of seconds >= 0; give "
+                          f"how long requests in flight may finish at shutdown, e.g. 30")
+    warm = server.get("warm_grammars", True)
+    if not isinstance(warm, bool):
+        raise ConfigError(f"server.warm_grammars={warm!r} must be true or false (compile "
+                          f"response_format json_object's grammar at start)")
+    model_name = server.get("model_name")
+    if model_name is not None and (not isinstance(model_name, str) or not model_name.strip()):
+        raise ConfigError(f"server.model_name={model_name!r} must be a non-empty name (the id "
+                          f"/v1/models reports), or null for the model's path")
+
+
+def config_token_ids(cfg: DictConfig) -> Iterator[tuple[str, object]]:
+    """(option, id) for every token id a config names: stop.token_ids, a bad_words option's
+    token_ids and a logit_bias option's bias keys."""
+    stop = cfg.get("stop")
+    for token in (stop.get("token_ids") or []) if stop is not None else []:
+        yield "stop.token_ids", token
+    for key, node in (cfg.get("logits") or {}).items():
+        if node is None:
+            continue
+        if node.get("name") == "bad_words":
+            for seq in node.get("token_ids") or []:
+                for token in seq:
+                    yield f"logits.{key}.token_ids", token
+        if node.get("name") == "logit_bias":
+            for token in node.get("bias") or {}:
+                yield f"logits.{key}.bias", token
+
+
+def check_token_ids(cfg: DictConfig, vocab_size: int | None = None) -> None:
+    """Every token id in the config is >= 0 (at compose time) and inside the target's
+    vocabulary (once the target is loaded and vocab_size known): one line naming the id."""
+    for where, token in config_token_ids(cfg):
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise ConfigError(f"{where} has {token!r}, which is not a token id; token ids are "
+                              f"whole numbers from 0 up to the vocabulary size - 1")
+        if vocab_size is not None and token >= vocab_size:
+            raise ConfigError(f"{where} has token id {token}, outside the target's vocabulary of "
+                              f"{vocab_size} tokens (ids 0 to {vocab_size - 1}); remove it or give "
+                              f"an id below {vocab_size}")
 
 
 def option(cfg: DictConfig, kind: str):

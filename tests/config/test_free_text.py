@@ -1,5 +1,6 @@
 """Free text is text: `${...}`, quotes and backslashes in prompts, schemas, patterns, choices, stop
-strings and paths reach the run exactly as typed, never as a Hydra/OmegaConf interpolation."""
+strings and paths reach the run as typed (the lists decode their escapes: test_escapes.py), never
+as a Hydra/OmegaConf interpolation."""
 from __future__ import annotations
 
 import pytest
@@ -38,7 +39,9 @@ def test_patterns_schemas_paths_and_lists_are_kept_verbatim(text, monkeypatch, t
     cfg = compose(["model=hf", f"model.path={text}", "draft=hf", f"draft.path={text}"])
     assert cfg.model.path == cfg.draft.path == text
     cfg = compose([*SYN, f"stop.strings=[{text.replace(',', ' ')}, plain]"])
-    assert list(cfg.stop.strings) == [text.replace(",", " ").strip(), "plain"]
+    # list elements take escapes (tests/config/test_escapes.py): `\$` is a `$`, `\\` a backslash
+    listed = text.replace(",", " ").strip().replace("\\\\", "\0").replace("\\$", "$")
+    assert list(cfg.stop.strings) == [listed.replace("\0", "\\"), "plain"]
 
 
 def test_a_regex_with_dollar_braces_is_a_regex():

@@ -25,7 +25,7 @@ import torch
 from omegaconf import DictConfig
 
 from specflow import groups
-from specflow.config import compose, option, validate, whole_number
+from specflow.config import check_token_ids, compose, option, validate, whole_number
 from specflow.engine import Engine
 from specflow.errors import ConfigError, InputError, PluginError
 from specflow.metrics import MetricsRecorder
@@ -117,6 +117,7 @@ class Pipeline:
                            device=resolve_device(str(cfg.device)))
         ctx.target = self.target = self._build("model", ctx)
         self._check_k_fits(cfg)
+        check_token_ids(cfg, self.target.vocab_size)   # stop ids, bad words, logit bias keys
         self.threads = choose_threads(cfg.get("threads", "auto"), self.target)
         spec_k = scored_nodes(cfg.proposer) if cfg.get("proposer") is not None \
             and cfg.proposer.name != "none" else 0
@@ -144,6 +145,10 @@ class Pipeline:
             if getattr(processor, "key", ""):
                 self.sampling_settings.append(processor.key)
             self._register(processor, f"logits.{key}")
+        if "logit_bias" not in self.sampling_settings:   # requests' own logit_bias (sampling=)
+            from specflow.stages.penalties import RequestLogitBias
+            self._register(RequestLogitBias(ctx), "logit_bias.request")
+            self.sampling_settings.append("logit_bias")
         # observers (a tracer, an exporter) come last: a wrapper=True observer wraps every stage
         for key, node in (cfg.get("observer") or {}).items():
             self._register(self._build_node("observer", node, ctx), f"observer.{key}")
@@ -190,6 +195,7 @@ class Pipeline:
         if limit is not None and nodes is not None and int(nodes) + 1 >= limit:
             raise ConfigError(f"proposer.num_draft_tokens={nodes} leaves no room in the model's "
                               f"{limit}-token context; use a node budget well below {limit}")
+        check_tree_width(cfg.get("proposer"), limit, "the model's")
 
     @classmethod
     def from_config(cls, overrides: Sequence[str] = (), config_name: str = "config",
@@ -202,6 +208,8 @@ class Pipeline:
         (proposer.topk positions; one for a chain) in every slot, and auto may keep both
         layouts (choose_draft_pack)."""
         draft = self._build("draft", ctx)
+        if draft is not None:
+            check_tree_width(self.cfg.get("proposer"), draft.max_length, "the draft model's")
         self.draft_packed = choose_draft_pack(self.cfg.get("pack", "auto"), draft,
                                               tree_width(self.cfg.get("proposer")),
                                               int(self.cfg.max_batch_size))
@@ -300,6 +308,7 @@ class Pipeline:
             if not isinstance(prompt, str):
                 raise InputError(f"prompt {i} is of type {type(prompt).__name__}, not text; pass "
                                  f"prompts as strings (decode token ids first)")
+            check_unicode(prompt, f"prompt {i}")
         max_new = _whole(self.cfg.max_new_tokens if max_new_tokens is None else max_new_tokens,
                          "max_new_tokens", 1, "give the most tokens to generate, e.g. 64")
         if stop is not None:
@@ -309,6 +318,8 @@ class Pipeline:
             stop = list(stop)
             if any(s == "" for s in stop):
                 raise InputError("a stop string is empty, which would stop at once; remove it")
+            for s in stop:
+                check_unicode(s, "a stop string")
         base_seed = _whole(self.cfg.seed if seed is None else seed, "seed", 0,
                            "give a non-negative seed")
         logprobs = self.cfg.get("logprobs") if logprobs is None else logprobs
@@ -336,12 +347,13 @@ class Pipeline:
                              f"None, one per prompt ({len(prompts)})")
         configured = set(self.sampling_settings)
         try:
-            sampling = [check_request_sampling(s, configured, i) if s else None
+            sampling = [check_request_sampling(s, configured, i, self.target.vocab_size)
+                        if s else None
                         for i, s in zip(indices, sampling)]
         except ConfigError as exc:
             raise InputError(str(exc)) from None
         grammar = self._request_grammars(grammar, indices)
-        requests = []
+        requests, lowered = [], []
         for i, prompt, own in zip(indices, prompts, sampling):
             if not prompt:
                 raise InputError(f"prompt {i} is empty; every prompt needs at least one character")
@@ -352,9 +364,13 @@ class Pipeline:
                 raise InputError(f"prompt {i} has {len(ids)} tokens but the model's context is "
                                  f"{limit}; shorten the prompt")
             room = max_new if limit is None else min(max_new, limit - len(ids))
+            if room < max_new:
+                lowered.append((i, len(ids), room))
             requests.append(Request(i, prompt, ids, room, stop, base_seed + i,
                                     None if logprobs is None else int(logprobs), own,
                                     grammar[len(requests)]))
+        if lowered:
+            warn_lowered(lowered, max_new, limit)
         return requests
 
     def _request_grammars(self, grammar, indices: list[int]) -> list[dict | None]:
@@ -655,15 +671,56 @@ class Pipeline:
             if n_top is None or not new:
                 continue
             ids = torch.tensor(new, device=lp.device)
-            row.logprobs += lp[b, :len(new)].gather(-1, ids[:, None])[:, 0].tolist()
-            if n_top:
+            chosen = lp[b, :len(new)].gather(-1, ids[:, None])[:, 0].clamp(min=LOGPROB_FLOOR)
+            row.logprobs += chosen.tolist()
+            if n_top:    # alternatives a mask or a processor left impossible are left out
                 values, tokens = lp[b, :len(new)].topk(n_top, -1)
-                row.top_logprobs += [dict(zip(t, v)) for t, v in zip(tokens.tolist(),
-                                                                      values.tolist())]
+                row.top_logprobs += [{t: v for t, v in zip(ts, vs) if v > NEG_INF}
+                                     for ts, vs in zip(tokens.tolist(), values.tolist())]
 
     def __repr__(self) -> str:
         names = [name for name, _ in self.pm.list_name_plugin()]
         return f"Pipeline(greedy={self.greedy}, stages={names})"
+
+
+# a committed token's logprob is finite in practice (it was chosen); the floor (vLLM's) keeps
+# -inf out of JSON whatever happens
+LOGPROB_FLOOR = -9999.0
+NEG_INF = float("-inf")
+
+
+def check_unicode(text: str, what: str) -> None:
+    """InputError for text that is not valid Unicode: a lone surrogate (a JSON "\\ud800", a
+    filename decoded with surrogateescape) has no UTF-8 form and no tokenizer takes it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InputError(f"{what} is not valid Unicode text: a lone surrogate "
+                         f"{text[exc.start]!r} at character {exc.start}; send UTF-8 text (pair "
+                         f"surrogates, or drop it)") from None
+
+
+def warn_lowered(lowered: list[tuple[int, int, int]], max_new: int, limit: int) -> None:
+    """One line on stderr for a call whose prompts leave less room in the context than
+    max_new_tokens: those requests can end with "length" sooner than asked."""
+    import sys
+
+    index, tokens, cap = lowered[0]
+    n = len(lowered) - 1
+    more = f" (and for {n} more prompt{'s' if n > 1 else ''})" if n else ""
+    print(f"specflow: warning: prompt {index} has {tokens} tokens and the model's context is "
+          f"{limit}, so max_new_tokens={max_new} is lowered to {cap} for it{more}; shorten the "
+          f"prompt or ask for fewer tokens", file=sys.stderr, flush=True)
+
+
+def check_tree_width(proposer, limit: int | None, whose: str) -> None:
+    """A tree's frontier (proposer.topk nodes per level) is scored in one pass, so it must fit
+    the context like the node budget (the draft model's too, when it builds the tree)."""
+    width = tree_width(proposer)
+    if limit is not None and width > 1 and width + 1 >= limit:
+        raise ConfigError(f"proposer.topk={width} leaves no room in {whose} {limit}-token "
+                          f"context (a tree level scores up to topk nodes at once); use a tree "
+                          f"width well below {limit}, at most proposer.num_draft_tokens")
 
 
 def _whole(value, name: str, lo: int, fix: str) -> int:

@@ -83,6 +83,19 @@ def _files(tmp: pathlib.Path) -> None:
     (tmp / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))
     (tmp / "null.jsonl").write_text('{"prompt": "def f():"}\n{"prompt": null}\n')
     (tmp / "empty-model").mkdir(exist_ok=True)
+    _repeating_head(tmp / "head-repeat")
+
+
+def _repeating_head(dst: pathlib.Path) -> None:
+    """The shipped demo head's config.json, reading layer 2 twice (compose time reads no more)."""
+    import json
+
+    from specflow.models.eagle_head import DEMO_HEAD
+
+    config = json.loads((DEMO_HEAD / "config.json").read_text())
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 2, 2]
+    dst.mkdir(exist_ok=True)
+    (dst / "config.json").write_text(json.dumps(config))
 
 
 # (input, CLI arguments, what the API call is, message on the CLI, message on the API)
@@ -150,6 +163,8 @@ ROWS = [
      "proposer=eagle reads the hidden states of a transformers target", None),
     ("a folder that is not a draft head", ["proposer=eagle", "proposer.path={tmp}/empty-model"],
      "build", "has no config.json, so it is not a draft head", None),
+    ("a draft head that repeats a layer", ["proposer=eagle", "proposer.path={tmp}/head-repeat"],
+     "compose", "eagle_aux_hidden_state_layer_ids repeats layer 2 in [1, 2, 2]", None),
     ("tree width < 1", [*SYN, "proposer=ngram", "proposer.topk=0"], "compose",
      "proposer.topk=0 must be >= 1 (1 = a chain, more = a tree)", None),
     ("node budget under the tree depth", [*SYN, "proposer=draft", "proposer.topk=4",
@@ -164,13 +179,47 @@ ROWS = [
     ("a plugin that raises", [*SYN, "proposer=boom"], "plugin",
      "plugin proposer.boom (fake-specflow-boom 1.2.0) raised ZeroDivisionError: table is empty "
      "in hook specflow_propose", None),
+    ("a backslash that starts no escape", [*SYN, 'stop.strings=["C:\\path"]'], "compose",
+     "stop.strings[0] has \\p, which is not an escape; write \\\\ for a backslash", None),
+    ("infinity written as text", [*SYN, "logits=[temperature]",
+                                  "logits.temperature.value=Infinity"], "compose",
+     "logits.temperature.value=inf is not a finite number; give a finite value", None),
+    ("sampling value that is not a whole number", [*SYN, "logits=[top_k]", "logits.top_k.k=5.7"],
+     "generate_sampling:{'top_k': 5.7}",
+     "logits.top_k.k: Value '5.7' of type 'float' could not be converted to Integer",
+     "prompt 0: sampling top_k=5.7 must be a whole number"),
+    ("negative token id", [*SYN, "stop.token_ids=[-1]"], "compose",
+     "stop.token_ids has -1, which is not a token id", None),
+    ("token id outside the vocabulary", [*SYN, "stop.token_ids=[64]"], "build",
+     "stop.token_ids has token id 64, outside the target's vocabulary of 64 tokens (ids 0 to 63)",
+     None),
+    ("tree width past the context", [*SYN, "model.max_length=64", "proposer=ngram",
+                                     "proposer.topk=64", "proposer.num_draft_tokens=8"], "build",
+     "proposer.topk=64 leaves no room in the model's 64-token context", None),
+    ("server setting out of range", [*SYN, "server.port=70000"], "serve",
+     "server.port=70000 is out of range [0, 65535]; give a TCP port", None),
+    ("server host that is not an address", [*SYN, "server.host=256.1.1.1"], "serve",
+     "server.host='256.1.1.1' is not a valid IP address", None),
+    ("server port in use", [*SYN, "server.port={port}"], "serve_bind",
+     "is already in use (another server?); stop that process or pick a free port", None),
 ]
 
 
-def _fill(arg: str, tmp: pathlib.Path) -> str:
+def _fill(arg: str, tmp: pathlib.Path, port: int | None = None) -> str:
     if "{draft}" in arg:
         arg = arg.replace("{draft}", _mismatched_draft(tmp))
-    return arg.replace("{tmp}", str(tmp))
+    return arg.replace("{tmp}", str(tmp)).replace("{port}", str(port))
+
+
+@pytest.fixture
+def taken_port():
+    """{port}: a port another socket listens on (closed whatever happens)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
 
 
 def _skip_cuda(name):
@@ -179,15 +228,17 @@ def _skip_cuda(name):
 
 
 @pytest.mark.parametrize("name,args,api,cli_msg,api_msg", ROWS, ids=[r[0] for r in ROWS])
-def test_cli(tmp_path, name, args, api, cli_msg, api_msg):
+def test_cli(tmp_path, request, name, args, api, cli_msg, api_msg):
     _skip_cuda(name)
     _files(tmp_path)
     env = {**os.environ, "SPECFLOW_DISABLE_PLUGIN_AUTOLOAD": "1"}
     if api == "plugin":
         env.pop("SPECFLOW_DISABLE_PLUGIN_AUTOLOAD")
         env["PYTHONPATH"] = str(_install_raising_plugin(tmp_path))
-    args = [_fill(a, tmp_path) for a in args]
-    out = subprocess.run([SPECFLOW, "run", *args, "max_new_tokens=8",
+    port = request.getfixturevalue("taken_port") if api == "serve_bind" else None
+    args = [_fill(a, tmp_path, port) for a in args]
+    command = "serve" if api.startswith("serve") else "run"     # a server that starts is killed
+    out = subprocess.run([SPECFLOW, command, *args, "max_new_tokens=8",
                           f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path, capture_output=True,
                          env=env, timeout=300)
     err = out.stderr.decode().strip()
@@ -212,11 +263,22 @@ def raising_plugin(tmp_path, monkeypatch):
 def test_api(tmp_path, request, name, args, api, cli_msg, api_msg):
     _skip_cuda(name)
     _files(tmp_path)
-    args = [_fill(a, tmp_path) for a in args]
+    port = request.getfixturevalue("taken_port") if api == "serve_bind" else None
+    args = [_fill(a, tmp_path, port) for a in args]
     message = api_msg or cli_msg
     with pytest.raises(SpecflowError) as info:
         if api == "compose":
             compose(args)
+        elif api == "serve":
+            compose(args, "serve")
+        elif api == "serve_bind":     # `specflow serve` binds its address before the model loads
+            from specflow.serving.app import bind_socket
+            cfg = compose(args, "serve")
+            bind_socket(str(cfg.server.host), int(cfg.server.port)).close()
+        elif api.startswith("generate_sampling:"):     # a request's own sampling values
+            sampling = eval(api.split(":", 1)[1])      # noqa: S307 - literals from the table above
+            Pipeline.from_config([*SYN, "logits=[top_k]"]).generate(["abc"], sampling=sampling,
+                                                                     max_new_tokens=8)
         elif api == "build":
             Pipeline.from_config(args)
         elif api.startswith("prompt_file:"):

@@ -16,6 +16,7 @@ registers this stage, unconfigured, for such requests; rows without a grammar ar
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -112,6 +113,7 @@ class GrammarConstraint:
         self.seen: dict[int, int] = {}            # committed tokens already walked
         self._masks: dict[tuple[int, int], torch.Tensor] = {}  # (grammar, state) -> allowed [V]
         self._compiled: dict[str, object] = {}     # requests' grammars by spec, 64 most recent
+        self._lock = threading.RLock()             # guards _compiled and the mask cache's drops
 
     def compile(self, spec, index: int):
         """A request's grammar, compiled (cached per spec); InputError names what is wrong."""
@@ -119,28 +121,31 @@ class GrammarConstraint:
             key = json.dumps(spec, sort_keys=True)
         except (TypeError, ValueError):
             key = None
-        if key is not None and key in self._compiled:
-            self._compiled[key] = self._compiled.pop(key)         # most recently used last
-            return self._compiled[key]
+        with self._lock:        # a server compiles in its handlers' threads, runs in another
+            if key is not None and key in self._compiled:
+                self._compiled[key] = self._compiled.pop(key)     # most recently used last
+                return self._compiled[key]
         regex, what = request_regex(spec, index)
         try:
             compiled = compile_index(regex, self.tok, self.eos_id, what)
         except ConfigError as exc:
             raise InputError(str(exc)) from None
         if key is not None:
-            self._compiled[key] = compiled
-            while len(self._compiled) > 64:
-                self._release(self._compiled.pop(next(iter(self._compiled))))
+            with self._lock:
+                self._compiled[key] = compiled
+                while len(self._compiled) > 64:
+                    self._release(self._compiled.pop(next(iter(self._compiled))))
         return compiled
 
     def _release(self, index) -> None:
         """Drop the cached masks of a grammar nothing holds any more (masks are keyed by the
         object's id, which a new grammar could reuse once this one is freed)."""
-        if index is self.index or any(i is index for i in self.indexes.values()) \
-                or any(i is index for i in self._compiled.values()):
-            return
-        for key in [k for k in self._masks if k[0] == id(index)]:
-            del self._masks[key]
+        with self._lock:
+            if index is self.index or any(i is index for i in list(self.indexes.values())) \
+                    or any(i is index for i in self._compiled.values()):
+                return
+            for key in [k for k in list(self._masks) if k[0] == id(index)]:
+                self._masks.pop(key, None)
 
     # --- DFA helpers ---------------------------------------------------------------------------
 

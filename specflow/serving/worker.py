@@ -3,7 +3,8 @@
 Handlers `submit()` a request and read its outputs from an asyncio queue; the worker thread owns
 the engine (which is not thread-safe): it admits what was submitted, aborts what was cancelled,
 steps, and hands every RequestOutput to its request's queue on the event loop. Submissions beyond
-the running slots plus `max_queue` waiting ones are refused (the server answers 429). `drain()`
+the running slots plus `max_queue` waiting ones are refused (the server answers 429); the
+sequences of one HTTP request (prompts x n) are queued all together or not at all. `drain()`
 stops admitting new requests and lets those in flight finish; `close()` aborts the rest.
 """
 from __future__ import annotations
@@ -63,16 +64,23 @@ class EngineWorker:
 
     def submit(self, loop: asyncio.AbstractEventLoop, **args) -> Handle:
         """Queue one request (add_request's arguments); raises QueueFull or Draining."""
+        return self.submit_many(loop, [args])[0]
+
+    def submit_many(self, loop: asyncio.AbstractEventLoop, requests: list[dict]) -> list[Handle]:
+        """Queue the sequences of one HTTP request (add_request's arguments each), all of them or
+        none: QueueFull when they do not all fit in the free slots and queue now, Draining while
+        shutting down; nothing is queued then, so no row is admitted only to be aborted."""
         with self.lock:
             if self.draining:
                 raise Draining()
-            if self.in_flight >= self.capacity + self.max_queue:
+            if self.in_flight + len(requests) > self.capacity + self.max_queue:
                 raise QueueFull(self.in_flight)
-            self.in_flight += 1
-        handle = Handle(loop, asyncio.Queue(), args)
-        self.inbox.put(("add", handle))
+            self.in_flight += len(requests)
+        handles = [Handle(loop, asyncio.Queue(), args) for args in requests]
+        for handle in handles:
+            self.inbox.put(("add", handle))
         self.wake.set()
-        return handle
+        return handles
 
     def cancel(self, handle: Handle) -> None:
         """The client went away: abort its request (queued or running) and free its slot."""
@@ -163,20 +171,23 @@ class EngineWorker:
             if handle is None:
                 continue
             self.generation_tokens += len(out.token_ids)
-            handle.loop.call_soon_threadsafe(handle.outputs.put_nowait, out)
-            if out.finished:
+            if out.finished:     # its place is free before its client hears of the end
                 self.finished[out.finish_reason] = self.finished.get(out.finish_reason, 0) + 1
                 self._finish(handle, None)
+            handle.loop.call_soon_threadsafe(handle.outputs.put_nowait, out)
 
     def _finish(self, handle: Handle, error: BaseException | None) -> None:
+        """The request is over: its place counts no more (before its client is told, so a client
+        sending its next request at once finds the place free), then the error, if any, goes
+        to the client."""
         handle.done = True
         handle.error = error
         if handle.request_id is not None:
             self.handles.pop(handle.request_id, None)
-        if error is not None:
-            handle.loop.call_soon_threadsafe(handle.outputs.put_nowait, error)
         with self.lock:
             self.in_flight -= 1
+        if error is not None:
+            handle.loop.call_soon_threadsafe(handle.outputs.put_nowait, error)
 
 
 async def outputs_of(handle: Handle):

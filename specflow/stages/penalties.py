@@ -337,19 +337,57 @@ class BadWords(PrefixProcessor):
         shaping.logits = logits
 
 
-class LogitBias(PrefixProcessor):
+class _Bias:
+    """Adds token biases: the configured ones (`logits=[logit_bias]`) and each request's own
+    (`sampling={"logit_bias": {id: bias}}`, the server's `logit_bias` field); a request's
+    entries replace the configured ones for the same ids, the other configured ones still apply."""
+
+    key = "logit_bias"
+
     def __init__(self, cfg, ctx):
-        super().__init__(cfg, ctx)
+        self.cfg = cfg
         V = ctx.target.vocab_size
-        bad = [t for t in cfg.bias if not 0 <= int(t) < V]
+        bias = {} if cfg is None else cfg.bias
+        bad = [t for t in bias if not 0 <= int(t) < V]
         if bad:
             raise ConfigError(f"logits.logit_bias has token ids outside the vocabulary [0, {V}): "
                               f"{bad}")
-        self.ids = torch.tensor([int(t) for t in cfg.bias])
-        self.values = torch.tensor([float(v) for v in cfg.bias.values()])
+        self.ids = torch.tensor([int(t) for t in bias], dtype=torch.long)
+        self.values = torch.tensor([float(v) for v in bias.values()])
+
+    def apply(self, shaping) -> None:
+        own = shaping.row_values(self.key, None)
+        if own is None and not len(self.ids):
+            return                          # no configured bias, and no row has its own
+        base = shaping.logits
+        logits = base.clone()
+        if len(self.ids):
+            logits[..., self.ids.to(logits.device)] += self.values.to(logits.device)
+        for b, row in enumerate(own or ()):
+            if row:                         # this request's biases, over the model's own logits
+                ids = torch.tensor(list(row), dtype=torch.long, device=logits.device)
+                values = torch.tensor(list(row.values()), dtype=logits.dtype,
+                                      device=logits.device)
+                logits[b, :, ids] = base[b, :, ids] + values
+        shaping.logits = logits
+
+
+class LogitBias(_Bias, PrefixProcessor):
+    """`logits=[logit_bias]`: at its place in the processors' order."""
 
     @hookimpl
     def specflow_process_logits(self, shaping):
-        logits = shaping.logits.clone()
-        logits[..., self.ids.to(logits.device)] += self.values.to(logits.device)
-        shaping.logits = logits
+        self.apply(shaping)
+
+
+class RequestLogitBias(_Bias):
+    """What the pipeline registers when the config has no logit_bias: requests' own biases only,
+    added with the grammar masks, so before every processor (as vLLM adds OpenAI's logit_bias
+    before temperature, top-k and top-p); a no-op for rows without one."""
+
+    def __init__(self, ctx):
+        super().__init__(None, ctx)
+
+    @hookimpl
+    def specflow_mask_logits(self, shaping):
+        self.apply(shaping)

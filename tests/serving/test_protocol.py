@@ -39,6 +39,14 @@ def test_completion_and_chat_bodies_become_engine_arguments():
     ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {}}},
      "response_format"),
     ({"prompt": ["a", ""]}, "prompt"),
+    ({"prompt": "x", "best_of": 2}, "best_of"),
+    ({"prompt": "x", "suffix": "y"}, "suffix"),
+    ({"prompt": "x", "echo": True, "logprobs": 0}, "echo"),
+    ({"prompt": "x", "frobnicate": 1}, "frobnicate"),
+    ({"prompt": "x", "logit_bias": {"1": 200}}, "logit_bias"),
+    ({"prompt": "x", "top_k": 2.5}, "top_k"),
+    ({"prompt": "x", "temperature": float("inf")}, "temperature"),
+    ({"prompt": "x\ud800"}, "prompt"),
 ])
 def test_refusals_name_the_field(body, field):
     with pytest.raises(protocol.BadRequest) as info:
@@ -87,3 +95,31 @@ def test_prompt_length_limit():
     with pytest.raises(protocol.BadRequest, match="prompt has 51 tokens; this server admits "
                                                   "at most 50"):
         protocol.check_prompt_length(51, LIMITS, "prompt")
+
+
+def test_echo_logit_bias_and_neutral_fields():
+    p = parse({"prompt": "x", "echo": True, "logit_bias": {"3": -100, "7": 2.5}, "best_of": 1,
+               "suffix": "", "user": "u"})
+    assert p.echo and p.sampling == {"logit_bias": {3: -100.0, 7: 2.5}}
+    assert parse({"prompt": "x", "logit_bias": {}}).sampling is None
+    c = parse({"messages": [{"role": "user", "content": "x"}], "tools": [],
+               "tool_choice": "none", "metadata": {"a": "b"}}, chat=True)
+    assert not c.echo
+    with pytest.raises(protocol.BadRequest, match="is a field of /v1/completions") as info:
+        parse({"messages": [{"role": "user", "content": "x"}], "echo": True}, chat=True)
+    assert info.value.param == "echo"
+
+
+def test_max_tokens_must_fit_in_the_context_with_the_prompt():
+    limits = protocol.Limits(max_tokens=100, max_prompt_tokens=50, context=64)
+    asked = protocol.parse({"prompt": "x", "max_tokens": 20}, False, limits, {"greedy": True},
+                           None)
+    assert protocol.completion_budget(asked, 44, limits) == 20
+    with pytest.raises(protocol.BadRequest, match=r"maximum context length is 64 tokens\. "
+                                                  r"However, you requested 65 tokens \(45 in the "
+                                                  r"prompt, 20 in the completion\)") as info:
+        protocol.completion_budget(asked, 45, limits)
+    assert info.value.param == "max_tokens"
+    default = protocol.parse({"prompt": "x"}, False, limits, {"greedy": True}, None)
+    assert protocol.completion_budget(default, 10, limits) == 16
+    assert protocol.completion_budget(default, 60, limits) == 4      # cut to fit, not refused

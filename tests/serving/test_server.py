@@ -35,6 +35,9 @@ def free_port() -> int:
 
 
 class Server:
+    """`specflow serve` in a subprocess; `kill()` ends it whatever state it is in (the fixtures
+    call it after every test, so no server outlives a failure)."""
+
     def __init__(self, *overrides: str, tmp_path, config=CONFIG):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -43,30 +46,58 @@ class Server:
              f"hydra.run.dir={tmp_path}/serve-{self.port}", "--quiet"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            self._wait_up()
+        except BaseException:
+            self.kill()
+            raise
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+
+    def _wait_up(self) -> None:
         deadline = time.time() + 60
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError(f"server exited: {self.proc.stderr.read()}")
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    break
+                    return
             except httpx.HTTPError:
                 time.sleep(0.2)
-        else:
-            raise AssertionError("server did not come up")
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+        raise AssertionError("server did not come up")
 
     def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(60)
 
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(30)
+
+
+@pytest.fixture
+def start_server(tmp_path):
+    """Start servers for one test; each is killed at its end, passed or failed."""
+    started: list[Server] = []
+
+    def start(*overrides: str, config=CONFIG) -> Server:
+        started.append(Server(*overrides, tmp_path=tmp_path, config=config))
+        return started[-1]
+
+    yield start
+    for s in started:
+        s.kill()
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     s = Server(tmp_path=tmp_path_factory.mktemp("serve"))
-    yield s
-    assert s.stop() == 0
+    try:
+        yield s
+        assert s.stop() == 0
+    finally:
+        s.kill()
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +154,11 @@ def test_n_seed_and_logprobs(server):
     ({"prompt": "x", "temperature": 0.7}, "temperature"),
     ({"prompt": "x", "model": "gpt-9"}, "model"),
     ({"prompt": "x" * 5000}, "prompt"),
+    ({"prompt": "x", "best_of": 3}, "best_of"),
+    ({"prompt": "x", "suffix": "y"}, "suffix"),
+    ({"prompt": "x", "logit_bias": {"99999": 5}}, "logit_bias"),
+    ({"prompt": ["x"] * 10, "n": 8}, "n"),          # 80 sequences > 4 slots + 64 waiting
+    ({"prompt": "x", "top_k": 5.7}, "top_k"),
 ])
 def test_bad_requests_get_an_openai_error_naming_the_field(server, body, field):
     r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
@@ -160,8 +196,8 @@ def test_a_client_leaving_mid_stream_frees_its_slot(server):
     assert 'finish_reason="abort"' in httpx.get(server.url + "/metrics").text
 
 
-def test_sigterm_lets_requests_in_flight_finish_and_exits_0(tmp_path):
-    s = Server("server.max_queue=2", tmp_path=tmp_path)
+def test_sigterm_lets_requests_in_flight_finish_and_exits_0(start_server):
+    s = start_server("server.max_queue=2")
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(s.client.completions.create, model="specflow", prompt=p,
                                max_tokens=8000) for p in PROMPTS[:4]]
@@ -180,8 +216,8 @@ def test_sigterm_lets_requests_in_flight_finish_and_exits_0(tmp_path):
     assert s.proc.wait(60) == 0
 
 
-def test_requests_outliving_the_grace_period_get_an_error_and_the_server_exits_0(tmp_path):
-    s = Server("server.grace_seconds=3", "max_batch_size=2", tmp_path=tmp_path)
+def test_requests_outliving_the_grace_period_get_an_error_and_the_server_exits_0(start_server):
+    s = start_server("server.grace_seconds=3", "max_batch_size=2")
     body = {"model": "specflow", "prompt": "def long():", "max_tokens": 99000, "stream": True}
     with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
@@ -194,9 +230,9 @@ def test_requests_outliving_the_grace_period_get_an_error_and_the_server_exits_0
     assert s.proc.wait(30) == 0
 
 
-def test_a_sampling_server_takes_each_request_s_temperature(tmp_path):
+def test_a_sampling_server_takes_each_request_s_temperature(start_server):
     sampling = ["logits=[temperature,top_k]", "logits.temperature.value=1.0", "logits.top_k.k=20"]
-    s = Server(*sampling, tmp_path=tmp_path)
+    s = start_server(*sampling)
     try:
         own = {"temperature": 0.6, "top_k": 5}
         want = Pipeline.from_config([*CONFIG, *sampling]).generate(
@@ -208,14 +244,15 @@ def test_a_sampling_server_takes_each_request_s_temperature(tmp_path):
         assert s.stop() == 0
 
 
-def test_response_format_and_penalties_per_request_on_the_demo_pair(tmp_path):
+def test_response_format_and_penalties_per_request_on_the_demo_pair(start_server):
     """json_schema responses validate, a bad schema is a 400 naming response_format, and a
     request's own penalties give the tokens of a pipeline configured with them (EAGLE head)."""
     import jsonschema
 
     demo = ["model=demo", "draft=demo", "proposer=eagle", "max_batch_size=4",
-            "logits=[frequency_penalty]", "logits.frequency_penalty.value=0"]
-    s = Server(tmp_path=tmp_path, config=demo)
+            "logits=[frequency_penalty]", "logits.frequency_penalty.value=0",
+            "server.warm_grammars=false"]     # no json_object compile: this test has no need
+    s = start_server(config=demo)
     try:
         schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                                    "ok": {"type": "boolean"}},
@@ -243,8 +280,8 @@ def test_response_format_and_penalties_per_request_on_the_demo_pair(tmp_path):
         assert s.stop() == 0
 
 
-def test_a_full_queue_answers_429_with_retry_after(tmp_path):
-    s = Server("server.max_queue=0", "max_batch_size=1", tmp_path=tmp_path)
+def test_a_full_queue_answers_429_with_retry_after(start_server):
+    s = start_server("server.max_queue=0", "max_batch_size=1")
     try:
         body = {"model": "specflow", "prompt": "def long():", "max_tokens": 90000, "stream": True}
         with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as r:

@@ -58,14 +58,21 @@ def test_captured_states_are_the_layer_inputs_transformers_reports(hf_models):
     torch.testing.assert_close(h1[1, :3], h2[1, :3], atol=1e-5, rtol=1e-5)
 
 
-def test_a_head_written_in_the_published_layout_loads_back(hf_models, tmp_path):
-    pipe = pipeline(hf_models, "proposer=none")
+def save_tiny_head(pipe, folder, layer_ids: list[int]):
+    """A fixed-seed head for the tiny target, reading the inputs of `layer_ids`, saved to folder
+    (-> the head)."""
     shape = HeadShape(hidden_size=64, intermediate_size=96, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=pipe.target.vocab_size,
-                      draft_vocab_size=100, target_hidden_size=64, layer_ids=[0, 1])
+                      draft_vocab_size=100, target_hidden_size=64, layer_ids=layer_ids)
     head = init_head(shape, pipe.target.model.get_input_embeddings().weight, seed=3)
     head.set_vocab(torch.arange(0, 300, 3))
-    save_head(head, tmp_path / "h")
+    save_head(head, folder)
+    return head
+
+
+def test_a_head_written_in_the_published_layout_loads_back(hf_models, tmp_path):
+    pipe = pipeline(hf_models, "proposer=none")
+    head = save_tiny_head(pipe, tmp_path / "h", [0, 1])
     config = json.loads((tmp_path / "h" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
     assert config["draft_vocab_size"] == 100
@@ -298,12 +305,7 @@ def test_a_head_with_repeated_layers_is_refused_at_load_too(hf_models, tiny_head
 def test_a_head_naming_its_layers_out_of_order_reads_them_in_layer_order(hf_models, tmp_path):
     """The lean forward hands out layer inputs in layer order: fc's blocks are sorted with them."""
     pipe = pipeline(hf_models, "proposer=none")
-    shape = HeadShape(hidden_size=64, intermediate_size=96, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=pipe.target.vocab_size,
-                      draft_vocab_size=100, target_hidden_size=64, layer_ids=[1, 0])
-    head = init_head(shape, pipe.target.model.get_input_embeddings().weight, seed=3)
-    head.set_vocab(torch.arange(0, 300, 3))
-    save_head(head, tmp_path / "h")
+    head = save_tiny_head(pipe, tmp_path / "h", [1, 0])
     back = load_head(str(tmp_path / "h"), pipe.target, torch.device("cpu"), torch.float32)
     assert back.shape.layer_ids == [0, 1]
     layer0, layer1 = torch.randn(2, 1, 5, 64, generator=torch.Generator().manual_seed(0))

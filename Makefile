@@ -54,7 +54,7 @@ sim: $(VENV)/.installed
 calibrate: $(VENV)/.installed
 	$(VENV)/bin/specflow calibrate
 
-# retrain the EAGLE-3 head shipped for the demo target (the README's head card: ~30 min on 2 cores)
+# retrain the EAGLE-3 head shipped for the demo target (the head card in docs/heads.md: ~30 min on 2 cores)
 DEMO_HEAD := build/demo-head
 demo-head: $(VENV)/.installed
 	$(VENV)/bin/specflow train-head model=demo workload.limit=2048 train_head.prompts=2048 \

@@ -201,7 +201,7 @@ def plot(rows: list[dict], path: pathlib.Path, title: str) -> None:
 
 
 def render(env: dict, rows: list[dict], memory: list[dict], only: list | None = None) -> str:
-    """Markdown tables; `only` = [(model, batch), ...] keeps those tables (the README's)."""
+    """Markdown tables; `only` = [(model, batch), ...] keeps those tables (docs/benchmarks.md's)."""
     if only is not None:
         rows = [r for r in rows if (r["model"], r["batch"]) in only]
     lines = [f"{env['device']}, {env['threads']} threads, torch {env['torch']}, {env['dtype']}; "
@@ -275,7 +275,7 @@ def main() -> None:
     console.print(md, markup=False, highlight=False)
     console.print(f"wrote {out / stem}.{{json,md,png}}")
     if not args.no_readme and not args.name:
-        readme = ROOT / "README.md"
+        readme = ROOT / "docs" / "benchmarks.md"
         text = readme.read_text()
         short = render(env, rows, memory, only=[("target", 1), ("target, packed", 1)]) + (
             f"\nAll tables (draft, batch 8) and the plot: bench/results/{stem}.md, {stem}.png.\n")

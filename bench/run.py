@@ -6,7 +6,7 @@ interleaved prompt by prompt so machine drift hits every arm alike:
   HF prompt lookup, specflow none / draft / ngram / eagle, and token trees of each proposer.
 Reports median tokens/s and ratios to HF plain, exact output equality per prompt, alpha, tau,
 measured c, and the formula's predicted speedup beside the measured one; then specflow throughput
-at batch 1 / 4 / 16. Writes bench/results/bench.{json,md} and the README's benchmark section.
+at batch 1 / 4 / 16. Writes bench/results/bench.{json,md} and the tables in docs/benchmarks.md.
 Runs on CUDA when one is present (device=auto).
 """
 from __future__ import annotations
@@ -216,7 +216,7 @@ def main() -> None:
     atomic_write_text(out / "bench.md", md)
     console.print(md, markup=False, highlight=False)
     if not args.no_readme:
-        readme = ROOT / "README.md"
+        readme = ROOT / "docs" / "benchmarks.md"
         text = readme.read_text()
         new = re.sub(r"(<!-- bench:start -->\n).*?(<!-- bench:end -->)",
                      lambda m: m.group(1) + md + m.group(2), text, flags=re.S)

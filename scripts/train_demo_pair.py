@@ -9,7 +9,7 @@ prompts and never trained on.
 Deterministic for a given seed, thread count and torch build. Writes, under --out:
     target/  draft/      config.json, model.safetensors (fp16), tokenizer files
     heldout.jsonl        held-out code prompts (path, text) for benchmarks and demos
-    train_log.json       recipe, timings and losses (the README's model card quotes it)
+    train_log.json       recipe, timings and losses (docs/models.md's model card quotes it)
 """
 from __future__ import annotations
 

@@ -89,7 +89,10 @@ def specflow_propose(batch: "DecodeBatch", k: "torch.Tensor") -> "Proposal | Non
 
     Return a Proposal: draft_token_ids [B, max(k)] padded with -1, and draft_probs [B, max(k), V]
     holding exactly the distributions the drafts were sampled from (None for a deterministic
-    proposer). A row may return fewer drafts than asked. A model proposer shapes its logits with
+    proposer). A row may return fewer drafts than asked. A token tree (``proposer.topk`` > 1) holds
+    N nodes per row instead (draft_token_ids [B, N], draft_probs [B, N, V], siblings sharing their
+    parent's q) and sets ``parents`` [B, N]: -1 for a child of the root, else the index of an
+    earlier node; k is then each row's depth. A model proposer shapes its logits with
     ``batch.shape(...)`` so processors and constraints apply as they do to the target.
     The first non-None result wins.
     """
@@ -100,9 +103,18 @@ def specflow_score(batch: "DecodeBatch", proposal: "Proposal") -> "torch.Tensor 
     """Called once per round after the proposer: the target's forward pass over each row's last
     committed token followed by its drafts.
 
-    Return raw target logits [B, K+1, V] (position j predicts the token after draft j). The built-in
-    implementation runs the configured target model and extends its KV cache by k_b + 1 entries;
-    specflow_sync_cache rolls back what was not committed. The first non-None result wins.
+    A chain (``proposal.parents`` is None): return raw target logits [B, K+1, V], position j
+    predicting the token after draft j. The built-in implementation runs the configured target
+    model and extends its KV cache by k_b + 1 entries; specflow_sync_cache rolls back what was not
+    committed.
+
+    A token tree (``proposal.parents`` [B, N]: -1 for a child of the root, the row's last committed
+    token, else the index of an earlier node): return [B, N+1, V], position 0 after the committed
+    prefix and position i + 1 after node i's root path. Each node sits at the position of its
+    depth and attends to the committed prefix and its own ancestors only (the built-in scorer calls
+    the backend's ``forward_tree``; the entries are cached in node order, and after verification
+    only the accepted path is kept, moved into place). A tree whose every row is one path reaches
+    this hook as a chain. The first non-None result wins.
     """
 
 
@@ -132,8 +144,16 @@ def specflow_verify(batch: "DecodeBatch", proposal: "Proposal",
                     target_probs: "torch.Tensor") -> "VerifyOutput | None":
     """Called once per round after the target pass, with target_probs [B, K+1, V] (shaped).
 
-    Return a VerifyOutput: out_token_ids [B, K+1] (accepted prefix, recovered or bonus, -1 padding)
-    and num_accepted [B]. The first non-None result wins.
+    A chain: return a VerifyOutput with out_token_ids [B, K+1] (accepted prefix, recovered or
+    bonus, -1 padding) and num_accepted [B].
+
+    A token tree (``proposal.parents`` set): target_probs is [B, N+1, V], position 0 after the
+    committed prefix and i + 1 after node i, each node shaped on its own root path. Accept one
+    root-to-node path per row and return out_token_ids [B, N+1] (the path's tokens, then the
+    recovered or bonus token, then -1), num_accepted [B] (the path's length) and accepted_nodes
+    [B, N] (the path's node indices from the root, -1 after), which cache sync uses to keep the
+    path's entries. ``specflow.verify_tree`` does this exactly (longest greedy path, or multi-draft
+    rejection sampling). The first non-None result wins.
     """
 
 

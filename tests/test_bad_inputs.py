@@ -1,8 +1,8 @@
-"""The README's bad-input table, row by row, through the CLI and through the Python API.
+"""The bad-input table of docs/bad-input.md, row by row, through the CLI and through the Python API.
 
 Every row: one line that names the value and the fix, exit code 2 (SpecflowError.exit_code on the
-API), and no metrics.json (the file that marks a finished run). README_TABLE is checked against
-README.md so the table users read is the table tested here.
+API), and no metrics.json (the file that marks a finished run). ROWS is checked against
+docs/bad-input.md so the table users read is the table tested here.
 """
 from __future__ import annotations
 
@@ -303,10 +303,13 @@ def test_api(tmp_path, request, name, args, api, cli_msg, api_msg):
     assert info.value.exit_code == 2
 
 
-def test_the_readme_table_is_this_table():
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = readme.split("## Bad input", 1)[1].split("\n## ", 1)[0]
-    section = section.split("### Output folders and sweeps", 1)[0]
+PAGE = ROOT / "docs" / "bad-input.md"     # the README links to it
+
+
+def test_the_docs_table_is_this_table():
+    page = PAGE.read_text(encoding="utf-8")
+    section = page.split("# Bad input", 1)[1].split("\n## ", 1)[0]
+    section = section.split("## Output folders and sweeps", 1)[0]
     rows = [line for line in section.splitlines() if line.startswith("| ")][1:]   # no header
     assert len(rows) == len(ROWS)
     for line, (name, *_rest, cli_msg, _api_msg) in zip(rows, ROWS):
@@ -317,10 +320,10 @@ def test_the_readme_table_is_this_table():
 
 # the second table, "Output folders and sweeps": rows that are about files and folders, each
 # tested where its setting lives (the file named in the row's last cell)
-def test_the_readme_folder_table_is_tested_where_it_says():
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = readme.split("## Bad input", 1)[1].split("\n## ", 1)[0]
-    table = section.split("### Output folders and sweeps", 1)[1]
+def test_the_docs_folder_table_is_tested_where_it_says():
+    page = PAGE.read_text(encoding="utf-8")
+    section = page.split("# Bad input", 1)[1]
+    table = section.split("## Output folders and sweeps", 1)[1].split("\n## ", 1)[0]
     rows = [line for line in table.splitlines() if line.startswith("| ")][1:]
     assert len(rows) >= 8
     for line in rows:

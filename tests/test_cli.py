@@ -73,7 +73,7 @@ def _bad_file(tmp_path, kind):
     return path
 
 
-# the README's bad-input table is tests/test_bad_inputs.py; these are the other bad inputs
+# docs/bad-input.md's table is tests/test_bad_inputs.py; these are the other bad inputs
 BAD_INPUTS = [
     (["proposer=ngarm"], "valid options for proposer: draft, eagle, ngram, none"),
     (["logits=[top_k]", "logits.top_k.k=0"], "top_k.k=0 must be >= 1"),
@@ -150,7 +150,7 @@ def test_sim_writes_tables_json_and_plots(tmp_path):
 
 
 def test_a_quoted_stop_string_with_escapes_stops_at_a_blank_line(tmp_path):
-    """The README's `'stop.strings=["\n\n"]'`: Hydra keeps the backslashes, specflow decodes them
+    """docs/config.md's `'stop.strings=["\n\n"]'`: Hydra keeps the backslashes, specflow decodes them
     (the demo target writes Python, so a blank line comes within a few tokens)."""
     out = specflow("run", 'stop.strings=["\\n\\n"]', "prompt=class A:\n    pass\n",
                    "max_new_tokens=24", "--quiet", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)

@@ -2,20 +2,19 @@
 
 A decoding pass multiplies 1 to ~16 rows by every weight matrix once, so it should cost about the
 time to read the weights. How close a library gets depends on the form of the call, the weight
-layout, the dtype and the machine. Measured on a 2-core AMD EPYC (Zen 4), fp32, weights streamed
-from memory (~30-60 GB/s read bandwidth):
+layout, the dtype and the machine:
 
-- MKL's `F.linear(x, W)` reads the weights at 7-10 GB/s for 1-16 rows (its AVX-512 paths are not
-  taken on AMD); `(W @ x.T).T` reaches ~30 GB/s for 2 rows (one row padded to two) but falls to
-  ~10-17 GB/s at 5 rows and ~6-9 at 16: the product turns compute-bound.
+- MKL's `F.linear(x, W)` reads the weights well below the memory's bandwidth for a few rows where
+  its AVX-512 paths are not taken (AMD CPUs); `(W @ x.T).T` reads them several times faster for
+  one or two rows (one row padded to two) but turns compute-bound at a few more.
 - oneDNN with the weight *packed* once into its blocked layout (`packed`: the kernels inductor uses
-  for frozen CPU linears) reads at ~21-26 GB/s for 1-2 rows, ~28-40 GB/s for 5 rows and ~17-20 at
-  16, and gives every row the same bits whatever the number of rows beside it.
+  for frozen CPU linears) streams well from a few rows up, and gives every row the same bits
+  whatever the number of rows beside it.
 
 So neither the form nor the layout is fixed: `pick()` times the dense forms on the model's own
 weights (all of them, so the reads stream from memory as in a real pass) for one row, a few rows
 and a batch's worth, once per model load, and the lean forward calls the winners. Whether to pack
-is a trade (one-row passes get slower: each oneDNN call costs ~14 us more than MKL's, and it
+is a trade (one-row passes get slower: each oneDNN call has more fixed cost than MKL's, and it
 streams one row slower; passes of 4+ rows get much faster), decided on whole passes by
 `specflow.models.packing`. A packed weight *replaces* the dense one (the lean forward frees it),
 so packing costs no memory (but for a head tied to the embedding table, packed as a copy).
@@ -23,6 +22,9 @@ so packing costs no memory (but for a head tied to the embedding table, packed a
 Every form computes the same products from the same weights: they differ only in float rounding
 (fp32: ~1e-6 relative), like any change of BLAS kernel. On CUDA, cuBLAS handles these shapes well
 and `F.linear` is used without measuring.
+
+The read bandwidths of each form on the machines this was built on: docs/decisions.md, "Measured
+on this project's machines".
 """
 from __future__ import annotations
 
@@ -67,8 +69,8 @@ def pack(w: torch.Tensor) -> torch.Tensor:
 
 def packed(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [..., K] times a packed W [N, K]^T -> [..., N] through oneDNN. Fewer than PACK_MIN_ROWS
-    rows are padded to it: oneDNN streams the weights at ~21 GB/s for 1-2 rows and ~28 GB/s for
-    3-6 on the machine above, and each row's result does not depend on the rows beside it."""
+    rows are padded to it: oneDNN streams the weights faster for a few rows than for one or two
+    (docs/decisions.md), and each row's result does not depend on the rows beside it."""
     rows = x.numel() // x.shape[-1]
     if rows >= PACK_MIN_ROWS:
         return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")

@@ -1,7 +1,8 @@
 """A lean forward pass over a Llama-family checkpoint (Llama, Mistral, Qwen2), in gpt-fast's style.
 
-transformers' module stack costs a fixed ~0.5 ms per call on a CPU, which is most of a tiny draft
-model's step, and its `F.linear` calls are not the fastest form of a few-row product everywhere.
+transformers' module stack has a fixed cost per call on a CPU that is most of a tiny draft model's
+step (docs/decisions.md, "Measured on this project's machines"), and its `F.linear` calls are
+not the fastest form of a few-row product everywhere.
 This is the same computation, from the same weights, as a plain sequence of tensor ops, writing
 keys and values into the same SlotKVCache:
 

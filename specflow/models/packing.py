@@ -1,25 +1,25 @@
 """Whether the target's (and a draft model's) lean forward packs its weights for oneDNN:
 `pack: auto | true | false`.
 
-Packing is a trade measured on whole passes. On a 2-core AMD EPYC (fp32, demo target, context
-256) one position costs 3.9 ms packed against 3.2 dense (each oneDNN call has ~14 us more
-overhead than MKL's, and it streams a single row more slowly), while 5 positions cost 4.3 against
-5.9, 9 positions 5.7 against 8.9, and a batch of 8 rows at 5 positions 16 against 20. A pipeline
-runs passes between two ends: one row at one position (plain decoding of a lone request) and a
-full batch at k+1 positions (max_batch_size rows; k = 0 without speculation). `auto` times a pass
-at each end both ways when the pipeline is built and packs when their sum is lower packed; if
-the full pass is the one-row pass, nothing is timed and the weights stay dense. A draft model
-steps between one row (a chain at batch 1) and its fullest step (a tree's frontier, proposer.topk
-positions, or one position, in every slot), and on the demo draft a one-row step is ~0.7 ms
-dearer packed while a 4-row step is ~0.7 ms cheaper: so `choose_draft_pack` times steps of 1, 2,
-4, ... rows both ways and keeps both layouts where packed wins only the wider ones (its weights
-once more: 5.9 MB for the demo draft), each pass taking the faster. `true` packs whenever the
-CPU's torch build can, `false` never (for both models). For the
-target a packed weight replaces the dense one, so neither choice costs memory, but for an LM
-head tied to the embedding, packed as a copy (the lookup reads the dense table): the widest product of a
-pass, a quarter of the demo target's weights, and at 17 positions oneDNN reads it in about half
-MKL's time (a 17-position tree pass 12 ms packed against 18-23 dense). A change of thread count
+Packing is a trade measured on whole passes: with the weights in oneDNN's packed layout a
+one-position pass costs more than with MKL's dense products (each oneDNN call has more fixed
+overhead, and it streams a single row more slowly), while passes of several positions, or of
+several rows, cost much less. A pipeline runs passes between two ends: one row at one position
+(plain decoding of a lone request) and a full batch at k+1 positions (max_batch_size rows; k = 0
+without speculation). `auto` times a pass at each end both ways when the pipeline is built and
+packs when their sum is lower packed; if the full pass is the one-row pass, nothing is timed and
+the weights stay dense. A draft model steps between one row (a chain at batch 1) and its fullest
+step (a tree's frontier, proposer.topk positions, or one position, in every slot), and a one-row
+step can be dearer packed while a wider one is cheaper: so `choose_draft_pack` times steps of 1,
+2, 4, ... rows both ways and keeps both layouts where packed wins only the wider ones (its
+weights once more; a draft is small by design), each pass taking the faster. `true` packs
+whenever the CPU's torch build can, `false` never (for both models). For the target a packed
+weight replaces the dense one, so neither choice costs memory, but for an LM head tied to the
+embedding, packed as a copy (the lookup reads the dense table): it is the widest product of a
+pass, and at many positions oneDNN reads it far faster than MKL. A change of thread count
 afterwards keeps the choice. CUDA, forward=hf and non-lean models never pack.
+
+The figures behind this (per machine): docs/decisions.md, "Measured on this project's machines".
 """
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def choose_draft_pack(setting, backend, positions: int, rows: int = 1) -> bool:
     packs from the fewest product rows (B x T) at which packed wins there and at every wider
     point timed. From one row: every weight packed, as for the target. Wider: the draft keeps
     both layouts (LeanLlama.pack(keep_dense=True)), so its one-row chain steps stay on MKL's
-    dense products (on the demo draft ~0.7 ms cheaper a step) and its frontier steps take
+    dense products (cheaper for one row) and its frontier steps take
     oneDNN, for its weights' memory once more (a draft is small by design). Never: dense."""
     if (decided := _untimed(setting, backend, positions, rows)) is not None:
         return decided

@@ -1,9 +1,9 @@
 """How many CPU threads torch uses for a CPU run: `threads: auto | N` in the root config.
 
-On a quiet 2-core machine two threads make a decoding pass ~1.5x faster than one. With another
-process busy on the second core, OpenMP's spinning barriers make the same two threads collapse
-(measured on the demo pair: 225 -> 62 tokens/s, while one thread keeps 155), and every small op
-of a draft step pays it. `auto` therefore times the target's one-position pass with the threads
+On a quiet machine more threads make a decoding pass faster. With another process busy on one
+of the cores, OpenMP's spinning barriers make the same threads collapse, far below one thread's
+speed (docs/decisions.md, "Measured on this project's machines"), and every small op of a draft
+step pays it. `auto` therefore times the target's one-position pass with the threads
 torch would use and with one thread, when the pipeline is built, and keeps the faster; the
 choice is printed in metrics.json (`threads`) and Pipeline.threads. It is decided once: contention that starts
 later is not followed (set `threads=1` on a machine shared with other work).

@@ -408,7 +408,8 @@ class GoodputPolicy:
         # a real target's rounds without drafts, measured per batch size (the last PLAIN_KEPT):
         # the fit's line is solved on the positions rounds compute, and while every round
         # drafts it only sees 2B.. positions, so its a_t + b_t B for plain decoding is an
-        # extrapolation (50% over on the demo pair at batch 16, so drafting looked worth it)
+        # extrapolation (too dear, so drafting looked worth it: docs/decisions.md, "Plain
+        # decoding is measured, not extrapolated")
         self._plain: dict[int, deque[float]] = {}
         self._since_plain: dict[int, int] = {}   # drafting rounds per batch size since its last
                                                  # round without drafts (kept by observe)

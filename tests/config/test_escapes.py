@@ -14,7 +14,7 @@ SYN = ["model=synthetic", "draft=synthetic"]
 
 
 @pytest.mark.parametrize("override,expected", [
-    ('stop.strings=["\\n\\n"]', ["\n\n"]),                  # the README's example
+    ('stop.strings=["\\n\\n"]', ["\n\n"]),                  # docs/config.md's example
     ("stop.strings=['\\n\\n']", ["\n\n"]),
     ("stop.strings=[\\n, a\\tb]", ["\n", "a\tb"]),            # bare elements too
     ('stop.strings=["C:\\\\path", "\\"q\\"", "it\\\'s"]', ["C:\\path", '"q"', "it's"]),

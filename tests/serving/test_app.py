@@ -365,3 +365,20 @@ def test_no_warming_when_switched_off():
     with TestClient(create_app(pipe, cfg.server)) as c:
         assert c.get("/health").json()["status"] == "ok"
     assert slow.compiles == []
+
+
+def test_a_seeded_request_gives_the_same_text_under_goodput_and_load():
+    """A trial found a seeded request under policy=goodput (the serving policy) gave different
+    text on every call: goodput's k follows measured timings. Its text is now plain sampling's,
+    alone or beside other requests."""
+    _, app = make_app(*SAMPLING, "policy=goodput", "logits.top_k.k=20")
+    body = {"prompt": "def fib(n):", "max_tokens": 24, "seed": 11}
+    plain = Pipeline.from_config([*CONFIG, *SAMPLING, "logits.top_k.k=20", "proposer=none",
+                                  "~proposer.k"])
+    want = plain.generate(["def fib(n):"], max_new_tokens=24, seed=11)[0].text
+    with TestClient(app) as c:
+        texts = [c.post("/v1/completions", json=body).json()["choices"][0]["text"] for _ in range(2)]
+        # beside another sequence in the batch (its first choice is seeded `seed` itself)
+        loaded = c.post("/v1/completions", json={**body, "prompt": ["def fib(n):", "x = 1"]}).json()
+    assert texts == [want, want]
+    assert loaded["choices"][0]["text"] == want

@@ -80,14 +80,14 @@ class Engine:
         if capacity > pipe.ctx.slots:
             raise InputError(f"max_batch_size={capacity} exceeds the pipeline's "
                              f"{pipe.ctx.slots} slots; set max_batch_size={capacity} in the config")
-        if getattr(pipe, "_engine", None) is not None:
+        if pipe.running_engine is not None:
             raise InputError("this pipeline already has a running engine (they would share its "
                              "cache slots); close() it first, or build a second pipeline")
         self.pipe = pipe
         self.capacity = capacity
         self.recorder = pipe.recorder = recorder or MetricsRecorder(pipe.clock)
         pipe.pm.register(self.recorder, name="metrics")
-        pipe._engine = self
+        pipe.running_engine = self
         self.queue: deque[Request] = deque()
         self.free = list(range(capacity))
         self.active: dict[int, Row] = {}
@@ -114,7 +114,7 @@ class Engine:
         rid = self.next_id if request_id is None else request_id
         if rid in self.streams:
             raise InputError(f"request_id={rid} is already in use; leave it out for a new one")
-        request = self.pipe._requests([prompt], max_new_tokens, stop, seed, logprobs, [rid],
+        request = self.pipe.make_requests([prompt], max_new_tokens, stop, seed, logprobs, [rid],
                                       [sampling], [grammar])[0]
         if seed is not None:
             request.seed = seed           # as given: the same seed, the same tokens
@@ -143,10 +143,20 @@ class Engine:
                 self.free.append(slot)
                 self.aborted.append(request_id)
                 self.recorder.forget(request_id)
-                self.pipe.row_sampling.pop(request_id, None)
                 self.pipe.hook.specflow_request_end(slot=slot, request=row.request,
                                                     finish_reason="abort")
                 return
+
+    def request(self, request_id: int) -> Request | None:
+        """The request with this id while it is queued or running, else None."""
+        for row in self.active.values():
+            if row.request.request_id == request_id:
+                return row.request
+        return next((r for r in self.queue if r.request_id == request_id), None)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.active)
 
     def has_unfinished(self) -> bool:
         return bool(self.queue or self.active or self.aborted)
@@ -182,11 +192,13 @@ class Engine:
             generators=[r.generator for r in rows], greedy=pipe.greedy,
             max_batch_size=self.capacity, shaper=pipe.shape,
             seeds=torch.tensor([r.request.seed for r in rows], dtype=torch.long)
-            if pipe.draws_by_position else None)
-        result, trim, shaped = pipe._round(batch, self.round_index)
+            if pipe.draws_by_position else None,
+            sampling=[r.request.sampling for r in rows]
+            if any(r.request.sampling for r in rows) else None)
+        result, trim, shaped = pipe.step(batch, self.round_index)
         self.round_index += 1
         if any(r.request.logprobs is not None for r in rows):
-            pipe._record_logprobs(rows, shaped, trim.committed, result.accepted_nodes)
+            pipe.record_logprobs(rows, shaped, trim.committed, result.accepted_nodes)
         for b, row in enumerate(rows):
             rid = row.request.request_id
             reason = result.finish_reasons[b]
@@ -201,7 +213,7 @@ class Engine:
                 del row.logprobs[len(row.logprobs) - retract:]
                 del row.top_logprobs[len(row.top_logprobs) - retract:]
                 recorder.retract(rid, retract)
-            done = pipe._finish(row, reason, recorder)
+            done = pipe.finish_row(row, reason, recorder)
             out = self._delta(row, final=True, text=done.text)
             out.finished, out.finish_reason, out.result = True, reason, done
             outputs.append(out)
@@ -213,7 +225,6 @@ class Engine:
             del self.active[row.slot]
             self.free.append(row.slot)
             self.streams.pop(rid, None)
-            pipe.row_sampling.pop(rid, None)
             recorder.forget(rid)      # its stats live on in the result; the run's totals stay
         return outputs
 
@@ -227,8 +238,6 @@ class Engine:
                 device=pipe.target.device).manual_seed(req.seed)
             self.active[slot] = row = Row(req, slot, list(req.prompt_ids), gen)
             admitted.append(row)
-            if req.sampling:
-                pipe.row_sampling[req.request_id] = req.sampling
             recorder.start(req.request_id)
             t0 = time.perf_counter()
             pipe.hook.specflow_request_start(slot=slot, request=req)
@@ -281,7 +290,6 @@ class Engine:
                                                     finish_reason="abort")
             except Exception:   # noqa: BLE001 - the original error is the one to report
                 pass
-            self.pipe.row_sampling.pop(row.request.request_id, None)
         self.active.clear()
 
     def close(self) -> None:
@@ -294,7 +302,7 @@ class Engine:
         finally:
             self.queue.clear()
             self.pipe.pm.unregister(self.recorder)
-            self.pipe._engine = None
+            self.pipe.running_engine = None
 
     def _check_open(self) -> None:
         if self.closed:

@@ -112,7 +112,7 @@ class Pipeline:
         self.clock = SimClock()
         self.empty_rows = EmptyRowLog()     # this round's shape() calls, checked after verify
         self.sampling_settings: list[str] = []   # what a request may set for itself (sampling=)
-        self.row_sampling: dict[int, dict] = {}  # request id -> its own settings, while it runs
+        self.running_engine: Engine | None = None  # the Engine using the cache slots (one at a time)
         ctx = BuildContext(cfg=cfg, slots=int(cfg.max_batch_size), clock=self.clock,
                            device=resolve_device(str(cfg.device)))
         ctx.target = self.target = self._build("model", ctx)
@@ -243,17 +243,18 @@ class Pipeline:
 
     def shape(self, logits: torch.Tensor, token_ids: list[list[int]], draft_token_ids: torch.Tensor,
               first_draft_index: int, request_ids: list[int], source: str,
-              paths: list[list[int]] | None = None) -> torch.Tensor:
+              paths: list[list[int]] | None = None,
+              sampling: list[dict | None] | None = None) -> torch.Tensor:
         """Grammar masks, then logit processors in config order: [B, P, V] -> [B, P, V] float32.
 
         Masks come first (as in vLLM and outlines), so top-k / top-p / min-p truncate among the
         tokens the grammar allows and never leave a row empty by themselves. A row that still
         ends with no finite logit (or a NaN) is marked and replaced by zeros; the round's check
         raises EmptyDistributionError if the round actually reached it (stages/empty_rows.py).
+        sampling: [B] each row's request's own settings (DecodeBatch.sampling), or None.
         """
-        own = [self.row_sampling.get(r) for r in request_ids] if self.row_sampling else None
         shaping = ShapingBatch(logits.float(), token_ids, draft_token_ids, first_draft_index,
-                               request_ids, source, own)
+                               request_ids, source, sampling)
         if source == "target":     # the model's own verdict, before a stage may edit in place
             raw_unusable = ~torch.isfinite(shaping.logits.amax(-1))                   # [B, P]
         self.hook.specflow_mask_logits(shaping=shaping)
@@ -294,8 +295,10 @@ class Pipeline:
 
     # --- generation --------------------------------------------------------------------------
 
-    def _requests(self, prompts, max_new_tokens, stop, seed, logprobs,
-                  indices=None, sampling=None, grammar=None) -> list[Request]:
+    def make_requests(self, prompts, max_new_tokens, stop, seed, logprobs,
+                      indices=None, sampling=None, grammar=None) -> list[Request]:
+        """Checked Requests for generate()'s arguments (one line for anything wrong), each with
+        its tokens, room in the context, seed (seed + index), sampling settings and grammar."""
         if isinstance(prompts, str):
             prompts = [prompts]
         if isinstance(prompts, (bytes, dict)) or not hasattr(prompts, "__iter__"):
@@ -416,7 +419,7 @@ class Pipeline:
         verifier.rule=coupled, whose draws depend only on the seed and the position; under
         rule=rejection only when draft lengths do not depend on the other requests).
         """
-        requests = self._requests(prompts, max_new_tokens, stop, seed, logprobs, indices,
+        requests = self.make_requests(prompts, max_new_tokens, stop, seed, logprobs, indices,
                                   sampling, grammar)
         engine = Engine(self, max_batch_size, start_hooks=False)
         bar = _progress(len(requests)) if progress else None
@@ -471,7 +474,8 @@ class Pipeline:
                     if out.finished:
                         self.last_stats = engine.recorder.total.as_dict()
 
-    def _finish(self, row: Row, reason: str, recorder: MetricsRecorder) -> GenerationResult:
+    def finish_row(self, row: Row, reason: str, recorder: MetricsRecorder) -> GenerationResult:
+        """A row that ended `reason` as the GenerationResult its caller receives."""
         generated = row.token_ids[len(row.request.prompt_ids):]
         text = self.tokenizer.decode(generated)        # text always agrees with token_ids
         stats = recorder.requests[row.request.request_id].as_dict()
@@ -551,7 +555,10 @@ class Pipeline:
             if problem:
                 self._proposer_error(problem)
 
-    def _round(self, batch: DecodeBatch, round_index: int):
+    def step(self, batch: DecodeBatch, round_index: int):
+        """One round over a running batch (its rows' committed tokens grow in place) -> (the
+        RoundResult, the stop trimmer's TrimResult, the target's shaped distributions [B, P, V]
+        that record_logprobs reads). What the engine calls between admitting and finishing."""
         try:
             return self._round_stages(batch, round_index)
         finally:        # nothing recorded outlives its round (an error, Ctrl-C included)
@@ -592,7 +599,7 @@ class Pipeline:
         # the drafts as the host read them: prefix processors and grammars walk them on the host
         if not tree_pass:
             shaped = self.shape(logits, batch.token_ids, proposal.host_draft_token_ids(), 0,
-                                batch.request_ids, "target")                         # [B, K+1, V]
+                                batch.request_ids, "target", sampling=batch.sampling)  # [B, K+1, V]
         else:                        # each node shaped with its own root path as its prefix
             shaped = shape_tree(self.shape, logits, batch, proposal.host_draft_token_ids(),
                                 layout)                                              # [B, N+1, V]
@@ -655,7 +662,7 @@ class Pipeline:
         return VerifyOutput(pieces[0].view(parts[0].shape), pieces[1].view(parts[1].shape),
                             pieces[2].view(parts[2].shape) if tree else None)
 
-    def _record_logprobs(self, rows: list[Row], shaped: torch.Tensor,
+    def record_logprobs(self, rows: list[Row], shaped: torch.Tensor,
                          committed: list[list[int]],
                          accepted_nodes: list[list[int]] | None = None) -> None:
         """Logprobs of the committed tokens: committed token j was verified at position j (of

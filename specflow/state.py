@@ -38,6 +38,9 @@ class DecodeBatch:
     # [B] long, each row's request seed when sampling draws are keyed by (seed, position)
     # (verifier.rule=coupled); None: draws come from `generators` (rule=rejection) or greedy
     seeds: torch.Tensor | None = None
+    # [B] each row's request's own sampling settings (temperature, top_k, penalties, logit_bias,
+    # ...) over the configured ones; None: the config's for every row
+    sampling: list[dict | None] | None = None
 
     @property
     def draws_by_position(self) -> bool:
@@ -58,7 +61,7 @@ class DecodeBatch:
               source: str) -> torch.Tensor:
         """Shape logits [B, P, V] of these rows: the one call draft and target share."""
         return self.shaper(logits, self.token_ids, draft_token_ids, first_draft_index,
-                           self.request_ids, source)
+                           self.request_ids, source, sampling=self.sampling)
 
     @property
     def size(self) -> int:
@@ -74,7 +77,8 @@ class DecodeBatch:
             generators=[self.generators[b] for b in rows], greedy=self.greedy,
             max_batch_size=self.max_batch_size, shaper=self.shaper,
             node_price=None if self.node_price is None else [self.node_price[b] for b in rows],
-            seeds=None if self.seeds is None else self.seeds[rows])
+            seeds=None if self.seeds is None else self.seeds[rows],
+            sampling=None if self.sampling is None else [self.sampling[b] for b in rows])
 
     def num_generated(self, row: int) -> int:
         return len(self.token_ids[row]) - self.prompt_lens[row]

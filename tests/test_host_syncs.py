@@ -99,7 +99,7 @@ def reads_per_round(overrides, prompts, max_new_tokens=12, max_batch_size=3, plu
         forward = backend.forward
         backend.forward = lambda *a, _f=forward, **kw: probe.taint(_f(*a, **kw))
     rounds: list[list[str]] = []
-    one_round = pipe._round
+    one_round = pipe.step
 
     def counted(batch, index):
         probe.active, probe.reads = True, []
@@ -109,7 +109,7 @@ def reads_per_round(overrides, prompts, max_new_tokens=12, max_batch_size=3, plu
             probe.active = False
             rounds.append(probe.reads)
 
-    pipe._round = counted
+    pipe.step = counted
     with probe:
         results = pipe.generate(prompts, max_new_tokens=max_new_tokens,
                                 max_batch_size=max_batch_size)

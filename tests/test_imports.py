@@ -103,3 +103,25 @@ def test_nothing_below_the_cli_imports_it():
 def test_the_version_is_one_number():
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
     assert meta["project"]["version"] == specflow.__version__
+
+
+def test_the_engine_and_the_server_worker_use_only_public_names():
+    """The engine drives a Pipeline through its public round (make_requests, step,
+    record_logprobs, finish_row), and the server's worker drives the Engine the same way: no
+    `pipe._x` or `engine._x` (a refactor of either side then cannot break the other silently)."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "specflow"
+    for path, owner in (("engine.py", "pipe"), ("serving/worker.py", "engine")):
+        tree = ast.parse((root / path).read_text())
+        private = []
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") \
+                    and not node.attr.startswith("__"):
+                base = node.value
+                name = base.id if isinstance(base, ast.Name) else \
+                    base.attr if isinstance(base, ast.Attribute) else None
+                if name == owner:
+                    private.append(f"{path}:{node.lineno} {owner}.{node.attr}")
+        assert private == []

@@ -63,9 +63,13 @@ def test_only_configured_processors_with_valid_values(make_pipeline):
     greedy = make_pipeline()
     with pytest.raises(InputError, match="needs the temperature processor"):
         greedy.generate("a", sampling={"temperature": 0.7})
-    assert pipe.row_sampling == {}                    # nothing left behind by refusals
-    pipe.generate(PROMPTS[:2], sampling={"temperature": 0.7}, max_new_tokens=4)
-    assert pipe.row_sampling == {}                    # released when the requests ended
+    assert pipe.running_engine is None                # nothing left running after refusals
+    before = pipe.generate(PROMPTS[:2], max_new_tokens=6, seed=4)
+    pipe.generate(PROMPTS[:2], sampling={"temperature": 0.1}, max_new_tokens=4)
+    assert pipe.running_engine is None
+    # a request's own settings travel with its rows: none outlive them
+    after = pipe.generate(PROMPTS[:2], max_new_tokens=6, seed=4)
+    assert [r.token_ids for r in after] == [r.token_ids for r in before]
 
 
 @pytest.mark.parametrize("proposer", ["draft", "eagle"])

@@ -90,11 +90,11 @@ class EngineWorker:
 
     @property
     def waiting(self) -> int:
-        return max(0, self.in_flight - len(self.engine.active))
+        return max(0, self.in_flight - self.engine.num_running)
 
     @property
     def running(self) -> int:
-        return len(self.engine.active)
+        return self.engine.num_running
 
     def drain(self, grace: float | None = None) -> None:
         """Admit nothing new; requests already submitted run to their end, or for `grace`
@@ -146,7 +146,7 @@ class EngineWorker:
                     continue
                 handle.request_id = rid
                 self.handles[rid] = handle
-                self.prompt_tokens += len(self.engine.queue[-1].prompt_ids)
+                self.prompt_tokens += len(self.engine.request(rid).prompt_ids)
             elif handle.request_id is not None and not handle.done:
                 self.engine.abort(handle.request_id)
 
@@ -155,15 +155,14 @@ class EngineWorker:
             if handle.request_id is not None:
                 self.engine.abort(handle.request_id)
             self._finish(handle, RuntimeError(why))
-        self.engine.aborted.clear()          # their clients have the error already
+        # the engine reports these aborts at its next step; their handles are gone (skipped)
 
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
         except Exception as exc:      # noqa: BLE001 - the running rows were aborted: tell them
             for rid in [rid for rid, h in self.handles.items() if h.request_id is not None
-                        and rid not in {r.request.request_id for r in self.engine.active.values()}
-                        and rid not in {q.request_id for q in self.engine.queue}]:
+                        and self.engine.request(rid) is None]:
                 self._finish(self.handles[rid], exc)
             return
         for out in outputs:

@@ -163,7 +163,8 @@ def shape_tree(shape, logits: torch.Tensor, batch, drafts: torch.Tensor,
     device = logits.device
     shaped_paths = shape(logits[row_t.to(device)[:, None], pos.to(device)],
                          [batch.token_ids[b] for b in rows], sub, 0,
-                         [batch.request_ids[b] for b in rows], "target", paths=paths)  # [R, D+1, V]
+                         [batch.request_ids[b] for b in rows], "target", paths=paths,
+                         sampling=None if batch.sampling is None else [batch.sampling[b] for b in rows])
     used = torch.arange(D + 1)[None, :] <= lens[:, None]                              # [R, D+1]
     shaped = shaped_paths.new_zeros(B, N1, V)
     shaped[row_t[:, None].expand(R, D + 1)[used].to(device), pos[used].to(device)] = \

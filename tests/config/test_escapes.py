@@ -67,7 +67,7 @@ def test_escapes_are_decoded_once():
     assert engine.config_stop == ["a\\nb", "\n"]
     engine.close()
     # generate(stop=[...]) takes Python strings as they are: "\\n" is a backslash and an n
-    assert pipe._requests(["abc"], 4, ["\\n"], None, None)[0].stop == ["\\n"]
+    assert pipe.make_requests(["abc"], 4, ["\\n"], None, None)[0].stop == ["\\n"]
 
 
 def test_a_yaml_newline_stays_one():

@@ -32,7 +32,7 @@ from specflow.metrics import MetricsRecorder
 from specflow.models.base import Backend, SimClock
 from specflow.models.packing import choose_draft_pack, choose_pack
 from specflow.models.threads import choose_threads
-from specflow.request import GenerationResult, Request, Row
+from specflow.request import LOGPROB_FLOOR, GenerationResult, Request, Row
 from specflow.plugins import blame, check_hooks, get_registry, new_plugin_manager
 from specflow.stages.cache import TargetCacheSync
 from specflow.stages.empty_rows import EmptyDistributionError, EmptyRowLog, ShapeCall, describe, \
@@ -682,18 +682,12 @@ class Pipeline:
             row.logprobs += chosen.tolist()
             if n_top:    # alternatives a mask or a processor left impossible are left out
                 values, tokens = lp[b, :len(new)].topk(n_top, -1)
-                row.top_logprobs += [{t: v for t, v in zip(ts, vs) if v > NEG_INF}
+                row.top_logprobs += [{t: v for t, v in zip(ts, vs) if v > float("-inf")}
                                      for ts, vs in zip(tokens.tolist(), values.tolist())]
 
     def __repr__(self) -> str:
         names = [name for name, _ in self.pm.list_name_plugin()]
         return f"Pipeline(greedy={self.greedy}, stages={names})"
-
-
-# a committed token's logprob is finite in practice (it was chosen); the floor (vLLM's) keeps
-# -inf out of JSON whatever happens
-LOGPROB_FLOOR = -9999.0
-NEG_INF = float("-inf")
 
 
 def check_unicode(text: str, what: str) -> None:

@@ -6,6 +6,10 @@ from typing import Any
 
 import torch
 
+# what a -inf logprob is written as (vLLM's value): JSON has no -inf. The logprobs a run records
+# are already finite (zero-probability alternatives left out); JSON writers floor again.
+LOGPROB_FLOOR = -9999.0
+
 
 @dataclass
 class Request:

@@ -109,10 +109,7 @@ def create_app(pipe, server_cfg):
     grammars = None if pipe.grammars is None else GrammarCompiler(pipe.grammars)
     # the json_object grammar takes seconds to compile (tens on a large vocabulary); the server's
     # own constraint=... was compiled with the pipeline
-    warm = server_cfg.get("warm_grammars", True)
-    if not isinstance(warm, bool):
-        raise ConfigError(f"server.warm_grammars={warm!r} must be true or false")
-    warm = warm and grammars is not None
+    warm = server_cfg.get("warm_grammars", True) and grammars is not None   # checked at compose
 
     @asynccontextmanager
     async def lifespan(app):

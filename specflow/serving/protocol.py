@@ -29,11 +29,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from specflow.request import LOGPROB_FLOOR
+
 MAX_N = 16
 PENALTIES = ("repetition_penalty", "frequency_penalty", "presence_penalty")   # greedy servers too
 MAX_LOGPROBS = 5
 FINISH = {"stop": "stop", "eos": "stop", "length": "length"}
-LOGPROB_FLOOR = -9999.0       # what a -inf logprob would be written as (vLLM's): JSON has no -inf
 
 # the fields each endpoint reads
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", *PENALTIES)
@@ -166,26 +167,16 @@ def check_unicode(body: dict) -> None:
 
 def _logit_bias(body: dict, vocab_size: int | None) -> dict | None:
     """OpenAI's logit_bias: {"token id": bias in [-100, 100]} -> {int: float} (None if empty)."""
+    from specflow.errors import ConfigError
+    from specflow.stages.request_settings import check_logit_bias
+
     bias = body.get("logit_bias")
     if bias is None:
         return None
-    if not isinstance(bias, dict):
-        raise BadRequest("logit_bias must be an object mapping token ids (as strings, e.g. "
-                         "\"50256\") to a bias in [-100, 100]", "logit_bias")
-    out = {}
-    for key, value in bias.items():
-        if not (key.isascii() and key.isdigit()):
-            raise BadRequest(f"logit_bias key {key!r} is not a token id (a whole number >= 0, "
-                             f"e.g. \"50256\")", "logit_bias")
-        if vocab_size is not None and int(key) >= vocab_size:
-            raise BadRequest(f"logit_bias key {key!r} is not a token id of this model's "
-                             f"vocabulary (0 to {vocab_size - 1})", "logit_bias")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                or not math.isfinite(value) or not -100 <= value <= 100:
-            raise BadRequest(f"logit_bias[{key!r}]={value!r} must be a number in [-100, 100]",
-                             "logit_bias")
-        out[int(key)] = float(value)
-    return out or None
+    try:        # the check generate(sampling={"logit_bias": ...}) makes
+        return check_logit_bias(bias, 0, vocab_size, where="logit_bias") or None
+    except ConfigError as exc:
+        raise BadRequest(str(exc), "logit_bias") from None
 
 
 def _completion_only(body: dict) -> bool:

@@ -349,7 +349,7 @@ class _Bias:
         V = ctx.target.vocab_size
         bias = {} if cfg is None else cfg.bias
         bad = [t for t in bias if not 0 <= int(t) < V]
-        if bad:
+        if bad:     # a pipeline checks them first (check_token_ids); a stage built alone, here
             raise ConfigError(f"logits.logit_bias has token ids outside the vocabulary [0, {V}): "
                               f"{bad}")
         self.ids = torch.tensor([int(t) for t in bias], dtype=torch.long)

@@ -13,12 +13,15 @@ from specflow.stages.logits import MinPConfig, TemperatureConfig, TopKConfig, To
 MAX_BIAS = 100.0      # OpenAI's range for logit_bias values
 
 
-def check_logit_bias(bias, index: int, vocab_size: int | None = None) -> dict[int, float]:
+def check_logit_bias(bias, index: int, vocab_size: int | None = None,
+                     where: str | None = None) -> dict[int, float]:
     """A request's logit_bias -> {token id: bias}: ids as ints or digit strings (JSON keys), inside
-    the vocabulary; biases finite in [-100, 100]."""
-    where = f"prompt {index}: sampling logit_bias"
+    the vocabulary; biases finite in [-100, 100]. `where` names it in errors (default: the
+    request's sampling setting; the server passes its field, `logit_bias`)."""
+    where = where or f"prompt {index}: sampling logit_bias"
     if not isinstance(bias, dict):
-        raise ConfigError(f"{where}={bias!r} must map token ids to biases, e.g. {{50256: -100}}")
+        raise ConfigError(f"{where} must be an object mapping token ids (e.g. \"50256\") to "
+                          f"biases in [-100, 100], not {bias!r}")
     out: dict[int, float] = {}
     for key, value in bias.items():
         if isinstance(key, bool) or not (isinstance(key, int) or isinstance(key, str)
@@ -28,7 +31,7 @@ def check_logit_bias(bias, index: int, vocab_size: int | None = None) -> dict[in
         token = int(key)
         if token < 0 or vocab_size is not None and token >= vocab_size:
             raise ConfigError(f"{where} key {key!r} is not a token id of this model's vocabulary "
-                              f"[0, {vocab_size})")
+                              f"(0 to {vocab_size - 1})")
         if isinstance(value, bool) or not isinstance(value, (int, float)) \
                 or not math.isfinite(value) or not -MAX_BIAS <= value <= MAX_BIAS:
             raise ConfigError(f"{where}[{key!r}]={value!r} must be a number in [-100, 100] "

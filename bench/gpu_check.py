@@ -419,8 +419,8 @@ def main() -> None:
             pipes["draft tree"] = Pipeline.from_config(
                 [*base, "proposer=draft", f"proposer.k={args.k}", "proposer.topk=4",
                  "proposer.num_draft_tokens=16"])
-            lean = pipes["none"].target.lean
-            say(f"target forward: {'lean, ' + lean.kernels.describe() if lean else 'transformers'}")
+            how = pipes["none"].target.describe()
+            say(f"target forward: {'lean, ' + how['kernels'] if how['forward'] == 'lean' else 'transformers'}")
             return pipes
 
         pipes = pipelines() if "pipelines" not in skip else None

@@ -19,12 +19,15 @@ if TYPE_CHECKING:
 
     from specflow.pipeline import Pipeline, Request
     from specflow.plugins import Registry
-    from specflow.state import DecodeBatch, Proposal, RoundResult, ShapingBatch, VerifyOutput
+    from specflow.state import DecodeBatch, HiddenStates, Proposal, RoundResult, ShapingBatch, \
+        VerifyOutput
     from specflow.stages.stop import TrimResult
 
-HOOK_API_VERSION = "1.4"   # 1.1: run_start / run_end; 1.2: request_end "abort", masks first;
+HOOK_API_VERSION = "1.5"   # 1.1: run_start / run_end; 1.2: request_end "abort", masks first;
                            # 1.3: prefill (the prompts admitted together, in one call);
-                           # 1.4: node_price (what a tree node must be worth to be scored)
+                           # 1.4: node_price (what a tree node must be worth to be scored);
+                           # 1.5: hidden_layers / target_states (the target's hidden states as
+                           # data), draft_step_seconds / catch_up_tokens (a proposer's costs)
 
 hookspec = pluggy.HookspecMarker("specflow")
 
@@ -180,6 +183,54 @@ def specflow_observe(result: "RoundResult") -> None:
     """Called at the end of every round with what it did (k, accepted, committed per row).
 
     Policies learn acceptance and cost here; metrics count. Returns nothing; all run.
+    """
+
+
+@hookspec
+def specflow_hidden_layers() -> "list[int] | None":
+    """Called once, when the pipeline is built: the target layers whose hidden states a stage
+    reads (an EAGLE-3 head's three, an MTP or Medusa head's last one).
+
+    Return layer indices (the state at the input of each layer; ``num_layers`` for the final
+    norm's input), or None. The pipeline asks the target for the union of all answers at every
+    pass it runs (``Backend.forward(..., hidden_layers=...)``) and hands them out through
+    specflow_target_states. All results are used.
+    """
+
+
+@hookspec
+def specflow_target_states(states: "HiddenStates") -> None:
+    """Called after every target pass that computed the layers specflow_hidden_layers asked for:
+    a prompt's prefill, a catch-up, and each round's scoring pass (after specflow_score, before
+    shaping and verification).
+
+    ``states.hidden`` [B, T, n x E] holds row b's states for cache positions ``states.starts[b]``
+    to ``starts[b] + lens[b]`` of slot ``states.slots[b]``, the layers concatenated in the order
+    ``states.layers`` gives. After a tree pass the positions are the pass's node order (root
+    first); specflow_sync_cache's ``result.accepted_nodes`` says which path the round kept.
+    Returns nothing; all run.
+    """
+
+
+@hookspec(firstresult=True)
+def specflow_draft_step_seconds(rows: int, positions: int) -> "float | None":
+    """Called by a policy that prices drafting (the goodput policy, once, after the pipeline is
+    built): the seconds one draft step costs over ``positions`` positions in each of ``rows``
+    rows, timed now on the proposer's own device (synchronised), its caches left as they were.
+
+    A proposer that runs a model (a draft model, a draft head) answers; a proposer whose drafts
+    cost next to nothing (n-gram lookup) returns None. The first non-None result wins.
+    """
+
+
+@hookspec(firstresult=True)
+def specflow_catch_up_tokens(batch: "DecodeBatch") -> "list[int] | None":
+    """Called by a policy that prices drafting, before it chooses k: for each row, the tokens
+    the proposer would have to feed its own model before its first draft step this round beyond
+    those a step takes for free (a draft model whose cache lags after rounds without drafts).
+
+    Return one int per row (0 = nothing beyond the steps), or None (no such cost). The policy
+    prices each token at a draft position's measured cost. The first non-None result wins.
     """
 
 

@@ -30,8 +30,6 @@ from specflow.engine import Engine
 from specflow.errors import ConfigError, InputError, PluginError
 from specflow.metrics import MetricsRecorder
 from specflow.models.base import Backend, SimClock
-from specflow.models.packing import choose_draft_pack, choose_pack
-from specflow.models.threads import choose_threads
 from specflow.request import LOGPROB_FLOOR, GenerationResult, Request, Row
 from specflow.plugins import blame, check_hooks, get_registry, new_plugin_manager
 from specflow.stages.cache import TargetCacheSync
@@ -40,9 +38,9 @@ from specflow.stages.empty_rows import EmptyDistributionError, EmptyRowLog, Shap
 from specflow.stages.logits import is_greedy
 from specflow.stages.request_settings import check_request_sampling
 from specflow.stages.score import TargetScorer
-from specflow.stages.tree import along_path, check_parents, check_tree, examined_levels, layout_of, \
-    scored_nodes, shape_tree, tree_width
-from specflow.state import PAD, DecodeBatch, Proposal, RoundResult, ShapingBatch, VerifyOutput
+from specflow.stages.layout import along_paths, check_proposal
+from specflow.stages.tree import scored_nodes, tree_width
+from specflow.state import DecodeBatch, Proposal, RoundResult, Scores, ShapingBatch, VerifyOutput
 
 
 @dataclass
@@ -60,9 +58,9 @@ class BuildContext:
     tokenizer: Any = None
     build_draft: Any = field(default=None, repr=False)
     _draft: Any = field(default=None, repr=False)
-    # a proposer that drafts without a draft model (an EAGLE head) sets this: rows -> seconds of
-    # one draft step, which the goodput policy times at build as it times a draft model's pass
-    draft_step_seconds: Any = field(default=None, repr=False)
+    # the pipeline's hook relay (its plugin manager's `hook`): a stage calls other stages'
+    # hooks through it (a policy asks the proposer what drafting costs)
+    hook: Any = field(default=None, repr=False)
 
     @property
     def draft(self) -> Backend | None:
@@ -113,26 +111,27 @@ class Pipeline:
         self.empty_rows = EmptyRowLog()     # this round's shape() calls, checked after verify
         self.sampling_settings: list[str] = []   # what a request may set for itself (sampling=)
         self.running_engine: Engine | None = None  # the Engine using the cache slots (one at a time)
+        self.hidden_layers: tuple[int, ...] = ()   # target layers whose states stages read
         ctx = BuildContext(cfg=cfg, slots=int(cfg.max_batch_size), clock=self.clock,
-                           device=resolve_device(str(cfg.device)))
+                           device=resolve_device(str(cfg.device)), hook=self.hook)
         ctx.target = self.target = self._build("model", ctx)
         self._check_k_fits(cfg)
         check_token_ids(cfg, self.target.vocab_size)   # stop ids, bad words, logit bias keys
-        self.threads = choose_threads(cfg.get("threads", "auto"), self.target)
         spec_k = scored_nodes(cfg.proposer) if cfg.get("proposer") is not None \
             and cfg.proposer.name != "none" else 0
-        self.packed = choose_pack(cfg.get("pack", "auto"), self.target, spec_k + 1,
-                                  int(cfg.max_batch_size))
+        # the backend chooses what it may (CPU threads, weight layout) for the passes this
+        # pipeline runs: up to k+1 positions in each of max_batch_size rows
+        self.target.tune(rows=int(cfg.max_batch_size), positions=spec_k + 1, settings=cfg)
         ctx.tokenizer = self.tokenizer = self.target.tokenizer
-        self.draft_packed = False
         if cfg.get("draft") is not None:
             ctx.build_draft = lambda: self._build_draft(ctx)
         self.ctx = ctx
 
         self.speculates = cfg.proposer.name != "none"
         self.no_speculation_reason = f"proposer={cfg.proposer.name}"
-        self._register(TargetScorer(self.target), "score.target")
-        self._register(TargetCacheSync(self.target), "cache.target")
+        self.scorer, self.target_cache = TargetScorer(self.target), TargetCacheSync(self.target)
+        self._register(self.scorer, "score.target")
+        self._register(self.target_cache, "cache.target")
         for kind in groups.STAGES:
             if cfg.get(kind) is not None:
                 self._register(self._build(kind, ctx), f"{kind}.{cfg[kind].name}")
@@ -155,6 +154,7 @@ class Pipeline:
         for plugin in plugins:
             self.pm.register(plugin)
         check_hooks(self.pm)
+        self._ask_hidden_layers()
         self.hook.specflow_pipeline_built(pipeline=self)
 
     # --- construction ----------------------------------------------------------------------
@@ -165,10 +165,49 @@ class Pipeline:
         return self.ctx.draft
 
     @property
+    def backends(self) -> dict:
+        """How the target (and the draft model, once built) run: their `describe()`, for
+        metrics.json. Reading it does not build the draft model."""
+        built = {"target": self.target.describe()}
+        if self.ctx._draft is not None:
+            built["draft"] = self.ctx._draft.describe()
+        return built
+
+    @property
+    def threads(self) -> int:
+        """torch's CPU threads, as the target's tune() chose them (`threads` in the config)."""
+        return self.target.describe().get("threads", torch.get_num_threads())
+
+    @property
+    def packed(self) -> bool:
+        """Whether the target's weights are packed for oneDNN (`pack`; CPU lean forward)."""
+        return bool(self.target.describe().get("packed", False))
+
+    @property
+    def draft_packed(self) -> bool:
+        """Whether any pass of the draft model runs packed; False before it is built."""
+        draft = self.ctx._draft
+        return bool(draft.describe().get("packed", False)) if draft is not None else False
+
+    @property
     def kernels(self) -> str | None:
         """The product forms the target's lean forward timed and chose (they round apart)."""
-        lean = getattr(self.target, "lean", None)
-        return lean.kernels.describe() if lean is not None else None
+        return self.target.describe().get("kernels")
+
+    def _ask_hidden_layers(self) -> None:
+        """The target layers whose states stages read (specflow_hidden_layers): the target's
+        passes compute them and the pipeline hands them out (specflow_target_states)."""
+        asked = sorted({int(i) for layers in self.hook.specflow_hidden_layers() if layers
+                        for i in layers})
+        if not asked:
+            return
+        if not getattr(self.target, "supports_hidden_states", False):
+            raise ConfigError(f"a stage reads the target's hidden states (layers {asked}), but "
+                              f"the target backend {type(self.target).__name__} does not hand "
+                              f"them out; use model=demo or model=hf")
+        self.hidden_layers = tuple(asked)
+        self.scorer.hidden_layers = self.target_cache.hidden_layers = self.hidden_layers
+        self.target_cache.deliver = lambda states: self.hook.specflow_target_states(states=states)
 
     def _grammar_stage(self, ctx: BuildContext):
         """The grammar stage that takes requests' own grammars: the configured constraint, or an
@@ -204,15 +243,13 @@ class Pipeline:
         return cls(compose(overrides, config_name), plugins)
 
     def _build_draft(self, ctx: BuildContext):
-        """The draft model, packed under `pack`: its fullest step scores a tree's frontier
-        (proposer.topk positions; one for a chain) in every slot, and auto may keep both
-        layouts (choose_draft_pack)."""
+        """The draft model, tuned by itself for its steps: its fullest scores a tree's frontier
+        (proposer.topk positions; one for a chain) in every slot."""
         draft = self._build("draft", ctx)
         if draft is not None:
             check_tree_width(self.cfg.get("proposer"), draft.max_length, "the draft model's")
-        self.draft_packed = choose_draft_pack(self.cfg.get("pack", "auto"), draft,
-                                              tree_width(self.cfg.get("proposer")),
-                                              int(self.cfg.max_batch_size))
+            draft.tune(rows=int(self.cfg.max_batch_size),
+                       positions=tree_width(self.cfg.get("proposer")), settings=self.cfg)
         return draft
 
     def _build(self, kind: str, ctx: BuildContext):
@@ -498,28 +535,6 @@ class Pipeline:
             reasons = [self.no_speculation_reason] * batch.size
         return torch.tensor(ks, dtype=torch.long), reasons
 
-    def _check_tree(self, proposal: Proposal, batch: DecodeBatch, num_nodes: list[int],
-                    packed: list[int], bad_ids: list[int], ks: list[int]):
-        """A proposer's tree: nodes packed at the front and inside the vocabulary, parents
-        before children, depth <= k, nodes within the context left. -> its layout."""
-        problem = check_parents(proposal.parents.cpu(), num_nodes)
-        if problem is None and packed != num_nodes:
-            problem = "returned a row with padding (-1) between nodes; pad only after them"
-        if problem is None and any(bad_ids):
-            problem = f"returned token ids outside the vocabulary [0, {self.target.vocab_size})"
-        if problem is None and not getattr(self.target, "supports_trees", False):
-            problem = (f"returned a tree, but the target backend {type(self.target).__name__} "
-                       f"cannot score trees; propose chains (parents=None)")
-        layout = None
-        if problem is None:
-            layout = layout_of(proposal)
-            limit = self.target.max_length
-            room = [None if limit is None else limit - len(ids) for ids in batch.token_ids]
-            problem = check_tree(layout, ks, room)
-        if problem:
-            self._proposer_error(problem)
-        return layout
-
     def _check_price(self, price, size: int) -> list[float]:
         """A node price [B] as host floats in [0, 1], or PluginError naming the policy."""
         values = torch.as_tensor(price, dtype=torch.float64).flatten().tolist()
@@ -538,109 +553,87 @@ class Pipeline:
         raise PluginError(f"proposer {name!r} (or a plugin answering specflow_propose; "
                           f"configured one from {owner}) {problem}: fix the proposer")
 
-    def _check_drafts(self, num_drafts: list[int], packed: list[int], bad_ids: list[int],
-                      ks: list[int]) -> None:
-        """A proposer's drafts: at most k per row (the caps keep rows in context), packed at the
-        front (PAD only after them) and inside the vocabulary."""
-        for b, (n, kb) in enumerate(zip(num_drafts, ks)):
-            problem = None
-            if n > kb:
-                problem = (f"returned {n} drafts for a row given k={kb}; a proposer may return "
-                           f"fewer drafts than asked, never more")
-            elif packed[b] != n:
-                problem = "returned a row with padding (-1) between drafts; pad only after them"
-            elif bad_ids[b]:
-                problem = (f"returned token ids outside the vocabulary [0, "
-                           f"{self.target.vocab_size})")
-            if problem:
-                self._proposer_error(problem)
-
     def step(self, batch: DecodeBatch, round_index: int):
         """One round over a running batch (its rows' committed tokens grow in place) -> (the
         RoundResult, the stop trimmer's TrimResult, the target's shaped distributions [B, P, V]
         that record_logprobs reads). What the engine calls between admitting and finishing."""
         try:
-            return self._round_stages(batch, round_index)
+            return self._run_round(batch, round_index)
         finally:        # nothing recorded outlives its round (an error, Ctrl-C included)
             self.empty_rows.clear()
 
-    def _round_stages(self, batch: DecodeBatch, round_index: int):
-        hook, seconds = self.hook, {}
-        sim_before = dict(self.clock.by_source)
-        t0 = time.perf_counter()
-        k = hook.specflow_draft_length(batch=batch)
+    def _run_round(self, batch: DecodeBatch, round_index: int):
+        """policy -> propose -> score -> shape -> verify -> trim -> sync -> observe."""
+        hook, clock = self.hook, RoundClock(self.clock)
+        k, skip_reasons = self._draft_lengths(batch)                                 # [B]
+        clock.mark("policy")
+        proposal = hook.specflow_propose(batch=batch, k=k) or Proposal.empty(batch.size)
+        proposal, layout, num_drafts = self._checked(proposal, batch, k, skip_reasons)  # sync 1
+        clock.mark("propose", less=proposal.catch_up_seconds)
+        logits = self._score(batch, proposal)                                      # [B, P, V]
+        clock.mark("target")
+        # the drafts as the host read them: prefix processors and grammars walk them on the host
+        shaped = layout.shape(self.shape, logits, batch, proposal.host_draft_token_ids())
+        probs = shaped if batch.greedy else shaped.softmax(-1)   # greedy reads only the argmax
+        verified = hook.specflow_verify(batch=batch, proposal=proposal, target_probs=probs)
+        verified = self._to_host(verified)                 # host sync 2: what the round decided
+        clock.mark("verify")
+        trim = hook.specflow_trim(batch=batch, verified=verified)
+        accepted = layout.accepted_paths(verified)
+        # before the committed tokens join the prefixes the shape calls recorded
+        self._check_empty_rows(batch, trim.consumed if trim.consumed is not None
+                               else (verified.num_accepted + 1).tolist(),
+                               layout.shaped_on_path(accepted))
+        for ids, new in zip(batch.token_ids, trim.committed):
+            ids.extend(new)
+        clock.mark("trim")
+        result = RoundResult(
+            round_index=round_index, request_ids=batch.request_ids, num_drafts=num_drafts,
+            num_accepted=verified.num_accepted.tolist(), committed=trim.committed,
+            finish_reasons=trim.finish_reasons, batch_size=batch.size, skip_reasons=skip_reasons,
+            sim_time=clock.sim_time(), drawn=trim.consumed, **layout.round_fields(accepted))
+        hook.specflow_sync_cache(batch=batch, result=result)
+        clock.mark("sync")
+        result.seconds = clock.seconds(prefill=proposal.catch_up_seconds)
+        hook.specflow_observe(result=result)
+        hook.specflow_round_end(result=result, pipeline=self)
+        return result, trim, shaped
+
+    def _draft_lengths(self, batch: DecodeBatch) -> tuple[torch.Tensor, list[str | None]]:
+        """The policy's k [B], capped by what each row may still commit, the node price on the
+        batch, and why each row that will not draft does not."""
+        k = self.hook.specflow_draft_length(batch=batch)
         if k is None:
             k = torch.zeros(batch.size, dtype=torch.long)
         k, skip_reasons = self._cap_k(k, batch)                                    # [B]
-        price = hook.specflow_node_price(batch=batch, k=k)
+        price = self.hook.specflow_node_price(batch=batch, k=k)
         batch.node_price = None if price is None else self._check_price(price, batch.size)
-        t1 = time.perf_counter()
-        proposal = hook.specflow_propose(batch=batch, k=k) or Proposal.empty(batch.size)
-        ids = proposal.host_draft_token_ids()        # [B, K] host sync 1 (drafts made on the device)
-        valid = ids != PAD                                                           # [B, K]
-        counts = torch.stack([valid.sum(-1), valid.long().cumprod(-1).sum(-1),
-                              ((ids < PAD) | (ids >= self.target.vocab_size)).sum(-1)])   # [3, B]
-        num_drafts, packed, bad_ids = counts.tolist()
-        if proposal.parents is None:
-            layout = None
-            self._check_drafts(num_drafts, packed, bad_ids, k.tolist())
-        else:                        # a tree: num_drafts counts its nodes
-            layout = self._check_tree(proposal, batch, num_drafts, packed, bad_ids, k.tolist())
-        tree_pass = layout is not None and not layout.is_chain
-        if layout is not None and not tree_pass:   # trees that are chains: scored as one (cheaper)
-            proposal = proposal.as_chain()
+        return k, skip_reasons
+
+    def _checked(self, proposal: Proposal, batch: DecodeBatch, k: torch.Tensor,
+                 skip_reasons: list[str | None]):
+        """The proposal read to the host and checked (PluginError naming the proposer) ->
+        (the proposal to score, its layout, drafts or nodes per row); rows asked for drafts
+        that got none get the proposer's reason."""
+        proposal, layout, num_drafts, problem = check_proposal(proposal, batch, k.tolist(),
+                                                               self.target)
+        if problem:
+            self._proposer_error(problem)
         for b, n in enumerate(num_drafts):   # asked for drafts, got none: say why
             if n == 0 and skip_reasons[b] is None:
                 given = proposal.skip_reasons[b] if proposal.skip_reasons else None
                 skip_reasons[b] = given or "no proposal"
-        t2 = time.perf_counter()
-        logits = hook.specflow_score(batch=batch, proposal=proposal)                # [B, K+1, V]
-        t3 = time.perf_counter()
-        # the drafts as the host read them: prefix processors and grammars walk them on the host
-        if not tree_pass:
-            shaped = self.shape(logits, batch.token_ids, proposal.host_draft_token_ids(), 0,
-                                batch.request_ids, "target", sampling=batch.sampling)  # [B, K+1, V]
-        else:                        # each node shaped with its own root path as its prefix
-            shaped = shape_tree(self.shape, logits, batch, proposal.host_draft_token_ids(),
-                                layout)                                              # [B, N+1, V]
-        # greedy verification reads only the argmax, which softmax does not change
-        probs = shaped if batch.greedy else shaped.softmax(-1)
-        verified = hook.specflow_verify(batch=batch, proposal=proposal, target_probs=probs)
-        verified = self._to_host(verified)                 # host sync 2: what the round decided
-        t4 = time.perf_counter()
-        trim = hook.specflow_trim(batch=batch, verified=verified)
-        # before the committed tokens join the prefixes the shape calls recorded
-        n_acc = verified.num_accepted.tolist()
-        accepted = None if layout is None else \
-            [row[:n] for row, n in zip(verified.accepted_nodes.tolist(), n_acc)] if tree_pass \
-            else [list(range(n)) for n in n_acc]              # a chain's path: its first nodes
-        self._check_empty_rows(batch, trim.consumed if trim.consumed is not None
-                               else (verified.num_accepted + 1).tolist(),
-                               accepted if tree_pass else None)
-        for ids, new in zip(batch.token_ids, trim.committed):
-            ids.extend(new)
-        t5 = time.perf_counter()
-        result = RoundResult(
-            round_index=round_index, request_ids=batch.request_ids,
-            num_drafts=num_drafts,
-            num_accepted=n_acc, committed=trim.committed,                            # host: no sync
-            finish_reasons=trim.finish_reasons, batch_size=batch.size, skip_reasons=skip_reasons,
-            sim_time={s: v - sim_before.get(s, 0.0) for s, v in self.clock.by_source.items()
-                      if v != sim_before.get(s, 0.0)},
-            accepted_nodes=accepted,
-            num_examined=None if layout is None else examined_levels(layout, accepted),
-            tree_depths=None if layout is None else layout.row_depths, drawn=trim.consumed)
-        hook.specflow_sync_cache(batch=batch, result=result)
-        t6 = time.perf_counter()
-        catch_up = proposal.catch_up_seconds          # a proposer caching prompts: prefill work
-        seconds.update(policy=t1 - t0, propose=t2 - t1 - catch_up, target=t3 - t2, verify=t4 - t3,
-                       trim=t5 - t4, sync=t6 - t5)
-        if catch_up:
-            seconds["prefill"] = catch_up
-        result.seconds = seconds
-        hook.specflow_observe(result=result)
-        hook.specflow_round_end(result=result, pipeline=self)
-        return result, trim, shaped
+        return proposal, layout, num_drafts
+
+    def _score(self, batch: DecodeBatch, proposal: Proposal) -> torch.Tensor:
+        """The target pass -> logits [B, P, V]; hidden states it computed for the stages that
+        asked go out through specflow_target_states first."""
+        scores = self.hook.specflow_score(batch=batch, proposal=proposal)
+        if not isinstance(scores, Scores):
+            return scores
+        for states in scores.hidden:
+            self.hook.specflow_target_states(states=states)
+        return scores.logits
 
     def _to_host(self, verified: VerifyOutput) -> VerifyOutput:
         """The verifier's output and this round's empty-row flags, moved to the host in one read.
@@ -650,29 +643,23 @@ class Pipeline:
         round's second and last host sync (the first reads the drafts: host_draft_token_ids).
         """
         calls = self.empty_rows.calls
-        tree = verified.accepted_nodes is not None
-        parts = [verified.out_token_ids, verified.num_accepted,
-                 *([verified.accepted_nodes] if tree else []), *[c.unusable for c in calls]]
+        outputs = [verified.out_token_ids, verified.num_accepted, verified.accepted_nodes]
+        parts = [p for p in outputs if p is not None] + [c.unusable for c in calls]
         device = verified.out_token_ids.device
         flat = torch.cat([p.to(device).long().flatten() for p in parts]).cpu()         # [N]
-        pieces = flat.split([p.numel() for p in parts])
-        first = 3 if tree else 2
-        for call, piece in zip(calls, pieces[first:]):
-            call.unusable = piece.view(call.unusable.shape).bool()
-        return VerifyOutput(pieces[0].view(parts[0].shape), pieces[1].view(parts[1].shape),
-                            pieces[2].view(parts[2].shape) if tree else None)
+        pieces = iter(piece.view(p.shape) for piece, p in
+                      zip(flat.split([p.numel() for p in parts]), parts))
+        host = [None if p is None else next(pieces) for p in outputs]
+        for call in calls:
+            call.unusable = next(pieces).bool()
+        return VerifyOutput(*host)
 
     def record_logprobs(self, rows: list[Row], shaped: torch.Tensor,
                          committed: list[list[int]],
                          accepted_nodes: list[list[int]] | None = None) -> None:
         """Logprobs of the committed tokens: committed token j was verified at position j (of
         the accepted path, for a tree)."""
-        if accepted_nodes is not None:
-            width = shaped.shape[1] - 1
-            nodes = torch.tensor([a + [PAD] * (width - len(a)) for a in accepted_nodes],
-                                 dtype=torch.long).view(len(accepted_nodes), width)
-            shaped = along_path(shaped, nodes)                                       # [B, N+1, V]
-        lp = shaped.float().log_softmax(-1)                                          # [B, K+1, V]
+        lp = along_paths(shaped, accepted_nodes).float().log_softmax(-1)             # [B, K+1, V]
         for b, (row, new) in enumerate(zip(rows, committed)):
             n_top = row.request.logprobs
             if n_top is None or not new:
@@ -688,6 +675,30 @@ class Pipeline:
     def __repr__(self) -> str:
         names = [name for name, _ in self.pm.list_name_plugin()]
         return f"Pipeline(greedy={self.greedy}, stages={names})"
+
+
+class RoundClock:
+    """Wall seconds of a round's stages (marks between them) and the simulated clock's units."""
+
+    def __init__(self, sim: SimClock):
+        self.sim, self.sim_before = sim, dict(sim.by_source)
+        self.last = time.perf_counter()
+        self.marks: dict[str, float] = {}
+
+    def mark(self, stage: str, less: float = 0.0) -> None:
+        """The time since the last mark is `stage`'s (less `less` seconds spent on other work)."""
+        now = time.perf_counter()
+        self.marks[stage] = now - self.last - less
+        self.last = now
+
+    def sim_time(self) -> dict[str, float]:
+        before = self.sim_before
+        return {s: v - before.get(s, 0.0) for s, v in self.sim.by_source.items()
+                if v != before.get(s, 0.0)}
+
+    def seconds(self, prefill: float = 0.0) -> dict[str, float]:
+        """The marks, with prefill work a proposer did (caching prompts) as its own entry."""
+        return {**self.marks, **({"prefill": prefill} if prefill else {})}
 
 
 def check_unicode(text: str, what: str) -> None:

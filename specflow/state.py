@@ -7,7 +7,7 @@ Every dataclass has `make_dummy(...)`, which tests use to build valid instances 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -115,7 +115,9 @@ class Proposal:
                                               # draft steps (a new row's prompt): recorded as the
                                               # round's prefill, not as drafting
     _host: tuple | None = field(default=None, init=False, repr=False, compare=False)
-    _layout: tuple | None = field(default=None, init=False, repr=False, compare=False)  # trees
+    # how the drafts are laid out (stages/layout.py: ChainLayout or TreeLayout), set when the
+    # pipeline checks the proposal; stages read it through stages.layout.layout_of
+    layout: Any = field(default=None, repr=False, compare=False)
 
     @property
     def num_draft_tokens(self) -> torch.Tensor:
@@ -136,6 +138,26 @@ class Proposal:
                          catch_up_seconds=self.catch_up_seconds)
         chain._host = self._host
         return chain
+
+    @classmethod
+    def for_rows(cls, batch_size: int, rows: list[int], drafts: torch.Tensor,
+                 probs: torch.Tensor | None, reasons: list[str | None],
+                 parents: torch.Tensor | None = None) -> "Proposal":
+        """A whole batch's proposal from the drafts of the rows that drafted (`rows`: their
+        indices in the batch; drafts [R, K], q [R, K, V] or None, a tree's parents [R, K] or
+        None): PAD and zero q in the other rows, each with its reason in `reasons`."""
+        if len(rows) == batch_size:
+            return cls(drafts, probs, parents=parents)
+        full = cls.empty(batch_size, drafts.shape[1], device=drafts.device)
+        full.skip_reasons = reasons
+        full.draft_token_ids[rows] = drafts
+        if parents is not None:
+            full.parents = torch.full_like(full.draft_token_ids, PAD)
+            full.parents[rows] = parents
+        if probs is not None:
+            full.draft_probs = probs.new_zeros(batch_size, *probs.shape[1:])
+            full.draft_probs[rows] = probs
+        return full
 
     @classmethod
     def make_dummy(cls, k: list[int], vocab_size: int = 8, with_probs: bool = False,
@@ -228,6 +250,38 @@ class VerifyOutput:
         pos = torch.arange(k + 1)[None, :]                                         # [1, K+1]
         ids = torch.randint(0, vocab_size, (len(num_accepted), k + 1))
         return cls(torch.where(pos <= acc[:, None], ids, torch.full_like(ids, PAD)), acc)
+
+
+@dataclass
+class HiddenStates:
+    """Hidden states of a target pass, for the stages that asked for them (specflow_hidden_layers).
+
+    Row b's states sit at cache positions starts[b] .. starts[b] + lens[b] - 1 of slot slots[b]
+    (a tree pass: the pass's entries in node order, root first); padding past lens[b] is junk.
+    """
+
+    slots: list[int]              # [B]
+    starts: list[int]             # [B] cache position of each row's first state
+    lens: list[int]               # [B] states per row
+    hidden: torch.Tensor          # [B, T, n x E] the layers' input states, concatenated
+    layers: tuple[int, ...] = ()  # the layers, in the order they are concatenated
+
+    def select(self, layers: tuple[int, ...]) -> torch.Tensor:
+        """[B, T, len(layers) x E]: the given layers' states, in the given order."""
+        if tuple(layers) == tuple(self.layers):
+            return self.hidden
+        E = self.hidden.shape[-1] // len(self.layers)
+        parts = self.hidden.split(E, -1)
+        return torch.cat([parts[self.layers.index(i)] for i in layers], -1)
+
+
+@dataclass
+class Scores:
+    """What specflow_score may return instead of bare logits: the target's logits and, where a
+    stage asked for them, the pass's hidden states."""
+
+    logits: torch.Tensor                  # [B, K+1, V] (a tree: [B, N+1, V])
+    hidden: list[HiddenStates] = field(default_factory=list)   # the pass's (and a catch-up's)
 
 
 @dataclass

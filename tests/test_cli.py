@@ -132,7 +132,7 @@ def test_plugins_lists_the_builtins_with_their_hooks(tmp_path):
     text = out.stdout.decode()
     assert "specflow.builtins" in text and "specflow_register" in text and "proposer=ngram" in text
     listed = json.loads(specflow("plugins", "--json", cwd=tmp_path).stdout)
-    assert listed["hook_api"] == HOOK_API_VERSION == "1.4"
+    assert listed["hook_api"] == HOOK_API_VERSION == "1.5"
     assert listed["plugins"][0]["package"] == "specflow (built-in)"
     bad = specflow("plugins", "--yaml", cwd=tmp_path)
     assert bad.returncode == 2 and b"takes no arguments but --json" in bad.stderr

@@ -125,3 +125,63 @@ def test_the_engine_and_the_server_worker_use_only_public_names():
                 if name == owner:
                     private.append(f"{path}:{node.lineno} {owner}.{node.attr}")
         assert private == []
+
+
+BACKEND_PRIVATE = ("specflow.models.packing", "specflow.models.kernels", "specflow.models.threads")
+
+
+def _all_imports(path: pathlib.Path) -> list[tuple[int, str]]:
+    """(line, dotted name) of every import in a module: top level, inside functions and under
+    TYPE_CHECKING alike; `from x import y` gives x.y, relative imports resolved."""
+    package = path.relative_to(ROOT).with_suffix("").parts[:-1]
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom):
+            base = ".".join([*package[:len(package) - node.level + 1], node.module or ""]
+                            if node.level else [node.module or ""]).strip(".")
+            names += [(node.lineno, f"{base}.{a.name}") for a in node.names]
+        elif isinstance(node, ast.Import):
+            names += [(node.lineno, a.name) for a in node.names]
+    return names
+
+
+def test_the_round_and_the_policies_leave_cpu_tuning_to_the_backend():
+    """How a backend runs its passes (threads, packed weights, product forms) is its own
+    business (Backend.tune / describe / time_pass): the pipeline, the engine and the policies
+    import nothing from the modules that decide it."""
+    paths = [PACKAGE / "pipeline.py", PACKAGE / "engine.py",
+             *sorted((PACKAGE / "policies").rglob("*.py"))]
+    found = [f"{path.relative_to(ROOT)}:{line} {name}" for path in paths
+             for line, name in _all_imports(path)
+             if any(name == m or name.startswith(m + ".") for m in BACKEND_PRIVATE)]
+    assert found == []
+
+
+def test_proposers_set_no_attribute_on_a_backend():
+    """A proposer reads the target through the Backend contract and its hooks (hidden states
+    arrive through specflow_target_states): it never plants attributes on a backend. Checked in
+    the source (no `target.x = ...` / `ctx.target.x = ...` in any proposer) and at run time (the
+    EAGLE proposer built on the demo target leaves the target's attributes as they were)."""
+    import ast
+    import pathlib
+
+    from specflow import Pipeline
+    from specflow.stages.proposers.eagle import EagleProposer, EagleProposerConfig
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "specflow" / "stages" / "proposers"
+    planted = []
+    for path in sorted(root.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            for t in targets:
+                if isinstance(t, ast.Attribute) and isinstance(t.value, (ast.Name, ast.Attribute)):
+                    base = t.value.id if isinstance(t.value, ast.Name) else t.value.attr
+                    if base in ("target", "draft", "backend"):
+                        planted.append(f"{path.name}:{node.lineno} {base}.{t.attr}")
+    assert planted == []
+
+    pipe = Pipeline.from_config(["proposer=none", "show_progress=false"])
+    before = {k: id(v) for k, v in vars(pipe.target).items()}
+    EagleProposer(EagleProposerConfig(), pipe.ctx)
+    assert {k: id(v) for k, v in vars(pipe.target).items()} == before

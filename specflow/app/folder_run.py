@@ -78,6 +78,7 @@ def run_into(cfg: DictConfig, folder: str | os.PathLike, *, owner: str, setting:
         _write(out / "metrics.json", atomic_write_json, {
             **(metrics_extra or {}), "config": config, "greedy": pipe.greedy, "threads": pipe.threads,
             "packed": pipe.packed, "draft_packed": pipe.draft_packed, "kernels": pipe.kernels,
+            "backends": pipe.backends,
             "aggregate": stats,
             "resumed_requests": resumed, "requests": [r["stats"] for r in rows]}, rerun, len(rows))
     return FolderRun(out, rows, stats, resumed, pipe.greedy, False, config)

@@ -95,23 +95,85 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def forward(self, slots: torch.Tensor, input_ids: torch.Tensor,
-                input_lens: torch.Tensor) -> torch.Tensor:
+                input_lens: torch.Tensor, hidden_layers: tuple[int, ...] = ()):
         """Append input_ids[b, :input_lens[b]] to slot slots[b]'s cache.
 
         slots [B] long, input_ids [B, T] long (PAD beyond each row's length), input_lens [B] long.
         Returns logits [B, T, V] float32; position t predicts the token after input t.
+        With hidden_layers (a backend with `supports_hidden_states`): returns (logits, hidden),
+        hidden [B, T, len(hidden_layers) x E] the inputs of those layers (indices below the
+        model's layer count) at the same positions, concatenated in ascending layer order. A
+        backend without hidden states may leave the argument out of its signature.
         """
+
+    # --- what the backend may choose for itself, and what one pass costs ---------------------
+
+    supports_hidden_states: bool = False   # forward(..., hidden_layers=...) is implemented
+
+    def tune(self, rows: int, positions: int, settings) -> None:
+        """Choose what this backend may choose for itself (CPU threads, its weights' layout)
+        for the passes a pipeline will run, from one position in one row up to `positions`
+        positions in each of `rows` rows. `settings`: the root config (its `threads` and
+        `pack`). Called once, when the pipeline is built. Default: nothing to choose."""
+        return None
+
+    def describe(self) -> dict:
+        """What metrics.json records about how this backend runs (threads, weight layout,
+        kernels); JSON-ready values."""
+        return {}
+
+    def time_pass(self, rows: int = 1, positions: int = 1, reps: int = 5,
+                  context: int = 32) -> float:
+        """Median seconds of a pass over `positions` positions in each of `rows` rows (slots
+        0..rows-1, each after `context` cached tokens), the device synchronised around each
+        pass. The slots are reset before and after: call it before requests take them."""
+        import statistics
+        import time
+
+        slots = torch.arange(rows)
+        for s in range(rows):
+            self.reset(s)
+        self.prefill_many(list(range(rows)), [[1] * context] * rows)
+        times = []
+        for i in range(reps + 2):
+            self.truncate(slots, [context] * rows)
+            _synchronize(self.device)
+            start = time.perf_counter()
+            self.forward(slots, torch.ones(rows, positions, dtype=torch.long),
+                         torch.full((rows,), positions))
+            _synchronize(self.device)
+            if i >= 2:
+                times.append(time.perf_counter() - start)
+        for s in range(rows):
+            self.reset(s)
+        return statistics.median(times)
 
     def prefill(self, slot: int, ids: list[int]) -> None:
         """Cache a new request's prompt (all but its last token, which the first round feeds)."""
         if ids:
             self.forward(torch.tensor([slot]), torch.tensor([ids]), torch.tensor([len(ids)]))
 
-    def prefill_many(self, slots: list[int], prompts: list[list[int]]) -> None:
+    def prefill_many(self, slots: list[int], prompts: list[list[int]],
+                     hidden_layers: tuple[int, ...] = ()):
         """Cache several new requests' prompts (each without its last token); a backend that can
-        batch them overrides this (HFBackend: ragged forwards under a token budget)."""
+        batch them overrides this (HFBackend: ragged forwards under a token budget).
+        With hidden_layers: -> list[HiddenStates], the prompts' states (one entry per forward
+        the backend ran), else None."""
+        from specflow.state import HiddenStates
+
+        if not hidden_layers:
+            for slot, ids in zip(slots, prompts):
+                self.prefill(slot, ids)
+            return None
+        states = []
         for slot, ids in zip(slots, prompts):
-            self.prefill(slot, ids)
+            if ids:
+                start = self.cache_length(slot)
+                _, hidden = self.forward(torch.tensor([slot]), torch.tensor([ids]),
+                                         torch.tensor([len(ids)]), tuple(hidden_layers))
+                states.append(HiddenStates([slot], [start], [len(ids)], hidden,
+                                           tuple(sorted(hidden_layers))))
+        return states
 
     @abc.abstractmethod
     def truncate(self, slots: torch.Tensor, lengths: list[int]) -> None:
@@ -119,19 +181,36 @@ class Backend(abc.ABC):
 
     # --- token trees (optional) -------------------------------------------------------------
 
-    supports_trees: bool = False         # forward_tree and keep_cached are implemented
+    # forward(..., tree=TreeAttention) and keep_cached are implemented: the queries of a forward
+    # sit at tree.positions and attend to the cached prefix below tree.visible_below and to the
+    # keys tree.see marks (a draft model's tree steps build these; forward_tree below is the
+    # target's case)
+    supports_trees: bool = False
 
     def forward_tree(self, slots: torch.Tensor, input_ids: torch.Tensor, input_lens: torch.Tensor,
-                     layout) -> torch.Tensor:
+                     layout, hidden_layers: tuple[int, ...] = ()):
         """Append a tree per row: input_ids [B, N+1] = the row's last committed token, then its
         draft nodes (PAD after input_lens[b]); `layout` (stages/tree.py TreeLayout) gives each
         node's depth and ancestors. Node t sits at position start + depth(t) and attends to the
         cached prefix and to its own ancestors only. The entries are cached in input order
-        (keep_cached later keeps the accepted path). Returns logits [B, N+1, V] float32."""
-        raise NotImplementedError(f"{type(self).__name__} cannot score token trees")
+        (keep_cached later keeps the accepted path). Returns logits [B, N+1, V] float32 (and
+        the nodes' hidden states with hidden_layers, as forward). This default runs forward
+        with the layout's TreeAttention."""
+        if not self.supports_trees:
+            raise NotImplementedError(f"{type(self).__name__} cannot score token trees")
+        starts = [self.cache_length(s) for s in slots.tolist()]
+        extra = (tuple(hidden_layers),) if hidden_layers else ()
+        return self.forward(slots, input_ids, input_lens, *extra,
+                            tree=TreeAttention.of_layout(layout, starts))
 
     def keep_cached(self, slots: list[int], base: list[int], picks: list[list[int]]) -> None:
         """After a tree pass: for each row, the cached entries base[b] + picks[b][i] move to
         base[b] + i (in order), and the row's length becomes base[b] + len(picks[b])."""
         raise NotImplementedError(f"{type(self).__name__} cannot score token trees")
 
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a CUDA pass returns before it has run)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

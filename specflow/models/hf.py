@@ -15,9 +15,10 @@ from dataclasses import dataclass
 import torch
 
 from specflow.errors import ConfigError
-from specflow.models.base import Backend, TreeAttention
+from specflow.models.base import Backend
+from specflow.models.plan import ForwardPlan, make_plan
 from specflow.models.slot_cache import SlotKVCache
-from specflow.state import PAD
+from specflow.state import PAD, HiddenStates
 
 DEMO_DIR = pathlib.Path(__file__).parent / "demo"
 
@@ -256,8 +257,13 @@ def refuse_recurrent(config, path: str) -> None:
 
 class HFBackend(Backend):
     name = "hf"
+    # what tune() chose: torch's CPU threads (the target only), whether the lean forward's
+    # weights are packed for oneDNN (any pass of a draft model: see packing.choose_draft_pack)
+    threads: int | None = None
+    packed: bool = False
 
     def __init__(self, cfg: HFModelConfig, device: torch.device, slots: int, role: str = "model"):
+        self.role = role               # "model" (the target) or "draft": what tune() chooses
         self.model, tok, self.path = load_model(cfg, device, role)
         config = self.model.config
         self.device = self.model.device
@@ -280,12 +286,6 @@ class HFBackend(Backend):
         self.lean = self._lean_forward(cfg.forward, role, cfg.device_map)
         self.num_layers = num_layers
         self.hidden_size = config.hidden_size
-        # draft heads read hidden states of the target's own pass (no extra forward): the
-        # inputs of these layers, handed to hidden_sink(slots, starts, lens, hidden [B, T, nE]);
-        # after a tree pass hidden_keep(slots, base, picks) compacts them as keep_cached does
-        self.capture_layers: tuple[int, ...] = ()
-        self.hidden_sink = None
-        self.hidden_keep = None
 
     def _lean_forward(self, choice: str, role: str, device_map: str | None):
         from specflow.models.lean_llama import LeanLlama, unsupported_reason
@@ -304,6 +304,31 @@ class HFBackend(Backend):
         self.forward_note = f"transformers forward ({reason})"
         return None
 
+    def tune(self, rows: int, positions: int, settings) -> None:
+        """The target: `threads` (auto: all cores or one, timed; models/threads.py), then
+        `pack` (auto: packed when a one-row pass plus the fullest pass, `positions` in each of
+        `rows` rows, run faster; models/packing.py). A draft model: `pack` only, timed at its
+        steps of 1, 2, 4, ... rows and its fullest. Only the lean forward on a CPU has anything
+        to choose; elsewhere a number of threads is still applied."""
+        from specflow.models.packing import choose_draft_pack, choose_pack
+        from specflow.models.threads import choose_threads
+
+        pack = settings.get("pack", "auto")
+        if self.role == "draft":
+            self.packed = choose_draft_pack(pack, self, positions, rows)
+        else:
+            self.threads = choose_threads(settings.get("threads", "auto"), self)
+            self.packed = choose_pack(pack, self, positions, rows)
+
+    def describe(self) -> dict:
+        """forward (lean | hf), threads (tune's choice for the target; otherwise torch's CPU
+        threads now), packed (tune's choice) and kernels (the product forms the lean forward
+        timed and chose; None without it)."""
+        threads = self.threads if self.threads is not None else torch.get_num_threads()
+        return {"forward": "lean" if self.lean is not None else "hf",
+                "threads": threads, "packed": bool(self.packed),
+                "kernels": self.lean.kernels.describe() if self.lean is not None else None}
+
     def reset(self, slot: int) -> None:
         self.cache.reset(slot)
 
@@ -311,79 +336,92 @@ class HFBackend(Backend):
         return self.cache.lengths[slot]
 
     supports_trees = True
+    supports_hidden_states = True     # the inputs of any layer, from the same pass
+
+    # (rows, positions) -> the padded sizes a plan is run at; None: exact (CPU: eager passes,
+    # padding would be computed for nothing). A CUDA-graph backend sets buckets.
+    bucket = None
 
     @torch.inference_mode()
     def forward(self, slots: torch.Tensor, input_ids: torch.Tensor,
-                input_lens: torch.Tensor, logits: bool = True, tree=None) -> torch.Tensor | None:
-        B, T = input_ids.shape
+                input_lens: torch.Tensor, hidden_layers: tuple[int, ...] = (),
+                logits: bool = True, tree=None):
+        """The Backend contract's forward; `logits=False` skips the LM head (a prefill: returns
+        None, or (None, hidden)); `tree` (TreeAttention) places and masks tree nodes."""
         slot_list = slots.tolist()
-        lens = input_lens.tolist()
-        starts = [self.cache.lengths[s] for s in slot_list]       # where each row's input goes
-        positions, kv_len = self.cache.begin(slot_list, lens, T, self.device)    # [B, T]
-        windowed = self.window is not None and kv_len > self.window
-        # one query attending to the whole cached row (a tree node whose row holds only its
-        # ancestors: a priced tree that is a chain so far) needs no mask
-        whole_row = B == 1 and T == 1 and not windowed and (tree is None or (
-            kv_len == tree.visible_below[0] + tree.see.shape[2] and bool(tree.see.all())))
-        mask = allowed = None
-        if tree is not None:
-            positions = tree.positions.to(self.device)                               # [B, T]
-            if not whole_row:
-                positions, allowed = self._tree_mask(tree, kv_len)                  # [B, T, L]
-        elif not whole_row:
-            keys = torch.arange(kv_len, device=self.device)                          # [L]
-            allowed = keys[None, None, :] <= positions[:, :, None]                   # [B, T, L]
-            if windowed:
-                allowed &= keys[None, None, :] > positions[:, :, None] - self.window
-        if allowed is not None:
-            mask = allowed[:, None] if self._bool_mask else torch.zeros(
-                B, 1, T, kv_len, dtype=self.model.dtype, device=self.device).masked_fill(
-                ~allowed[:, None], torch.finfo(self.model.dtype).min)
-        ids = input_ids.clamp(min=0).to(self.device)
-        capture = self.capture_layers if self.hidden_sink is not None else ()
+        plan = make_plan(slot_list, [self.cache.lengths[s] for s in slot_list], input_ids,
+                         input_lens.tolist(), self.device, tree, self.bucket)
+        return self.run(plan, tuple(hidden_layers), logits)
+
+    @torch.inference_mode()
+    def run(self, plan: ForwardPlan, hidden_layers: tuple[int, ...] = (), logits: bool = True):
+        """Run a plan (models/plan.py) -> logits [B, T, V] float32 (None with logits=False) and,
+        with hidden_layers, the inputs of those layers [B, T, nE] (the real rows and positions
+        of a padded plan)."""
+        self.cache.begin(plan)
+        mask = self._mask(plan)
+        ids, positions = plan.input_ids, plan.positions                               # [Bp, Tp]
+        B, T = plan.rows, plan.width
+        layers = tuple(sorted(hidden_layers))
         if self.lean is not None:
             captured: list[torch.Tensor] = []
             out = self.lean(ids, positions, mask, self.cache, logits_to_keep=0 if logits else 1,
-                            capture=capture, captured=captured)
-            self.cache.commit(slot_list, lens)
-            if capture:
-                self.hidden_sink(slot_list, starts, lens, torch.cat(captured, -1))  # [B, T, nE]
-            return out.float() if logits else None
+                            capture=layers, captured=captured)
+            self.cache.commit(plan.slot_list, plan.lens)
+            out = out[:B, :T].float() if logits else None                            # [B, T, V]
+            # the lean forward hands them out in layer order (the contract's ascending order)
+            return (out, torch.cat(captured, -1)[:B, :T]) if layers else out         # [B, T, nE]
         extra = {self._cache_kw: self.cache}
         if not logits and self._keeps_logits:
             extra["logits_to_keep"] = 1      # prefill: skip the LM head over the whole prompt
         out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
-                         use_cache=True, output_hidden_states=bool(capture), **extra)
-        self.cache.commit(slot_list, lens)
-        if capture:     # hidden_states[i] is the input of layer i (i < num_layers)
-            self.hidden_sink(slot_list, starts, lens,
-                             torch.cat([out.hidden_states[i] for i in capture], -1))
-        return out.logits.float() if logits else None                                # [B, T, V]
+                         use_cache=True, output_hidden_states=bool(layers), **extra)
+        self.cache.commit(plan.slot_list, plan.lens)
+        scores = out.logits[:B, :T].float() if logits else None                      # [B, T, V]
+        if layers:     # hidden_states[i] is the input of layer i (i < num_layers)
+            return scores, torch.cat([out.hidden_states[i] for i in layers], -1)[:B, :T]
+        return scores
 
-    def forward_tree(self, slots: torch.Tensor, input_ids: torch.Tensor, input_lens: torch.Tensor,
-                     layout) -> torch.Tensor:
-        starts = [self.cache.lengths[s] for s in slots.tolist()]
-        return self.forward(slots, input_ids, input_lens, tree=TreeAttention.of_layout(layout, starts))
-
-    def _tree_mask(self, tree: TreeAttention, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotary positions [B, T] and the attention mask [B, T, L] of a forward over tree
-        nodes: the committed prefix (sliding window applied) and the tree keys `see` marks."""
-        return tree.positions.to(self.device), tree.allowed(kv_len, self.window).to(self.device)
+    def _mask(self, plan: ForwardPlan) -> torch.Tensor | None:
+        """The attention mask of a plan, [Bp, 1, Tp, kv_len] (bool, or additive for eager
+        attention), or None where one query attends to its whole cached row."""
+        tree, kv_len = plan.tree, plan.kv_len
+        Bp, Tp = plan.shape
+        windowed = self.window is not None and kv_len > self.window
+        # one query attending to the whole cached row (a tree node whose row holds only its
+        # ancestors: a priced tree that is a chain so far) needs no mask
+        if Bp == 1 and Tp == 1 and not windowed and (tree is None or (
+                kv_len == tree.visible_below[0] + tree.see.shape[2] and bool(tree.see.all()))):
+            return None
+        if tree is not None:
+            allowed = tree.allowed(kv_len, self.window).to(self.device)               # [B, T, L]
+            if allowed.shape[:2] != (Bp, Tp):      # a padded plan: padding queries see key 0
+                pad = torch.zeros(Bp, Tp, kv_len, dtype=torch.bool, device=self.device)
+                pad[..., 0] = True
+                pad[:allowed.shape[0], :allowed.shape[1]] = allowed
+                allowed = pad
+        else:
+            keys = torch.arange(kv_len, device=self.device)                           # [L]
+            allowed = keys[None, None, :] <= plan.positions[:, :, None]              # [Bp, Tp, L]
+            if windowed:
+                allowed &= keys[None, None, :] > plan.positions[:, :, None] - self.window
+        if self._bool_mask:
+            return allowed[:, None]
+        return torch.zeros(Bp, 1, Tp, kv_len, dtype=self.model.dtype, device=self.device
+                           ).masked_fill(~allowed[:, None], torch.finfo(self.model.dtype).min)
 
     @torch.inference_mode()
     def keep_cached(self, slots: list[int], base: list[int], picks: list[list[int]]) -> None:
-        self.cache.keep(slots, base, picks)
-        if self.hidden_keep is not None:     # the states captured in the pass move alike
-            self.hidden_keep(slots, base, picks)
+        self.cache.move_path_into_place(slots, base, picks)
 
     def prefill(self, slot: int, ids: list[int]) -> None:
-        if ids:
-            self.forward(torch.tensor([slot]), torch.tensor([ids]), torch.tensor([len(ids)]),
-                         logits=False)
+        self.prefill_many([slot], [ids])
 
-    def prefill_many(self, slots: list[int], prompts: list[list[int]]) -> None:
+    def prefill_many(self, slots: list[int], prompts: list[list[int]],
+                     hidden_layers: tuple[int, ...] = ()):
         """The prompts in as few ragged forwards as fit PREFILL_TOKENS padded tokens each
-        (longest first, so rows of a forward have similar lengths and little padding)."""
+        (longest first, so rows of a forward have similar lengths and little padding).
+        With hidden_layers: -> the states of each forward (models.base.prefill_states)."""
         order = sorted((i for i, ids in enumerate(prompts) if ids), key=lambda i: -len(prompts[i]))
         groups: list[list[int]] = []
         for i in order:    # a group's width is its first (longest) prompt
@@ -391,12 +429,19 @@ class HFBackend(Backend):
                 groups[-1].append(i)
             else:
                 groups.append([i])
+        states = []
         for group in groups:
             ids = torch.full((len(group), len(prompts[group[0]])), PAD, dtype=torch.long)  # [G, T]
             for row, j in enumerate(group):
                 ids[row, :len(prompts[j])] = torch.tensor(prompts[j])
-            self.forward(torch.tensor([slots[j] for j in group]), ids,
-                         torch.tensor([len(prompts[j]) for j in group]), logits=False)
+            rows = [slots[j] for j in group]
+            lens = [len(prompts[j]) for j in group]
+            starts = [self.cache.lengths[s] for s in rows]
+            out = self.forward(torch.tensor(rows), ids, torch.tensor(lens), hidden_layers,
+                               logits=False)
+            if hidden_layers:
+                states.append(HiddenStates(rows, starts, lens, out[1], tuple(sorted(hidden_layers))))
+        return states if hidden_layers else None
 
     def truncate(self, slots: torch.Tensor, lengths: list[int]) -> None:
         self.cache.truncate(slots.tolist(), lengths)

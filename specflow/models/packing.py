@@ -19,14 +19,18 @@ embedding, packed as a copy (the lookup reads the dense table): it is the widest
 pass, and at many positions oneDNN reads it far faster than MKL. A change of thread count
 afterwards keeps the choice. CUDA, forward=hf and non-lean models never pack.
 
+Private to the transformers backend: `HFBackend.tune` calls `choose_pack` (target) or
+`choose_draft_pack` (draft model) when the pipeline is built, passes are timed with
+`Backend.time_pass`, and `HFBackend.describe` reports the choice (metrics.json `packed`,
+`draft_packed`).
+
 The figures behind this (per machine): docs/decisions.md, "Measured on this project's machines".
 """
 from __future__ import annotations
 
 from specflow.models.kernels import can_pack
-from specflow.models.threads import pass_seconds
 
-REPS = 15          # passes timed per end and layout (~0.5 s on the demo target)
+REPS = 15          # passes timed per end and layout
 
 
 def packable(backend) -> bool:
@@ -53,7 +57,8 @@ def choose_pack(setting, backend, positions: int, rows: int = 1) -> bool:
     lean = backend.lean
 
     def both_ends() -> float:
-        return pass_seconds(backend, REPS) + pass_seconds(backend, REPS, positions, rows)
+        return backend.time_pass(reps=REPS) + \
+            backend.time_pass(rows=rows, positions=positions, reps=REPS)
 
     dense = both_ends()
     lean.pack()
@@ -80,9 +85,9 @@ def choose_draft_pack(setting, backend, positions: int, rows: int = 1) -> bool:
     lean = backend.lean
     points = sorted({(1, 1), *((1, 2 ** i) for i in range(1, rows.bit_length())), (1, rows),
                      (positions, rows)}, key=lambda p: (p[0] * p[1], p))
-    dense = [pass_seconds(backend, DRAFT_REPS, p, q) for p, q in points]
+    dense = [backend.time_pass(rows=q, positions=p, reps=DRAFT_REPS) for p, q in points]
     lean.pack(keep_dense=True, from_rows=1)
-    packed = [pass_seconds(backend, DRAFT_REPS, p, q) for p, q in points]
+    packed = [backend.time_pass(rows=q, positions=p, reps=DRAFT_REPS) for p, q in points]
     lean.unpack()
     wins = [pk < dn for pk, dn in zip(packed, dense)]
     start = next((i for i in range(len(points)) if all(wins[i:])), None)

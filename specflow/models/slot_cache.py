@@ -32,46 +32,17 @@ class SlotKVCache(Cache):
         self.keys: list[torch.Tensor | None] = [None] * num_layers    # [S, H_kv, C, D] each
         self.values: list[torch.Tensor | None] = [None] * num_layers
         self.lengths = [0] * slots          # tokens cached per slot (host-side, no syncs)
-        # set by begin() for the forward about to run
-        self._slots: torch.Tensor | None = None     # [B]
-        self._first = -1                             # s when slots == [s, s+1, ..., s+B-1], else -1
-        self._batch = 0
-        self._start = -1                             # B == 1, every position real: its first position
-        self._positions: torch.Tensor | None = None  # [B, T] where each new token is written
-        self._ragged: tuple | None = None             # ragged batch: (rows, positions, flat) [N]
-        self._kv_len = 0
+        self.plan = None                    # the ForwardPlan of the forward about to run
 
     # --- per-forward bookkeeping ---------------------------------------------------------------
 
-    def begin(self, slots: list[int], lens: list[int], T: int, device) -> tuple[torch.Tensor, int]:
-        """Prepare a forward of T positions for `slots`, of which row b uses its first lens[b].
-
-        Returns (positions [B, T], kv_len). Padding positions repeat the row's last real position
-        (they stay inside the context, e.g. for absolute position embeddings) and are never written
-        to the cache, so a short row next to a long one cannot run past its capacity.
-        """
-        self._batch = len(slots)
-        self._first = slots[0] if slots == list(range(slots[0], slots[0] + len(slots))) else -1
-        self._start = self.lengths[slots[0]] if len(slots) == 1 and lens[0] == T else -1
-        # everything is computed on the host (the lengths live there) and sent in one copy
-        host_slots = torch.tensor(slots, dtype=torch.long)                               # [B]
-        starts = torch.tensor([self.lengths[s] for s in slots], dtype=torch.long)        # [B]
-        n = torch.tensor(lens, dtype=torch.long)                                         # [B]
-        t = torch.arange(T)[None, :]                                                     # [1, T]
-        positions = starts[:, None] + torch.minimum(t, (n - 1).clamp(min=0)[:, None])    # [B, T]
-        parts = [host_slots, positions.flatten()]
-        if min(lens) != T:    # ragged: which (slot, position) each real token goes to
-            b, j = (t < n[:, None]).nonzero(as_tuple=True)                               # [N] x2
-            parts += [host_slots[b], positions[b, j], b * T + j]
-        sent = torch.cat(parts).to(device).split([p.numel() for p in parts])
-        self._slots = sent[0]
-        self._positions = sent[1].view(len(slots), T)
-        self._ragged = sent[2:] if len(sent) > 2 else None      # rows [N], positions [N], flat [N]
-        self._kv_len = max(self.lengths[s] + m for s, m in zip(slots, lens))
-        if self._kv_len > self.max_capacity:
-            raise ValueError(f"{self._kv_len} positions exceed the cache capacity "
+    def begin(self, plan) -> None:
+        """Take the plan (models/plan.py) of the forward about to run: its rows, where each row's
+        inputs are written and the keys attended (plan.kv_len)."""
+        if plan.kv_len > self.max_capacity:
+            raise ValueError(f"{plan.kv_len} positions exceed the cache capacity "
                              f"{self.max_capacity}")
-        return self._positions, self._kv_len
+        self.plan = plan
 
     def commit(self, slots: list[int], added: list[int]) -> None:
         for s, n in zip(slots, added):
@@ -84,7 +55,7 @@ class SlotKVCache(Cache):
     def reset(self, slot: int) -> None:
         self.lengths[slot] = 0
 
-    def keep(self, slots: list[int], base: list[int], picks: list[list[int]]) -> None:
+    def move_path_into_place(self, slots: list[int], base: list[int], picks: list[list[int]]) -> None:
         """Move each row's entries base + picks[i] to base + i, every layer (a tree pass's
         accepted path into place); the row's length becomes base + len(picks)."""
         for s, b, pick in zip(slots, base, picks):
@@ -99,51 +70,47 @@ class SlotKVCache(Cache):
     # --- what attention layers call ------------------------------------------------------------
 
     def _ensure(self, layer: int, like: torch.Tensor) -> None:
-        B, H, T, D = like.shape
-        buf = self.keys[layer]
-        if buf is not None and buf.shape[2] >= self._kv_len:
-            return
-        capacity = min(self.max_capacity, max(64, 2 * self._kv_len))
-        new_k = like.new_zeros(self.slots, H, capacity, D)
-        new_v = like.new_zeros(self.slots, H, capacity, D)
-        if buf is not None:
-            old = buf.shape[2]
-            new_k[:, :, :old] = buf
-            new_v[:, :, :old] = self.values[layer]
-        self.keys[layer], self.values[layer] = new_k, new_v
+        """The layer's buffers, allocated once at full capacity on its first write (its dtype
+        and device are known then): a pass never reallocates, and its shapes do not change."""
+        if self.keys[layer] is None:
+            B, H, T, D = like.shape
+            self.keys[layer] = like.new_zeros(self.slots, H, self.max_capacity, D)
+            self.values[layer] = like.new_zeros(self.slots, H, self.max_capacity, D)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """Write new keys/values [B, H_kv, T, D] at each row's positions; return [B, H_kv, kv_len, D]."""
         self._ensure(layer_idx, key_states)
+        plan = self.plan
         k_buf, v_buf = self.keys[layer_idx], self.values[layer_idx]                     # [S, H, C, D]
         B, H, T, D = key_states.shape
-        if self._start >= 0:   # one row, every position real: a plain slice copy
-            s, p = self._first, self._start
+        if plan.single_start >= 0:   # one row, every position real: a plain slice copy
+            s, p = plan.first_slot, plan.single_start
             k_buf[s, :, p:p + T] = key_states[0]
             v_buf[s, :, p:p + T] = value_states[0]
         else:
             k_new = key_states.transpose(1, 2).to(k_buf.dtype)                           # [B, T, H, D]
             v_new = value_states.transpose(1, 2).to(v_buf.dtype)
-            if self._ragged is None:
-                rows = self._slots[:, None]                                              # [B, 1]
-                k_buf[rows, :, self._positions] = k_new
-                v_buf[rows, :, self._positions] = v_new
-            else:   # ragged: write the real positions only (indices made on the host in begin)
-                rows, pos, flat = self._ragged                                            # [N] x3
+            if plan.ragged is None:
+                rows = plan.slots[:, None]                                               # [B, 1]
+                k_buf[rows, :, plan.write_positions] = k_new
+                v_buf[rows, :, plan.write_positions] = v_new
+            else:   # ragged: write the real positions only (indices made on the host)
+                rows, pos, flat = plan.ragged                                             # [N] x3
                 k_buf[rows, :, pos] = k_new.reshape(B * T, H, D)[flat]                   # [N, H, D]
                 v_buf[rows, :, pos] = v_new.reshape(B * T, H, D)[flat]
-        if self._first >= 0:   # slots s..s+B-1: views, no copy
-            rows = slice(self._first, self._first + self._batch)
-            return k_buf[rows, :, :self._kv_len], v_buf[rows, :, :self._kv_len]
-        return (k_buf[:, :, :self._kv_len].index_select(0, self._slots),
-                v_buf[:, :, :self._kv_len].index_select(0, self._slots))
+        kv_len = plan.kv_len
+        if plan.first_slot >= 0:   # slots s..s+B-1: views, no copy
+            rows = slice(plan.first_slot, plan.first_slot + B)
+            return k_buf[rows, :, :kv_len], v_buf[rows, :, :kv_len]
+        return (k_buf[:, :, :kv_len].index_select(0, plan.slots),
+                v_buf[:, :, :kv_len].index_select(0, plan.slots))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self._kv_len
+        return self.plan.kv_len if self.plan is not None else 0
 
     def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
-        return self._kv_len, 0
+        return self.get_seq_length(), 0
 
     @property
     def is_compileable(self) -> bool:

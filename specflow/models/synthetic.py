@@ -180,6 +180,27 @@ class SyntheticBackend(Backend):
     def cache_length(self, slot: int) -> int:
         return self.lengths[slot]
 
+    def tune(self, rows: int, positions: int, settings) -> None:
+        """Nothing to time (the simulated clock prices its passes); a number of `threads` is
+        applied all the same, as for any CPU run (the tables' lookups are torch ops)."""
+        threads = settings.get("threads", "auto")
+        if self.source == "target" and threads != "auto":
+            torch.set_num_threads(int(threads))
+
+    def describe(self) -> dict:
+        return {"forward": "synthetic", "threads": torch.get_num_threads(), "packed": False,
+                "kernels": None}
+
+    def time_pass(self, rows: int = 1, positions: int = 1, reps: int = 5,
+                  context: int = 32) -> float:
+        """Wall seconds of the table lookups (not what the clock charges: its passes are
+        simulated); the clock is left as it was."""
+        clock, self.clock = self.clock, None
+        try:
+            return super().time_pass(rows, positions, reps, context)
+        finally:
+            self.clock = clock
+
     def forward(self, slots: torch.Tensor, input_ids: torch.Tensor,
                 input_lens: torch.Tensor, tree=None) -> torch.Tensor:
         B, T = input_ids.shape

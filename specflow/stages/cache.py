@@ -2,7 +2,8 @@
 
 The last committed token (the recovered or bonus one) is the next round's first input. Other
 stateful stages (the draft model, n-gram index, grammar and penalty state) implement
-specflow_sync_cache themselves.
+specflow_sync_cache themselves. A prompt's prefill hands out the target's hidden states where a
+stage asked for them (specflow_hidden_layers), through `deliver` (specflow_target_states).
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from specflow.plugins import hookimpl
 class TargetCacheSync:
     def __init__(self, target):
         self.target = target
+        self.hidden_layers: tuple[int, ...] = ()    # set by the pipeline once it is built
+        self.deliver = None                         # states -> None (the pipeline's hook)
 
     @hookimpl
     def specflow_request_start(self, slot, request):
@@ -19,7 +22,12 @@ class TargetCacheSync:
 
     @hookimpl
     def specflow_prefill(self, slots, requests):
-        self.target.prefill_many(slots, [r.prompt_ids[:-1] for r in requests])
+        prompts = [r.prompt_ids[:-1] for r in requests]
+        if not self.hidden_layers:
+            self.target.prefill_many(slots, prompts)
+            return
+        for states in self.target.prefill_many(slots, prompts, self.hidden_layers) or ():
+            self.deliver(states)
 
     @hookimpl
     def specflow_sync_cache(self, batch, result):

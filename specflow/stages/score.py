@@ -1,50 +1,67 @@
-"""The target pass: one forward over each row's uncached committed tokens followed by its drafts."""
+"""The target pass: one forward over each row's uncached committed tokens followed by its drafts.
+
+Where a stage asked for the target's hidden states (specflow_hidden_layers), the same forward
+hands them out: the scorer returns them with the logits (state.Scores) and the pipeline passes
+them on through specflow_target_states.
+"""
 from __future__ import annotations
 
 import torch
 
 from specflow.plugins import hookimpl
-from specflow.stages.proposers.draft import catch_up, pending_inputs
-from specflow.stages.tree import layout_of
-from specflow.state import PAD
+from specflow.stages.layout import layout_of
+from specflow.stages.forward_inputs import catch_up, uncached_inputs
+from specflow.state import HiddenStates, Scores
 
 
 class TargetScorer:
     def __init__(self, target):
         self.target = target
+        self.hidden_layers: tuple[int, ...] = ()    # set by the pipeline once it is built
+
+    def _forward(self, slots: torch.Tensor, inputs: torch.Tensor, lens: torch.Tensor,
+                 hidden: list, layout=None) -> torch.Tensor:
+        """One target pass -> logits [B, T, V]; its hidden states (if asked for) join `hidden`."""
+        layers = self.hidden_layers
+        starts = [self.target.cache_length(s) for s in slots.tolist()] if layers else None
+        extra = (layers,) if layers else ()
+        out = self.target.forward(slots, inputs, lens, *extra) if layout is None \
+            else self.target.forward_tree(slots, inputs, lens, layout, *extra)
+        if not layers:
+            return out
+        logits, states = out
+        hidden.append(HiddenStates(slots.tolist(), starts, lens.tolist(), states, layers))
+        return logits
 
     @hookimpl
     def specflow_score(self, batch, proposal):
         drafts = proposal.host_draft_token_ids()                           # [B, K] inputs are
                                                                            # built on the host
-        B, K = drafts.shape
+        hidden: list[HiddenStates] = []
         if proposal.parents is not None:
-            return self._score_tree(batch, proposal, drafts)
+            logits = self._score_tree(batch, proposal, drafts, hidden)
+        else:
+            logits = self._score_chain(batch, drafts, hidden)
+        return Scores(logits, hidden) if self.hidden_layers else logits
+
+    def _score_chain(self, batch, drafts, hidden):
+        B, K = drafts.shape
         cached = [self.target.cache_length(s) for s in batch.slots.tolist()]
-        k = (drafts != PAD).sum(-1)                                        # [B]
-        if all(len(ids) - n == 1 for ids, n in zip(batch.token_ids, cached)):
-            # steady state: every row's cache lacks only its last committed token
-            inputs = torch.cat([batch.last_tokens()[:, None], drafts], 1)  # [B, 1+K]
-            return self.target.forward(batch.slots, inputs, k + 1)        # [B, K+1, V]
-        pending, n_pending = pending_inputs(batch.token_ids, cached)       # [B, P], [B]
-        P = pending.shape[1]
-        inputs = torch.full((B, P + K), PAD, dtype=torch.long)             # [B, P+K]
-        inputs[:, :P] = pending
-        # drafts go right after each row's own pending tokens
-        cols = n_pending[:, None] + torch.arange(K)[None, :]               # [B, K]
-        inputs.scatter_(1, cols, drafts)
-        logits = self.target.forward(batch.slots, inputs, n_pending + k)   # [B, P+K, V]
-        # position j of the verifier = the last pending token (j = 0) or draft j
-        pick = (n_pending - 1)[:, None] + torch.arange(K + 1)[None, :]     # [B, K+1]
-        pick = pick.clamp(max=P + K - 1)
+        inputs, lens, last = uncached_inputs(batch.token_ids, cached, drafts)       # [B, P+K]
+        logits = self._forward(batch.slots, inputs, lens, hidden)                  # [B, P+K, V]
+        if inputs.shape[1] == K + 1:    # steady state: each row lacked only its last token
+            return logits                                                           # [B, K+1, V]
+        # position j of the verifier = the last committed token (j = 0) or draft j
+        pick = (last[:, None] + torch.arange(K + 1)[None, :]).clamp(max=inputs.shape[1] - 1)
         return logits.gather(1, pick[..., None].expand(B, K + 1, logits.shape[-1]))  # [B, K+1, V]
 
-    def _score_tree(self, batch, proposal, drafts):
+    def _score_tree(self, batch, proposal, drafts, hidden):
         """One pass over each row's last committed token and its tree: [B, N+1, V]. A row whose
         cache lags further (a plugin's doing; never in a steady round) is prefilled first."""
-        catch_up(self.target, batch.slots.tolist(), batch.token_ids, 1)
+        _, states = catch_up(self.target, batch.slots.tolist(), batch.token_ids, 1,
+                             self.hidden_layers)
+        hidden.extend(states or ())
         layout = layout_of(proposal)
         inputs = torch.cat([batch.last_tokens()[:, None], drafts], 1)          # [B, N+1]
         lens = torch.tensor(layout.num_nodes) + 1                               # [B]
-        return self.target.forward_tree(batch.slots, inputs, lens, layout)      # [B, N+1, V]
-
+        return self._forward(batch.slots, inputs, lens, hidden, layout)         # [B, N+1, V]

@@ -40,6 +40,37 @@ class TreeLayout:
         """Every row's nodes form one path (no position has two children): scored as a chain."""
         return self.children.shape[-1] <= 1
 
+    # --- what the round asks of a layout (stages/layout.py ChainLayout answers the same) -----
+
+    def check(self, ks: list[int], room: list[int | None]) -> str | None:
+        """A row's depth is at most its k, and its nodes fit the context left."""
+        return check_tree(self, ks, room)
+
+    def shape(self, shape, logits: torch.Tensor, batch, drafts: torch.Tensor) -> torch.Tensor:
+        """[B, N+1, V]: each node shaped on its own root path (a tree of single paths: as the
+        chain it is)."""
+        if self.is_chain:
+            return shape(logits, batch.token_ids, drafts, 0, batch.request_ids, "target",
+                         sampling=batch.sampling)
+        return shape_tree(shape, logits, batch, drafts, self)
+
+    def accepted_paths(self, verified) -> list[list[int]]:
+        """Each row's accepted node indices from the root (a chain's: its first nodes)."""
+        n_acc = verified.num_accepted.tolist()
+        if self.is_chain:
+            return [list(range(n)) for n in n_acc]
+        return [row[:n] for row, n in zip(verified.accepted_nodes.tolist(), n_acc)]
+
+    def shaped_on_path(self, accepted: list[list[int]]) -> list[list[int]] | None:
+        """The accepted paths, where the shaped positions are tree nodes (None when scored as
+        a chain: position j = after j drafts)."""
+        return None if self.is_chain else accepted
+
+    def round_fields(self, accepted: list[list[int]]) -> dict:
+        """RoundResult's tree fields: the accepted paths, the levels examined, the depths."""
+        return {"accepted_nodes": accepted, "num_examined": examined_levels(self, accepted),
+                "tree_depths": self.row_depths}
+
     def ancestors(self) -> torch.Tensor:
         """[B, N+1, N+1] bool: position t may attend to position u (u is t or an ancestor)."""
         B, N1 = self.depth.shape
@@ -52,18 +83,6 @@ class TreeLayout:
             at = up.gather(1, at)
             see.scatter_(2, at[..., None], True)
         return see
-
-
-def layout_of(proposal) -> TreeLayout | None:
-    """The host layout of a tree proposal, built once per proposal (kept on it); None for a
-    chain."""
-    if proposal.parents is None:
-        return None
-    ids = proposal.host_draft_token_ids()
-    if proposal._layout is None or proposal._layout[0] is not ids:
-        proposal._layout = (ids, tree_layout(proposal.parents.cpu(),
-                                             (ids != PAD).sum(-1).tolist()))
-    return proposal._layout[1]
 
 
 def chain_parents(num_nodes: list[int], width: int) -> torch.Tensor:
@@ -193,7 +212,7 @@ def examined_levels(layout: TreeLayout, accepted: list[list[int]]) -> list[int]:
     return out
 
 
-def chain_only(batch) -> bool:
+def no_branch_pays(batch) -> bool:
     """Every row's node price is 1: no branch can be worth its position (a calibrated chance of
     acceptance stays under 1), so a priced tree would be the proposer's own chain, which its chain
     path drafts for less (a draft model: one argmax or sample per step instead of ranking

@@ -30,8 +30,8 @@ import torch
 
 from specflow.errors import ConfigError
 from specflow.plugins import hookimpl
+from specflow.stages.layout import layout_of
 from specflow.stages.sampling import Generators, position_exponentials, row_uniforms, sample_categorical
-from specflow.stages.tree import layout_of
 from specflow.stages.verify_tree import verify_tree
 from specflow.state import PAD, VerifyOutput
 
@@ -139,7 +139,7 @@ def verify_by_position(batch, proposal, target_probs) -> VerifyOutput:
     sample. Position j of a chain is committed length + j; a tree's position after node i is
     committed length + its depth."""
     starts = torch.tensor([len(ids) for ids in batch.token_ids], dtype=torch.long)      # [B]
-    layout = layout_of(proposal)
+    layout = None if proposal.parents is None else layout_of(proposal)
     if layout is None:
         offsets = torch.arange(target_probs.shape[1])[None, :]                         # [1, K+1]
     else:

@@ -44,15 +44,11 @@ def test_captured_states_are_the_layer_inputs_transformers_reports(hf_models):
     for forward in ("lean", "hf"):
         pipe = pipeline(hf_models, "proposer=none", f"model.forward={forward}")
         target = pipe.target
-        seen = []
-        target.capture_layers = (0, 1)
-        target.hidden_sink = lambda slots, starts, lens, h, seen=seen: seen.append(
-            (starts, lens, h.clone()))
         ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, -1]])
-        target.forward(torch.tensor([0, 1]), ids, torch.tensor([4, 3]))
-        got[forward] = seen[0]
-    (s1, l1, h1), (s2, l2, h2) = got["lean"], got["hf"]
-    assert s1 == s2 == [0, 0] and l1 == l2 == [4, 3]
+        logits, got[forward] = target.forward(torch.tensor([0, 1]), ids, torch.tensor([4, 3]),
+                                              (0, 1))
+        assert logits.shape == (2, 4, target.vocab_size)
+    h1, h2 = got["lean"], got["hf"]
     assert h1.shape == (2, 4, 2 * 64)
     torch.testing.assert_close(h1[0], h2[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(h1[1, :3], h2[1, :3], atol=1e-5, rtol=1e-5)
@@ -143,7 +139,7 @@ def test_greedy_eagle_equals_greedy_plain(hf_models, tiny_head, batch, forward):
     assert [r.token_ids for r in got] == [r.token_ids for r in expected]
     s = pipe.last_stats
     assert s["num_draft_tokens"] > 0 and s["num_accepted_tokens"] > 0
-    assert pipe.target.hidden_sink is not None
+    assert pipe.hidden_layers == tuple(pipe.pm.get_plugin("proposer.eagle").layers)
 
 
 def test_states_are_released_with_their_requests(hf_models, tiny_head):

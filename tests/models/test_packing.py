@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specflow import ConfigError, Pipeline
-from specflow.models import packing
+from specflow.models.hf import HFBackend
 from specflow.models.kernels import can_pack
 
 needs_onednn = pytest.mark.skipif(not can_pack(torch.float32),
@@ -21,12 +21,12 @@ DEMO = ["model=demo", "threads=2", "max_new_tokens=6", "show_progress=false", "m
 def test_auto_packs_a_speculating_target_when_its_passes_run_faster(monkeypatch, packed_faster):
     timed = []
 
-    def fake(backend, reps=5, positions=1, rows=1):
+    def fake(backend, rows=1, positions=1, reps=5, context=32):
         timed.append((backend.lean.packed, positions, rows))
         fast = backend.lean.packed == packed_faster
         return (0.004 if fast else 0.006) * (1 + positions * rows / 10)
 
-    monkeypatch.setattr(packing, "pass_seconds", fake)
+    monkeypatch.setattr(HFBackend, "time_pass", fake)
     pipe = Pipeline.from_config(DEMO + ["proposer=ngram", "proposer.k=4"])
     assert pipe.packed is packed_faster and pipe.target.lean.packed is packed_faster
     # the two ends: one row at one position, the full batch (1 row here) at k+1
@@ -40,7 +40,7 @@ def test_auto_packs_a_speculating_target_when_its_passes_run_faster(monkeypatch,
 
 @needs_onednn
 def test_auto_keeps_plain_decoding_of_one_row_dense_and_true_false_are_applied(monkeypatch):
-    monkeypatch.setattr(packing, "pass_seconds", lambda *a, **k: pytest.fail("timed"))
+    monkeypatch.setattr(HFBackend, "time_pass", lambda *a, **k: pytest.fail("timed"))
     assert Pipeline.from_config(DEMO + ["proposer=none", "draft=none"]).packed is False
     pipe = Pipeline.from_config(DEMO + ["proposer=none", "draft=none", "pack=true"])
     assert pipe.packed and pipe.target.lean.packed
@@ -60,13 +60,13 @@ def test_a_draft_model_packs_by_the_same_rule_at_its_fullest_step(monkeypatch, t
     slot; one row at one position (a chain at batch 1) is never timed and stays dense."""
     timed = []
 
-    def fake(backend, reps=5, positions=1, rows=1):
+    def fake(backend, rows=1, positions=1, reps=5, context=32):
         if backend.lean.model.config.hidden_size == 128:          # the demo draft
             timed.append((backend.lean.packed, positions, rows))
         fast = backend.lean.packed == packed_faster
         return (0.004 if fast else 0.006) * (1 + positions * rows / 10)
 
-    monkeypatch.setattr(packing, "pass_seconds", fake)
+    monkeypatch.setattr(HFBackend, "time_pass", fake)
     tree = ["proposer.topk=4", "proposer.num_draft_tokens=8"] if topk > 1 else []
     pipe = Pipeline.from_config([*DEMO[:-1], f"max_batch_size={rows}", "draft=demo",
                                  "proposer=draft", "proposer.k=4", *tree])
@@ -90,21 +90,21 @@ def test_synthetic_models_never_pack_and_nonsense_is_refused():
 def test_a_draft_keeps_both_layouts_when_packed_wins_only_on_its_wider_steps(monkeypatch):
     """One-row chain steps faster dense, four-row frontier steps faster packed: the draft keeps
     both (its weights once more), each pass taking the faster, and decodes the same tokens."""
-    def fake(backend, reps=5, positions=1, rows=1):
+    def fake(backend, rows=1, positions=1, reps=5, context=32):
         wide = positions * rows >= 4
         fast = backend.lean.packed == wide
         return (0.004 if fast else 0.006) * (1 + positions * rows / 10)
 
     tree = ["draft=demo", "proposer=draft", "proposer.k=4", "proposer.topk=4",
             "proposer.num_draft_tokens=8"]
-    monkeypatch.setattr(packing, "pass_seconds", fake)
+    monkeypatch.setattr(HFBackend, "time_pass", fake)
     pipe = Pipeline.from_config([*DEMO, *tree])
     lean = pipe.draft.lean
     assert pipe.draft_packed and lean.dual and lean.dual_from == 4
     assert lean.extra_bytes() >= sum(p.numel() * 4 for p in lean.model.parameters()) * 0.9
     calls = []
     real = lean._dual[1]
-    monkeypatch.setattr(packing, "pass_seconds", lambda *a, **k: 0.0)
+    monkeypatch.setattr(HFBackend, "time_pass", lambda *a, **k: 0.0)
     dense = Pipeline.from_config([*DEMO, *tree, "pack=false"])
     original = lean.mm
 

@@ -13,9 +13,9 @@ PROMPTS = ["def add(a, b):\n    return a + b\n", "import os", "class Stack:\n   
 def counting(backend, calls: list):
     forward = backend.forward
 
-    def counted(slots, input_ids, input_lens, logits=True):
+    def counted(slots, input_ids, input_lens, hidden_layers=(), logits=True, **kw):
         calls.append((len(slots), input_ids.shape[1], logits))
-        return forward(slots, input_ids, input_lens, logits=logits)
+        return forward(slots, input_ids, input_lens, hidden_layers, logits=logits, **kw)
     backend.forward = counted
 
 

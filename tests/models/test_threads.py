@@ -6,6 +6,7 @@ import torch
 
 from specflow import ConfigError, Pipeline
 from specflow.models import threads as threads_mod
+from specflow.models.hf import HFBackend
 
 
 @pytest.fixture
@@ -20,7 +21,8 @@ def test_auto_keeps_the_faster_setting(monkeypatch, restore_threads, contended):
     monkeypatch.setattr(threads_mod, "DEFAULT_THREADS", 2)     # what torch gives a 2-core process
     # a busy second core makes two threads slower than one (OpenMP barriers spin on it)
     cost = {2: 0.004, 1: 0.006} if not contended else {2: 0.016, 1: 0.006}
-    monkeypatch.setattr(threads_mod, "pass_seconds", lambda backend: cost[torch.get_num_threads()])
+    monkeypatch.setattr(HFBackend, "time_pass",
+                        lambda backend, *a, **k: cost[torch.get_num_threads()])
     pipe = Pipeline.from_config(["model=demo", "proposer=none", "draft=none"])
     assert pipe.threads == (1 if contended else 2) == torch.get_num_threads()
 

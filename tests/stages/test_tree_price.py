@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from specflow import PluginError, Proposal, hookimpl
+from specflow.policies.goodput import LineFit, ModeChooser
 from specflow.stages.proposers.draft import DraftModelProposer
 from specflow.state import PAD, RoundResult
 
@@ -150,19 +151,28 @@ def test_goodput_prices_nodes_by_the_throughput_they_displace(make_pipeline):
     pipe = make_pipeline(*DRAFT_TREE, "policy=goodput", "max_batch_size=16")
     pol = pipe.pm.get_plugin("policy.goodput")
     assert pol.tree and pol.branch_cost == 0.0      # a simulated draft: no timing
-    pol.costs = lambda: (1.0, 0.01, 0.1, 0.0)       # a scored position costs 1% of a pass
+    pol.target_fit = LineFit(0.05, 1.0, 0.01)       # a scored position costs 1% of a pass
     batch = DecodeBatch.make_dummy(4)
-    pol.rate = 10.0                                 # tokens per (simulated) second
+    pol.throughput.add(10.0, 1.0)                   # 10 tokens per (simulated) second
     pol.specflow_draft_length(batch)
     assert pol.specflow_node_price(batch, None).tolist() == pytest.approx([0.1] * 4)
-    pol.rate *= 5                                   # five times the throughput
+    pol.throughput.reset()
+    pol.throughput.add(50.0, 1.0)                   # five times the throughput
     pol.specflow_draft_length(batch)
     assert pol.specflow_node_price(batch, None).tolist() == pytest.approx([0.5] * 4)
-    pol.rate *= 10
+    pol.throughput.reset()
+    pol.throughput.add(500.0, 1.0)                  # ten times more
     pol.specflow_draft_length(batch)
     assert pol.specflow_node_price(batch, None).tolist() == [1.0] * 4     # at most certain
     chain = make_pipeline("proposer=draft", "policy=goodput").pm.get_plugin("policy.goodput")
     assert chain.specflow_node_price(batch, None) is None                  # chains: no price
+
+
+class TreesOnly(ModeChooser):
+    """Every drafting round a tree."""
+
+    def choose(self, plain_seconds):
+        return "tree"
 
 
 def test_goodput_prices_nodes_higher_under_load_and_stays_exact(make_pipeline):
@@ -174,7 +184,7 @@ def test_goodput_prices_nodes_higher_under_load_and_stays_exact(make_pipeline):
         pipe = make_pipeline(*DRAFT_TREE, "policy=goodput", f"max_batch_size={batch}",
                              "model.token_cost=0.05")
         pol = pipe.pm.get_plugin("policy.goodput")
-        pol._mode = lambda: "tree"          # every round a tree (a chain round's price is 1)
+        pol.modes = TreesOnly(0.05)         # every round a tree (a chain round's price is 1)
         got = pipe.generate(prompts, max_new_tokens=80)
         assert [r.token_ids for r in got] == want
         prices[batch] = pol.price
@@ -206,7 +216,7 @@ def test_goodput_runs_trees_or_chains_whichever_commits_more_per_second(make_pip
 
     pol = make_pipeline(*DRAFT_TREE, "policy=goodput").pm.get_plugin("policy.goodput")
     batch = DecodeBatch.make_dummy(1)
-    first, sure, explore = pol.MODE_FIRST, pol.MODE_SURE, pol.MODE_EXPLORE
+    first, sure, explore = ModeChooser.MODE_FIRST, ModeChooser.MODE_SURE, ModeChooser.MODE_EXPLORE
     settle = 2 * first + explore * (sure - first)
     modes, prices = [], []
     for _ in range(settle + 200):
@@ -221,21 +231,5 @@ def test_goodput_runs_trees_or_chains_whichever_commits_more_per_second(make_pip
     assert all(p == 1.0 for p, m in zip(prices, modes) if m == "chain")
     assert all(p < 1.0 for p, m in zip(prices, modes) if m == "tree")
     # the acceptance each mode learned is its own: a tree's levels, a chain's tokens
-    assert pol._counts["tree"][0][0, 1] > 0 and pol._counts["chain"][0][0, 1] == 0
-
-
-def test_goodput_compares_trees_and_chains_against_plain_decoding_at_their_batch(make_pipeline):
-    """A mode measured while the batch was larger commits more tokens per second for that
-    alone: each mode is scored against what plain decoding commits in its seconds at its batch."""
-    import numpy as np
-
-    pol = make_pipeline(*DRAFT_TREE, "policy=goodput").pm.get_plugin("policy.goodput")
-    pol.target_fit.coef = lambda: (0.010, 0.001)       # a pass: 10 ms + 1 ms per row
-    # trees at batch 1: 2 tokens in 10 ms (200 / s, 2.2x plain's 91 / s at batch 1);
-    # chains at batch 4: 4 tokens in 15 ms (267 / s, but 0.93x plain's 286 / s at batch 4)
-    pol._mode_done = {"tree": {1: np.array([2.0, 0.010])}, "chain": {4: np.array([4.0, 0.015])}}
-    pol._mode_count = {"tree": 20, "chain": 20}
-    assert pol._mode() == "tree"
-    pol._mode_done["tree"] = {4: np.array([2.0, 0.010])}   # the same, but at batch 4: 0.7x
-    pol._since_explore = 0
-    assert pol._mode() == "chain"
+    counts = pol.estimates.counts_by_mode
+    assert counts["tree"][0][0, 1] > 0 and counts["chain"][0][0, 1] == 0

@@ -9,15 +9,15 @@ verifier. The draft cache is rolled back to the committed length in specflow_syn
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 
 from specflow.errors import ConfigError
 from specflow.plugins import hookimpl
-from specflow.stages.proposers.draft_tree import Calibration, DraftTree, draft_trees, keep_path, learn
-from specflow.stages.tree import chain_only, tree_budget
+from specflow.stages.proposers.draft_tree import Calibration, DraftTree, draft_trees, keep_accepted_path, learn
+from specflow.stages.forward_inputs import catch_up, uncached_inputs
+from specflow.stages.tree import no_branch_pays, tree_budget
 from specflow.state import PAD, Proposal
 
 
@@ -34,56 +34,12 @@ class DraftProposerConfig:
         self.nodes = tree_budget(self.k, self.topk, self.num_draft_tokens)
 
 
-def pending_inputs(token_ids: list[list[int]], cached: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's committed tokens not yet in a cache, right-padded: ([B, T] long, lens [B] long)."""
-    # a cache is never ahead of the committed tokens; one that was never rolled back (the fault
-    # the tests inject) still has to be fed the last committed token
-    pending = [ids[min(n, len(ids) - 1):] for ids, n in zip(token_ids, cached)]
-    lens = torch.tensor([len(p) for p in pending], dtype=torch.long)       # [B]
-    out = torch.full((len(pending), int(lens.max())), PAD, dtype=torch.long)
-    for b, p in enumerate(pending):
-        out[b, :len(p)] = torch.tensor(p, dtype=torch.long)
-    return out, lens
-
-
-def catch_up(model, slots: list[int], token_ids: list[list[int]], lag: int) -> float:
-    """Rows whose cache in `model` lags their committed tokens by more than `lag` are cached up
-    to their last committed token by the model's batched prefill (one call for all of them).
-    -> the seconds it took (0.0 when no row lagged)."""
-    lagging = [(s, ids[n:-1]) for s, ids in zip(slots, token_ids)
-               if len(ids) - (n := model.cache_length(s)) > lag]
-    if not lagging:
-        return 0.0
-    start = time.perf_counter()
-    model.prefill_many([s for s, _ in lagging], [ids for _, ids in lagging])
-    return time.perf_counter() - start
-
-
-def spread(batch_size: int, rows: list[int], drafts: torch.Tensor, probs: torch.Tensor | None,
-           reasons: list[str | None], parents: torch.Tensor | None = None) -> Proposal:
-    """The drafts of the rows that drafted ([R, K], q [R, K, V] or None, a tree's parents
-    [R, K] or None) placed into a proposal for the whole batch (PAD and zero q elsewhere, with
-    each skipped row's reason)."""
-    if len(rows) == batch_size:
-        return Proposal(drafts, probs, parents=parents)
-    full = Proposal.empty(batch_size, drafts.shape[1], device=drafts.device)
-    full.skip_reasons = reasons
-    full.draft_token_ids[rows] = drafts
-    if parents is not None:
-        full.parents = torch.full_like(full.draft_token_ids, PAD)
-        full.parents[rows] = parents
-    if probs is not None:
-        full.draft_probs = probs.new_zeros(batch_size, *probs.shape[1:])
-        full.draft_probs[rows] = probs
-    return full
-
-
 def draft_steps(batch, ks: list[int], K: int, vocab_size: int, device, step):
     """K autoregressive draft steps, shared by the proposers that run a model: a row stops being
     computed once it has its own ks[b] drafts (the cost follows sum(k), not rows x max(k)).
 
-    step(i, sub, keep, previous) -> the live rows' logits [L, V] on the target's vocabulary, where
-    sub = the rows still drafting, keep = their indices among the previous step's live rows (to
+    step(i, sub, still_live, previous) -> the live rows' logits [L, V] on the target's vocabulary, where
+    sub = the rows still drafting, still_live = their indices among the previous step's live rows (to
     cut a proposer's own per-row state), previous [L] = the tokens they drafted at step i - 1
     (None at i = 0). Each step's logits go through the pipeline's shape() and the draft is
     sampled from that very q. -> (drafts [B, K] long, q [B, K, V] or None under greedy)."""
@@ -93,12 +49,12 @@ def draft_steps(batch, ks: list[int], K: int, vocab_size: int, device, step):
     live = list(range(B))                    # rows still drafting, as indices into batch
     sub = batch
     for i in range(K):
-        keep = [j for j, b in enumerate(live) if ks[b] > i]
-        if len(keep) < len(live):            # some rows are done: drop them from the step
-            live = [live[j] for j in keep]
+        still_live = [j for j, b in enumerate(live) if ks[b] > i]
+        if len(still_live) < len(live):            # some rows are done: drop them from the step
+            live = [live[j] for j in still_live]
             sub = batch.select(live)
         idx = torch.tensor(live, device=device)                                     # [L]
-        logits = step(i, sub, keep, drafts[idx, i - 1] if i else None)             # [L, V]
+        logits = step(i, sub, still_live, drafts[idx, i - 1] if i else None)             # [L, V]
         shaped = sub.shape(logits[:, None], drafts[idx, :i], first_draft_index=i,
                            source="draft")[:, 0]
         if batch.greedy:
@@ -139,6 +95,15 @@ class DraftModelProposer:
         self.calibration = Calibration(cfg.topk)    # draft q -> acceptance, learned online
 
     @hookimpl
+    def specflow_draft_step_seconds(self, rows, positions):
+        """A draft model's pass, timed now on its device (policy=goodput's prior); None for a
+        simulated one (the synthetic model: its clock prices passes) or one that cannot roll
+        back its cache."""
+        if getattr(self.model, "clock", None) is not None or not hasattr(self.model, "truncate"):
+            return None
+        return self.model.time_pass(rows=rows, positions=positions)
+
+    @hookimpl
     def specflow_request_start(self, slot, request):
         self.model.reset(slot)
 
@@ -166,40 +131,47 @@ class DraftModelProposer:
         # a row the policy kept at k = 0: those rounds' tokens) are prefilled first, so the
         # draft costs nothing while no row drafts and the first step feeds each row one or two
         # tokens instead of padding every row to the longest lag
-        caught_up = catch_up(self.model, sub.slots.tolist(), sub.token_ids, self.CATCH_UP)
+        caught_up, _ = catch_up(self.model, sub.slots.tolist(), sub.token_ids, self.CATCH_UP)
         sub_ks = [ks[b] for b in rows]
-        if self.cfg.topk > 1 and not chain_only(sub):
+        if self.cfg.topk > 1 and not no_branch_pays(sub):
             tokens, parents, trees = draft_trees(
                 self.model, sub, sub_ks, self.cfg, self._first_logits(sub),
                 lambda x: align_vocab(x, self.vocab_size), self.calibration, self.target_length)
             self.trees = dict(zip(sub.slots.tolist(), trees))
-            proposal = spread(batch.size, rows, tokens, None, full_context, parents)
+            proposal = Proposal.for_rows(batch.size, rows, tokens, None, full_context, parents)
         else:
             drafts, probs = self._draft(sub, sub_ks, K)
-            proposal = spread(batch.size, rows, drafts, probs, full_context)
+            proposal = Proposal.for_rows(batch.size, rows, drafts, probs, full_context)
         proposal.catch_up_seconds = caught_up
         return proposal
 
     CATCH_UP = 2        # tokens a row may lag and still be fed by the first draft step
 
+    @hookimpl
+    def specflow_catch_up_tokens(self, batch):
+        # per row, the tokens its draft cache lags beyond those the first step feeds for free:
+        # what catch_up prefills before the row drafts (a new prompt, rounds kept at k = 0)
+        return [max(0, len(ids) - self.model.cache_length(slot) - self.CATCH_UP)
+                for slot, ids in zip(batch.slots.tolist(), batch.token_ids)]
+
     def _first_logits(self, batch) -> torch.Tensor:
         """The draft's logits after each row's committed tokens, feeding the ones it has not
         cached (at most CATCH_UP after catch_up): [B, V] on the target's vocabulary."""
         cached = [self.model.cache_length(s) for s in batch.slots.tolist()]
-        inputs, lens = pending_inputs(batch.token_ids, cached)             # [B, T], [B]
+        inputs, lens, last = uncached_inputs(batch.token_ids, cached)     # [B, T], [B], [B]
         logits = self.model.forward(batch.slots, inputs, lens)             # [B, T, V_draft]
         rows = torch.arange(len(lens), device=logits.device)
-        return align_vocab(logits[rows, lens.to(logits.device) - 1], self.vocab_size)   # [B, V]
+        return align_vocab(logits[rows, last.to(logits.device)], self.vocab_size)   # [B, V]
 
     def _draft(self, batch, ks: list[int], K: int):
         """K autoregressive draft steps; a row stops being computed once it has its own k
         (the draft's cost follows sum(k), not rows x max(k)). -> ([B, K], [B, K, V] or None)."""
-        def step(i, sub, keep, previous):
+        def step(i, sub, still_live, previous):
             if i == 0:     # every row, fed its uncached committed tokens
                 return self._first_logits(sub)                             # [L, V]
             # each row's last draft
             logits = self.model.forward(sub.slots, previous[:, None],
-                                        torch.ones(len(keep), dtype=torch.long))  # [L, 1, V_d]
+                                        torch.ones(len(still_live), dtype=torch.long))  # [L, 1, V_d]
             return align_vocab(logits[:, 0], self.vocab_size)              # [L, V]
         return draft_steps(batch, ks, K, self.vocab_size, self.model.device, step)
 
@@ -210,7 +182,7 @@ class DraftModelProposer:
                 slots = batch.slots.tolist()
                 learn(self.calibration, self.trees, slots, result.accepted_nodes,
                       batch.greedy or batch.draws_by_position)
-                keep_path(self.model, slots, self.trees, result.accepted_nodes)
+                keep_accepted_path(self.model, slots, self.trees, result.accepted_nodes)
             self.trees = {}
         keep = [len(ids) - 1 for ids in batch.token_ids]
         self.model.truncate(batch.slots, keep)

@@ -302,7 +302,7 @@ def learn(calibration: Calibration, trees: dict[int, DraftTree], slots: list[int
             calibration.observe(trees[slot], path, greedy)
 
 
-def keep_path(model, slots: list[int], trees: dict[int, DraftTree],
+def keep_accepted_path(model, slots: list[int], trees: dict[int, DraftTree],
               accepted: list[list[int]]) -> None:
     """After verification: each tree row's draft cache keeps the accepted path's fed entries (in
     order, up to the first node that was never fed) and drops the rest."""

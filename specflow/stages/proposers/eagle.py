@@ -1,8 +1,9 @@
 """`proposer=eagle`: an EAGLE-3 head drafts from the target's own hidden states.
 
-The target's pass hands out the inputs of the head's layers (usually three; distinct, in layer
-order) at every position it scores (`HFBackend.capture_layers`, no extra forward); they wait here
-per slot until their position is committed. Each round the head first reads the pairs (target
+The head asks for the inputs of its layers (usually three; distinct, in layer order) through
+specflow_hidden_layers; every target pass the pipeline runs (prefill and scoring) then hands
+them out through specflow_target_states (no extra forward); they wait here per slot until their
+position is committed. Each round the head first reads the pairs (target
 state at t, committed token t + 1) it has not seen — the prompt after prefill, then the accepted
 drafts and the bonus token of the last round — into its own slot cache, then drafts k tokens
 feeding back its own state. Its draft steps are dropped from its cache after the round's
@@ -26,11 +27,12 @@ from dataclasses import dataclass
 import torch
 
 from specflow.errors import ConfigError
+from specflow.models.plan import make_plan
 from specflow.models.slot_cache import SlotKVCache
 from specflow.plugins import hookimpl
-from specflow.stages.proposers.draft import draft_steps, spread
+from specflow.stages.proposers.draft import draft_steps
 from specflow.stages.proposers.draft_tree import Calibration, DraftTree, draft_trees, learn
-from specflow.stages.tree import chain_only, tree_budget
+from specflow.stages.tree import no_branch_pays, tree_budget
 from specflow.state import Proposal
 
 
@@ -52,10 +54,10 @@ class EagleProposerConfig:
 class EagleProposer:
     def __init__(self, cfg: EagleProposerConfig, ctx):
         from specflow.models.eagle_head import demo_head_for, load_head, missing_head
-        from specflow.models.hf import HFBackend
 
         target = ctx.target
-        if not isinstance(target, HFBackend):
+        if not getattr(target, "supports_hidden_states", False) or \
+                getattr(target, "model", None) is None:
             raise ConfigError(f"proposer=eagle reads the hidden states of a transformers target; "
                               f"model={ctx.cfg.model.name} has none: use model=demo (or hf), or "
                               f"proposer=draft")
@@ -64,10 +66,8 @@ class EagleProposer:
             raise missing_head(target.path)
         self.cfg = cfg
         self.head = load_head(path, target, target.device, target.model.dtype)
-        target.capture_layers = tuple(self.head.shape.layer_ids)
-        target.hidden_sink = self._sink
-        target.hidden_keep = self._keep
-        self.cache = SlotKVCache(1, ctx.slots, target.cache.max_capacity)
+        self.layers = tuple(self.head.shape.layer_ids)    # read in layer order (load_head)
+        self.cache = SlotKVCache(1, ctx.slots, (target.max_length or 1 << 16) + 64)
         self.pending: dict[int, list] = {}    # slot -> [(first position, [n, nE]), ...]
         self.vocab_size = target.vocab_size
         self.draft_ids = self.head.draft_ids                      # [Vd] target id of each entry
@@ -75,7 +75,6 @@ class EagleProposer:
         self.target_length = target.max_length
         self.trees: dict[int, DraftTree] = {}       # by slot, this round's tree rows
         self.calibration = Calibration(cfg.topk)    # head q -> acceptance, learned online
-        ctx.draft_step_seconds = self.step_seconds                # for policy=goodput's prior
 
     @torch.inference_mode()
     def step_seconds(self, rows: int, reps: int = 5, context: int = 64, positions: int = 1) -> float:
@@ -109,14 +108,24 @@ class EagleProposer:
             self.cache.reset(s)
         return statistics.median(times[1:])
 
+    @hookimpl
+    def specflow_draft_step_seconds(self, rows, positions):
+        """A head's draft step, timed now (policy=goodput's prior)."""
+        return self.step_seconds(rows, positions=positions)
+
     # --- the target's hidden states, kept until their positions are read --------------------
 
-    def _sink(self, slots: list[int], starts: list[int], lens: list[int],
-              hidden: torch.Tensor) -> None:
-        """hidden [B, T, nE]: row b's states for positions starts[b] .. starts[b] + lens[b].
-        Kept as chunks (a row that does not draft for a while gathers one per round; they are
-        joined once, when the head reads them)."""
-        for b, (slot, p, n) in enumerate(zip(slots, starts, lens)):
+    @hookimpl
+    def specflow_hidden_layers(self):
+        return list(self.layers)
+
+    @hookimpl
+    def specflow_target_states(self, states):
+        """Row b's states for positions starts[b] .. starts[b] + lens[b] - 1, kept as chunks (a
+        row that does not draft for a while gathers one per round; they are joined once, when
+        the head reads them)."""
+        hidden = states.select(self.layers)                                           # [B, T, nE]
+        for b, (slot, p, n) in enumerate(zip(states.slots, states.starts, states.lens)):
             if n == 0:
                 continue
             chunks = self.pending.setdefault(slot, [])
@@ -159,20 +168,24 @@ class EagleProposer:
             return Proposal(Proposal.empty(batch.size).draft_token_ids, None, reasons)
         sub = batch.select(rows) if len(rows) < batch.size else batch
         sub_ks = [ks[b] for b in rows]
-        if self.cfg.topk > 1 and not chain_only(sub):
+        if self.cfg.topk > 1 and not no_branch_pays(sub):
             tokens, parents = self._tree(sub, sub_ks)
-            return spread(batch.size, rows, tokens, None, reasons, parents)
+            return Proposal.for_rows(batch.size, rows, tokens, None, reasons, parents)
         drafts, probs = self._draft(sub, sub_ks, K)
-        return spread(batch.size, rows, drafts, probs, reasons)
+        return Proposal.for_rows(batch.size, rows, drafts, probs, reasons)
 
     @hookimpl
     def specflow_sync_cache(self, batch, result):
+        if result.accepted_nodes is not None:
+            # a tree pass sent its states in node order: keep the accepted path's, in place
+            base = [len(ids) - len(new) for ids, new in zip(batch.token_ids, result.committed)]
+            self._keep_path(batch.slots.tolist(), base, result.accepted_nodes)
         if self.trees and result.accepted_nodes is not None:      # the verdicts teach it
             learn(self.calibration, self.trees, batch.slots.tolist(), result.accepted_nodes,
                   batch.greedy or batch.draws_by_position)
         self.trees = {}
 
-    def _keep(self, slots: list[int], base: list[int], picks: list[list[int]]) -> None:
+    def _keep_path(self, slots: list[int], base: list[int], picks: list[list[int]]) -> None:
         """After a target tree pass (root at base - 1, node i at base + i, states sent in that
         order): the pending states of positions base + pick[i] move to base + i and the rest of
         the pass's are dropped, as the target cache's keys and values are (keep_cached)."""
@@ -202,9 +215,10 @@ class EagleProposer:
         the pairs sit at its positions and see what it marks."""
         head = self.head
         B, T = tokens.shape
-        positions, kv_len = self.cache.begin(slots, lens, T, self.device)             # [B, T]
-        if tree is not None:
-            positions = tree.positions.to(self.device)
+        plan = make_plan(slots, [self.cache.lengths[s] for s in slots], tokens, lens,
+                         self.device, tree)
+        self.cache.begin(plan)
+        positions, kv_len = plan.positions, plan.kv_len                                # [B, T]
         x = head.layer_input(h)                                                       # [B, T, E]
         q, k, v = head.qkv(x, tokens, positions, kv_len)        # every position < kv_len
         k_all, v_all = self.cache.update(k, v, 0)                                     # [B, Hkv, L, D]
@@ -257,12 +271,12 @@ class EagleProposer:
         slots = batch.slots.tolist()
         g, read = self._read(batch)         # read: pairs resting on the target's states
 
-        def step(i, sub, keep, previous):
+        def step(i, sub, still_live, previous):
             nonlocal g
-            if len(keep) < g.shape[0]:
-                g = g[keep]
+            if len(still_live) < g.shape[0]:
+                g = g[still_live]
             if i > 0:   # the head's own state and the token it just drafted, one position on
-                g = self._forward(sub.slots.tolist(), g, previous[:, None], [1] * len(keep))
+                g = self._forward(sub.slots.tolist(), g, previous[:, None], [1] * len(still_live))
             return self._on_target_vocab(self.head.logits(g[:, 0]).float())            # [L, V]
         drafts, probs = draft_steps(batch, ks, K, self.vocab_size, self.device, step)
         self.cache.truncate(slots, read)      # draft steps rest on the head's states: drop them

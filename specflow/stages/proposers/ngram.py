@@ -11,7 +11,7 @@ import torch
 
 from specflow.errors import ConfigError
 from specflow.plugins import hookimpl
-from specflow.stages.tree import chain_only, node_budgets, tree_budget
+from specflow.stages.tree import no_branch_pays, node_budgets, tree_budget
 from specflow.state import PAD, Proposal
 
 
@@ -56,12 +56,12 @@ class NgramIndex:
     proposal costs at most that many lookups (no scan of the context).
     """
 
-    def __init__(self, min_n: int, max_n: int, keep: int = 1):
+    def __init__(self, min_n: int, max_n: int, ends_kept: int = 1):
         self.min_n, self.max_n = min_n, max_n
         self.tokens: list[int] = []
         self.last_end: dict[tuple[int, ...], int] = {}
-        # trees: the `keep` most recent end positions of every n-gram, oldest first
-        self.keep = keep
+        # trees: the `ends_kept` most recent end positions of every n-gram, oldest first
+        self.ends_kept = ends_kept
         self.ends: dict[tuple[int, ...], list[int]] = {}
 
     def extend(self, new: list[int]) -> None:
@@ -72,10 +72,10 @@ class NgramIndex:
                 for n in range(self.min_n, min(self.max_n, end + 1) + 1):
                     gram = tuple(toks[end - n + 1:end + 1])
                     self.last_end[gram] = end
-                    if self.keep > 1:
+                    if self.ends_kept > 1:
                         ends = self.ends.setdefault(gram, [])
                         ends.append(end)
-                        if len(ends) > self.keep:
+                        if len(ends) > self.ends_kept:
                             del ends[0]
             toks.append(t)
 
@@ -130,14 +130,14 @@ class NgramProposer:
     @hookimpl
     def specflow_request_start(self, slot, request):
         # a tree keeps a few occurrences of each n-gram: enough for topk branches per node
-        keep = 1 if self.cfg.topk == 1 else 4 * self.cfg.topk
-        self.index[slot] = NgramIndex(self.cfg.min_n, self.cfg.max_n, keep)
+        ends_kept = 1 if self.cfg.topk == 1 else 4 * self.cfg.topk
+        self.index[slot] = NgramIndex(self.cfg.min_n, self.cfg.max_n, ends_kept)
         self.index[slot].extend(request.prompt_ids)
 
     @hookimpl
     def specflow_propose(self, batch, k):
         ks = k.tolist()
-        if self.cfg.topk > 1 and not chain_only(batch):      # price 1: no branch can pay
+        if self.cfg.topk > 1 and not no_branch_pays(batch):      # price 1: no branch can pay
             return self._propose_tree(batch, ks)
         drafts = [self.index[s].propose(kb) for s, kb in zip(batch.slots.tolist(), ks)]
         K = max((len(d) for d in drafts), default=0)

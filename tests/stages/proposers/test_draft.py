@@ -104,3 +104,27 @@ def test_catch_up_pads_no_row_to_another_s_lag(make_pipeline):
     steps = [w for w in widths if w[0] == 2]
     assert steps == [(2, 1), (2, 1)]                    # k = 2 steps, one token per row each
     assert draft.cache_length(0) == len(ids0) + 1 and draft.cache_length(1) == len(ids1) + 1
+
+
+def test_the_draft_proposer_says_what_each_row_must_catch_up_on(make_pipeline):
+    """specflow_catch_up_tokens: per row, the tokens its draft cache lags beyond the CATCH_UP a
+    first step feeds, exactly what the proposer prefills before the row drafts (what a policy
+    prices; answered through the pipeline's hooks, for any proposer that has such a cost)."""
+    pipe = make_pipeline("proposer=draft", "proposer.k=2", "max_batch_size=2")
+    prop, draft = _proposer(pipe), pipe.draft
+    ids0 = pipe.tokenizer.encode("def fib(n): return n")
+    ids1 = pipe.tokenizer.encode("class A: pass  # a longer prompt than the other one")
+    batch = DecodeBatch(slots=torch.tensor([0, 1]), request_ids=[0, 1], token_ids=[ids0, ids1],
+                        prompt_lens=[len(ids0), len(ids1)], max_new_tokens=[8, 8],
+                        generators=[None, None], greedy=True, max_batch_size=2, shaper=pipe.shape)
+    free = DraftModelProposer.CATCH_UP
+    assert pipe.hook.specflow_catch_up_tokens(batch=batch) == [len(ids0) - free, len(ids1) - free]
+    draft.prefill(0, ids0[:-1])                         # row 0's draft holds all but the last
+    assert pipe.hook.specflow_catch_up_tokens(batch=batch) == [0, len(ids1) - free]
+    seen = CountingForwards(draft)
+    prop.specflow_propose(batch=batch, k=torch.tensor([2, 2]))
+    assert seen.prefilled == [[len(ids1) - 1]]          # the lagging row alone, caught up
+    batch.token_ids = [ids0 + [5], ids1 + [5]]           # committed, drafts rolled back
+    prop.specflow_sync_cache(batch=batch, result=None)
+    assert pipe.hook.specflow_catch_up_tokens(batch=batch) == [0, 0]
+    assert make_pipeline("proposer=ngram").hook.specflow_catch_up_tokens(batch=batch) is None

@@ -66,7 +66,7 @@ def test_after_each_round_the_head_holds_the_target_states_of_the_committed_toke
     pipe.register(Record())
     pipe.generate(PROMPTS, max_batch_size=4)
     assert len(seen) > 5
-    layers = list(target.capture_layers)
+    layers = list(prop.layers)
     for ids, first, states in seen:
         assert first + len(states) == len(ids) - 1          # every committed position but the last
         with torch.inference_mode():

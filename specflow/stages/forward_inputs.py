@@ -1,0 +1,55 @@
+"""What a model must be fed before it can score a row: the committed tokens its cache lacks.
+
+The target scorer and the draft model's proposer share these: a cache holds a prefix of a row's
+committed tokens, and a pass feeds the rest (normally only the last committed token) ahead of
+the round's own inputs (the drafts, for the target). The backend then turns the inputs into its
+ForwardPlan (models/plan.py).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from specflow.state import PAD
+
+
+def uncached_inputs(token_ids: list[list[int]], cached: list[int],
+                    drafts: torch.Tensor | None = None):
+    """A pass's inputs: each row's committed tokens not yet in a cache (at least its last one),
+    then its drafts (host [B, K], PAD after each row's own), right-padded.
+
+    -> (inputs [B, T] long, lens [B] long, last [B] long: the index of each row's last committed
+    token, whose output predicts the first draft; output last + j follows draft j)."""
+    # a cache is never ahead of the committed tokens; one that was never rolled back (the fault
+    # the tests inject) still has to be fed the last committed token
+    pending = [ids[min(n, len(ids) - 1):] for ids, n in zip(token_ids, cached)]
+    n_pending = torch.tensor([len(p) for p in pending], dtype=torch.long)            # [B]
+    K = 0 if drafts is None else drafts.shape[1]
+    k = torch.zeros_like(n_pending) if drafts is None else (drafts != PAD).sum(-1)   # [B]
+    if all(len(p) == 1 for p in pending):   # the steady state: only the last token each
+        first = torch.tensor([p[0] for p in pending], dtype=torch.long)[:, None]    # [B, 1]
+        inputs = first if drafts is None else torch.cat([first, drafts], 1)         # [B, 1+K]
+        return inputs, k + 1, torch.zeros_like(k)
+    inputs = torch.full((len(pending), int(n_pending.max()) + K), PAD, dtype=torch.long)
+    for b, p in enumerate(pending):
+        inputs[b, :len(p)] = torch.tensor(p, dtype=torch.long)
+    if K:      # drafts go right after each row's own pending tokens
+        inputs.scatter_(1, n_pending[:, None] + torch.arange(K)[None, :], drafts)    # [B, P+K]
+    return inputs, n_pending + k, n_pending - 1
+
+
+def catch_up(model, slots: list[int], token_ids: list[list[int]], lag: int,
+             hidden_layers: tuple[int, ...] = ()):
+    """Rows whose cache in `model` lags their committed tokens by more than `lag` are cached up
+    to their last committed token by the model's batched prefill (one call for all of them).
+    -> (the seconds it took, 0.0 when no row lagged; the prefill's HiddenStates list with
+    hidden_layers, else None)."""
+    lagging = [(s, ids[n:-1]) for s, ids in zip(slots, token_ids)
+               if len(ids) - (n := model.cache_length(s)) > lag]
+    if not lagging:
+        return 0.0, None
+    start = time.perf_counter()
+    states = model.prefill_many([s for s, _ in lagging], [ids for _, ids in lagging],
+                                *([hidden_layers] if hidden_layers else []))
+    return time.perf_counter() - start, states

@@ -1,0 +1,124 @@
+"""How a round's drafts are laid out: a chain per row, or a token tree per row.
+
+A chain is the one-path case of a tree (node i's parent is i - 1), and both answer the same
+questions for the round, so the round itself never asks which it has:
+  - what is wrong with the proposal, if anything (one line naming the proposer's fault);
+  - how the target's distributions are shaped (a chain: one shape() call over the K+1 positions;
+    a tree: each root-to-leaf path as a row, so a node is shaped on its own prefix);
+  - which scored positions the verifier's accepted path went through, and what the round
+    records about it (RoundResult's accepted_nodes, num_examined, tree_depths).
+
+`ChainLayout` is here; `TreeLayout` (stages/tree.py) answers the same questions for trees. A tree
+proposal whose every row is one path keeps its TreeLayout (so its proposer learns from the
+verdicts) but is scored and shaped as the chain it is.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specflow.state import PAD, Proposal, VerifyOutput
+
+
+@dataclass
+class ChainLayout:
+    """A chain per row: draft i follows draft i - 1; target position j comes after j drafts."""
+
+    num_nodes: list[int]          # [B] drafts per row
+
+    is_chain = True               # scored as a chain (backend.forward, not forward_tree)
+
+    @property
+    def row_depths(self) -> list[int]:
+        return self.num_nodes
+
+    def check(self, ks: list[int], room: list[int | None]) -> str | None:
+        """At most k drafts per row (the pipeline's caps keep a chain inside the context)."""
+        for n, kb in zip(self.num_nodes, ks):
+            if n > kb:
+                return (f"returned {n} drafts for a row given k={kb}; a proposer may return "
+                        f"fewer drafts than asked, never more")
+        return None
+
+    def shape(self, shape, logits: torch.Tensor, batch, drafts: torch.Tensor) -> torch.Tensor:
+        """The target's K+1 positions through the pipeline's shape(): [B, K+1, V]."""
+        return shape(logits, batch.token_ids, drafts, 0, batch.request_ids, "target",
+                     sampling=batch.sampling)
+
+    def accepted_paths(self, verified: VerifyOutput) -> list[list[int]] | None:
+        """The accepted node indices per row, for the round's record: None for a chain (its
+        accepted drafts are its first num_accepted)."""
+        return None
+
+    def shaped_on_path(self, accepted: list[list[int]] | None) -> list[list[int]] | None:
+        """Which shaped rows the empty-row check follows (None: position j = after j drafts)."""
+        return None
+
+    def round_fields(self, accepted: list[list[int]] | None) -> dict:
+        """RoundResult's tree fields: none for a chain."""
+        return {"accepted_nodes": None, "num_examined": None, "tree_depths": None}
+
+
+def check_proposal(proposal: Proposal, batch, ks: list[int], target):
+    """Read the drafts to the host (the round's first host sync) and check them.
+
+    -> (the proposal to score (a tree of single paths becomes its chain), its layout, the
+    number of drafts or nodes per row, and what is wrong with it or None). Checks: drafts packed
+    at the front of each row (PAD only after them), inside the vocabulary, at most k per row
+    (a tree: depth at most k, parents before children, nodes within the context left)."""
+    from specflow.stages.tree import check_parents
+
+    vocab_size, limit = target.vocab_size, target.max_length
+    ids = proposal.host_draft_token_ids()                                      # [B, K] host
+    valid = ids != PAD                                                         # [B, K]
+    counts = torch.stack([valid.sum(-1), valid.long().cumprod(-1).sum(-1),
+                          ((ids < PAD) | (ids >= vocab_size)).sum(-1)])        # [3, B]
+    num_drafts, at_front, out_of_vocab = counts.tolist()
+    what = "drafts" if proposal.parents is None else "nodes"
+    problem = None if proposal.parents is None else \
+        check_parents(proposal.parents.cpu(), num_drafts)
+    if problem is None and at_front != num_drafts:
+        problem = f"returned a row with padding (-1) between {what}; pad only after them"
+    if problem is None and any(out_of_vocab):
+        problem = f"returned token ids outside the vocabulary [0, {vocab_size})"
+    if problem is None and proposal.parents is not None and not target.supports_trees:
+        problem = (f"returned a tree, but the target backend {type(target).__name__} cannot "
+                   f"score trees; propose chains (parents=None)")
+    layout = None
+    if problem is None:
+        layout = layout_of(proposal)
+        room = [None if limit is None else limit - len(ids) for ids in batch.token_ids]
+        problem = layout.check(ks, room)
+    if problem is None and proposal.parents is not None and layout.is_chain:
+        proposal = proposal.as_chain()       # trees that are chains: scored as one (cheaper)
+        proposal.layout = layout
+    return proposal, layout, num_drafts, problem
+
+
+def layout_of(proposal: Proposal):
+    """The proposal's layout (a ChainLayout, or a TreeLayout for one with parents, checked
+    beforehand: the pipeline does), built on the host once and kept on the proposal."""
+    if proposal.layout is None:
+        ids = proposal.host_draft_token_ids()
+        num_nodes = (ids != PAD).sum(-1).tolist()
+        if proposal.parents is None:
+            proposal.layout = ChainLayout(num_nodes)
+        else:
+            from specflow.stages.tree import tree_layout
+
+            proposal.layout = tree_layout(proposal.parents.cpu(), num_nodes)
+    return proposal.layout
+
+
+def along_paths(shaped: torch.Tensor, accepted_nodes: list[list[int]] | None) -> torch.Tensor:
+    """A round's shaped distributions [B, P, V] read along each row's accepted path: position j
+    = after the path's first j drafts (a chain's positions as they are)."""
+    if accepted_nodes is None:
+        return shaped
+    from specflow.stages.tree import along_path
+
+    width = shaped.shape[1] - 1
+    nodes = torch.tensor([a + [PAD] * (width - len(a)) for a in accepted_nodes],
+                         dtype=torch.long).view(len(accepted_nodes), width)
+    return along_path(shaped, nodes)                                              # [B, N+1, V]

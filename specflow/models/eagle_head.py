@@ -161,22 +161,30 @@ def train_layer_ids(layers, dims) -> list[int]:
 DEMO_HEAD = pathlib.Path(__file__).resolve().parent / "demo" / "eagle"   # the demo target's head
 
 
+SMOLLM2_HEAD = pathlib.Path(__file__).resolve().parent / "smollm2" / "eagle"   # SmolLM2-135M's
+
+
 def demo_head_for(target) -> str | None:
     """The shipped head's folder when `target` (an HFBackend, or TargetDims at compose time) is
-    the embedded demo target."""
+    a target specflow ships a head for: the embedded demo target, or SmolLM2-135M-Instruct (its
+    GGUF, by file name: model=smollm2 or a path to the same file)."""
+    from specflow.models.gguf import SMOLLM2_FILE
     from specflow.models.hf import DEMO_DIR
 
     try:
         same = pathlib.Path(target.path).resolve() == (DEMO_DIR / "target").resolve()
     except (OSError, TypeError):
         return None
-    return str(DEMO_HEAD) if same and (DEMO_HEAD / "config.json").is_file() else None
+    head = DEMO_HEAD if same else SMOLLM2_HEAD if str(target.path).endswith(SMOLLM2_FILE) \
+        else None
+    return str(head) if head is not None and (head / "config.json").is_file() else None
 
 
 def missing_head(target_path: str) -> ConfigError:
     return ConfigError(f"proposer=eagle needs a head for {target_path!r}: set "
                        f"proposer.path=<folder with an EAGLE-3 head> (train one with "
-                       f"`specflow train-head`); only the demo target has one built in")
+                       f"`specflow train-head`); only the demo target and SmolLM2-135M "
+                       f"(model=smollm2) have one built in")
 
 
 def check_config(cfg) -> None:

@@ -42,8 +42,14 @@ class HFModelConfig:
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False
     forward: str = "auto"             # hf | lean | auto (lean where the architecture allows)
+    max_model_len: int | None = None  # the context served (default: the model's); the KV cache
+                                      # holds max_batch_size x this many positions
 
     def __post_init__(self) -> None:
+        if self.max_model_len is not None and (isinstance(self.max_model_len, bool)
+                                               or int(self.max_model_len) < 2):
+            raise ConfigError(f"max_model_len={self.max_model_len!r}; give the context to serve "
+                              f"in tokens (at least 2), or null for the model's own")
         if self.forward not in ("hf", "lean", "auto"):
             raise ConfigError(f"forward={self.forward!r}; use hf, lean or auto")
         if self.dtype not in (*DTYPES, "auto"):
@@ -72,8 +78,17 @@ class HFTokenizer:
 
 
 def resolve_path(path: str, role: str = "model") -> str:
-    """A local directory stays as is; anything else must be a hub id already in the local cache
-    (resolved offline to its snapshot folder: nothing is downloaded at run time)."""
+    """A local directory stays as is; a .gguf file (or `pkg:<module>/<file>`, a file inside an
+    installed package) becomes its converted folder; anything else must be a hub id already in
+    the local cache (resolved offline to its snapshot folder: nothing is downloaded at run time)."""
+    if path.startswith("pkg:"):           # a model file inside an installed package
+        from specflow.models.gguf import package_file
+
+        path = package_file(path, role)
+    if path.lower().endswith(".gguf"):     # converted once into an HF folder (models/gguf.py)
+        from specflow.models.gguf import gguf_folder
+
+        return gguf_folder(path, role)
     if os.path.isdir(os.path.expanduser(path)):
         return os.path.expanduser(path)
     if path.startswith(("/", ".", "~")) or path.count("/") > 1 or path in ("", "???"):
@@ -203,7 +218,7 @@ def load_model(cfg: HFModelConfig, device: torch.device, role: str = "model"):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()   # specflow shows its own progress
+    hf_logging.disable_progress_bar()   # specflow shows its own progress (GGUF conversion too)
 
     path = resolve_path(cfg.path, role)
     name = path if os.path.isdir(os.path.expanduser(cfg.path)) else cfg.path   # hub id as given
@@ -274,6 +289,8 @@ class HFBackend(Backend):
         self.eos_token_ids = eos_ids
         self.vocab_size = config.vocab_size
         self.max_length = getattr(config, "max_position_embeddings", None)
+        if cfg.max_model_len is not None:      # a shorter context: a smaller cache (never longer)
+            self.max_length = min(self.max_length or cfg.max_model_len, int(cfg.max_model_len))
         num_layers = config.num_hidden_layers
         # a little headroom past the context for the k+1 positions a last round may write
         self.cache = SlotKVCache(num_layers, slots, (self.max_length or 1 << 16) + 64)

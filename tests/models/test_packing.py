@@ -39,9 +39,21 @@ def test_auto_packs_a_speculating_target_when_its_passes_run_faster(monkeypatch,
 
 
 @needs_onednn
-def test_auto_keeps_plain_decoding_of_one_row_dense_and_true_false_are_applied(monkeypatch):
+@pytest.mark.parametrize("packed_faster", [True, False])
+def test_auto_times_plain_decoding_of_one_row_too_and_true_false_are_applied(monkeypatch,
+                                                                             packed_faster):
+    """A one-row, one-position pipeline times that pass both ways: packed wins it on a model
+    larger than the cache (SmolLM2 on an EPYC), loses it on one that fits (the demo target)."""
+    timed = []
+
+    def fake(backend, rows=1, positions=1, reps=5, context=32):
+        timed.append((backend.lean.packed, positions, rows))
+        return 0.004 if backend.lean.packed == packed_faster else 0.006
+
+    monkeypatch.setattr(HFBackend, "time_pass", fake)
+    plain = Pipeline.from_config(DEMO + ["proposer=none", "draft=none"])
+    assert plain.packed is packed_faster and set(timed) == {(False, 1, 1), (True, 1, 1)}
     monkeypatch.setattr(HFBackend, "time_pass", lambda *a, **k: pytest.fail("timed"))
-    assert Pipeline.from_config(DEMO + ["proposer=none", "draft=none"]).packed is False
     pipe = Pipeline.from_config(DEMO + ["proposer=none", "draft=none", "pack=true"])
     assert pipe.packed and pipe.target.lean.packed
     # a packed target decodes the same tokens as a dense one (greedy, the demo workload)
@@ -57,7 +69,7 @@ def test_auto_keeps_plain_decoding_of_one_row_dense_and_true_false_are_applied(m
 def test_a_draft_model_packs_by_the_same_rule_at_its_fullest_step(monkeypatch, topk, rows,
                                                                    packed_faster):
     """The draft's fullest step: a tree frontier (topk positions) or one position, in every
-    slot; one row at one position (a chain at batch 1) is never timed and stays dense."""
+    slot; one row at one position (a chain at batch 1) is timed too."""
     timed = []
 
     def fake(backend, rows=1, positions=1, reps=5, context=32):
@@ -70,12 +82,10 @@ def test_a_draft_model_packs_by_the_same_rule_at_its_fullest_step(monkeypatch, t
     tree = ["proposer.topk=4", "proposer.num_draft_tokens=8"] if topk > 1 else []
     pipe = Pipeline.from_config([*DEMO[:-1], f"max_batch_size={rows}", "draft=demo",
                                  "proposer=draft", "proposer.k=4", *tree])
-    fullest = topk * rows > 1
-    assert pipe.draft_packed is (fullest and packed_faster)
+    assert pipe.draft_packed is packed_faster
     assert pipe.draft.lean.packed is pipe.draft_packed and not pipe.draft.lean.dual
     points = {(1, 1), (1, rows), (topk, rows)} | ({(1, 2)} if rows >= 2 else set())
-    assert set(timed) == ({(packed, p, q) for packed in (False, True) for p, q in points}
-                          if fullest else set())
+    assert set(timed) == {(packed, p, q) for packed in (False, True) for p, q in points}
     off = Pipeline.from_config([*DEMO, "draft=demo", "proposer=draft", "pack=false"])
     assert off.draft_packed is False and not off.draft.lean.packed
 

@@ -28,6 +28,15 @@ ARMS = {
     "ngram tree": ["proposer=ngram", "proposer.k=3", "proposer.topk=2",
                    "proposer.num_draft_tokens=6"],
 }
+try:
+    from specflow.models.eagle_head import SMOLLM2_HEAD
+
+    if (SMOLLM2_HEAD / "config.json").is_file():      # the shipped head (make smollm2-head)
+        ARMS["eagle"] = ["proposer=eagle", "proposer.k=4"]
+        ARMS["eagle tree"] = ["proposer=eagle", "proposer.k=3", "proposer.topk=2",
+                              "proposer.num_draft_tokens=6"]
+except ImportError:
+    pass
 
 
 @pytest.fixture(scope="module")

@@ -308,6 +308,12 @@ class RoundResult:
     # ones plus an EOS or a stop string's tokens the trim held back (None: len(committed))
     drawn: list[int] | None = None
 
+    def path_starts(self, token_ids: list[list[int]]) -> list[int]:
+        """[B] after a tree round (token_ids already extended by the commits): where each row's
+        tree pass cached its first node, the root's position + 1, which is the committed length
+        before this round's tokens. What a stage keeping the accepted path's entries moves to."""
+        return [len(ids) - len(new) for ids, new in zip(token_ids, self.committed)]
+
     def draft_lengths(self) -> list[int]:
         """Per row, the most tokens the drafts could have added: k for a chain, the depth for
         a tree (what a policy's k caps)."""

@@ -34,6 +34,6 @@ class TargetCacheSync:
         if getattr(result, "accepted_nodes", None) is not None:
             # a tree pass cached the root (the last token before this round's commits) at
             # len - committed - 1 and node i right after it: keep the accepted path's nodes
-            base = [len(ids) - len(new) for ids, new in zip(batch.token_ids, result.committed)]
+            base = result.path_starts(batch.token_ids)
             self.target.keep_cached(batch.slots.tolist(), base, result.accepted_nodes)
         self.target.truncate(batch.slots, [len(ids) - 1 for ids in batch.token_ids])

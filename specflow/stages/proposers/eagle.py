@@ -178,7 +178,7 @@ class EagleProposer:
     def specflow_sync_cache(self, batch, result):
         if result.accepted_nodes is not None:
             # a tree pass sent its states in node order: keep the accepted path's, in place
-            base = [len(ids) - len(new) for ids, new in zip(batch.token_ids, result.committed)]
+            base = result.path_starts(batch.token_ids)
             self._keep_path(batch.slots.tolist(), base, result.accepted_nodes)
         if self.trees and result.accepted_nodes is not None:      # the verdicts teach it
             learn(self.calibration, self.trees, batch.slots.tolist(), result.accepted_nodes,

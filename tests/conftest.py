@@ -46,3 +46,35 @@ def make_pipeline():
                                     plugins=plugins)
 
     return build
+
+
+# seconds a timed pass reports under `linear_clock`: (fixed, per position fed), by role
+LINEAR_COSTS = {"model": (0.010, 0.0005), "draft": (0.001, 0.00005), "head": (0.0005, 0.00005)}
+
+
+@pytest.fixture
+def linear_clock(monkeypatch):
+    """Passes and head steps timed at build run for real (their caches are used and emptied)
+    but report seconds from fixed lines (LINEAR_COSTS): a test that compares two timings (a
+    wider step dearer than a narrower one, a head step cheaper than a target pass) cannot flip
+    on a loaded machine, where a wall clock can time the wider pass faster."""
+    from specflow.models.base import Backend
+    from specflow.stages.proposers.eagle import EagleProposer
+
+    real_pass, real_step = Backend.time_pass, EagleProposer.step_seconds
+
+    def seconds(role, rows, positions):
+        fixed, per = LINEAR_COSTS[role]
+        return fixed + per * rows * positions
+
+    def time_pass(self, rows=1, positions=1, reps=5, context=32):
+        assert real_pass(self, rows, positions, reps=1, context=context) > 0
+        return seconds(getattr(self, "role", "model"), rows, positions)
+
+    def step_seconds(self, rows, reps=5, context=64, positions=1):
+        assert real_step(self, rows, reps=1, context=context, positions=positions) > 0
+        return seconds("head", rows, positions)
+
+    monkeypatch.setattr(Backend, "time_pass", time_pass)
+    monkeypatch.setattr(EagleProposer, "step_seconds", step_seconds)
+    return LINEAR_COSTS

@@ -8,7 +8,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -147,14 +146,12 @@ def hf_cache(tmp_path, monkeypatch) -> pathlib.Path:
 def test_hub_id_not_in_the_cache_fails_at_once_without_the_network(hf_cache, no_network, role):
     overrides = (["model=hf", "model.path=nosuchorg/nosuchmodel", *NGRAM] if role == "model"
                  else ["draft=hf", "draft.path=nosuchorg/nosuchmodel"])
-    start = time.perf_counter()
     with pytest.raises(ConfigError) as info:
         Pipeline.from_config(overrides)
-    assert time.perf_counter() - start < 30        # the demo target loads first for the draft
     _one_line(info.value, f"{role}.path='nosuchorg/nosuchmodel' is not a local folder and not in "
                           f"the local Hugging Face cache ({hf_cache})",
               "nothing is downloaded at run time")
-    assert no_network == []
+    assert no_network == []        # not one lookup: nothing waits on a retry
 
 
 def test_hub_id_in_the_cache_loads_offline(hf_cache, no_network):

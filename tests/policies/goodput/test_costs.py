@@ -59,7 +59,8 @@ def test_a_policy_times_passes_only_once_the_pipeline_is_built():
     assert pol.costs() == pytest.approx((0.010, 0.0005, 0.001, 0.00005))
 
 
-def test_goodput_seeds_its_costs_from_timed_passes_so_steady_rounds_cannot_hide_the_slope():
+def test_goodput_seeds_its_costs_from_timed_passes_so_steady_rounds_cannot_hide_the_slope(
+        linear_clock):
     # steady full-batch rounds all score the same number of tokens: the fit alone cannot tell a
     # pass's fixed cost from its cost per position (tests/policies/goodput/test_fits.py). Two
     # timed passes of the real target once the pipeline is built give the slope.
@@ -67,10 +68,12 @@ def test_goodput_seeds_its_costs_from_timed_passes_so_steady_rounds_cannot_hide_
                                  "max_batch_size=16", "threads=2", "max_new_tokens=4"])
     pol = pipe.pm.get_plugin("policy.goodput")
     a_t, b_t = pol.target_prior
-    assert a_t > 0 and b_t > 0 and pol.draft_prior[0] > 0
-    assert pol.catch_up.per_token > 0                         # the draft model's step, timed
-    # k falls with the batch under the measured costs (a sure draft: timings taken beside
-    # another test worker can make a middling one never pay)
+    # the target's and the draft model's passes, each timed at two sizes (linear_clock: the
+    # passes run, their seconds come from fixed lines, so a loaded machine cannot flip them)
+    assert (a_t, b_t) == pytest.approx(linear_clock["model"])
+    assert pol.draft_prior == pytest.approx(linear_clock["draft"])
+    assert pol.catch_up.per_token == pytest.approx(linear_clock["draft"][1])
+    # k falls with the batch under the measured costs
     acc = torch.full((1, 8), 0.9)
     ks = [choose_k(acc.expand(b, 8), a_t, b_t, *pol.draft_prior)[0] for b in (1, 16, 64)]
     assert ks == sorted(ks, reverse=True) and ks[-1] < ks[0]
@@ -79,7 +82,7 @@ def test_goodput_seeds_its_costs_from_timed_passes_so_steady_rounds_cannot_hide_
     assert synth.pm.get_plugin("policy.goodput").target_prior == (1.0, 0.0)
 
 
-def test_goodput_times_a_draft_head_s_step_as_it_times_a_draft_model():
+def test_goodput_times_a_draft_head_s_step_as_it_times_a_draft_model(linear_clock):
     """proposer=eagle has no draft model: the head's own step is timed once the pipeline is
     built (one row and every slot), and the cache rows it used are empty afterwards."""
     from specflow.stages.proposers.eagle import EagleProposer
@@ -88,9 +91,8 @@ def test_goodput_times_a_draft_head_s_step_as_it_times_a_draft_model():
                                  "max_batch_size=8", "threads=2", "max_new_tokens=4"])
     pol = pipe.pm.get_plugin("policy.goodput")
     assert pol.measured.draft is not None     # the head answered: its step was timed
-    a_d, b_d = pol.draft_prior
-    a_t, b_t = pol.target_prior
-    assert 0 < a_d + b_d < a_t + b_t          # a head step is cheaper than a target pass
+    assert pol.draft_prior == pytest.approx(linear_clock["head"])     # in one row and 8
+    assert pol.target_prior == pytest.approx(linear_clock["model"])
     head = next(p for p in pipe.pm.get_plugins() if isinstance(p, EagleProposer))
     assert all(n == 0 for n in head.cache.lengths)
     assert pipe.ctx._draft is None                # no draft model was loaded

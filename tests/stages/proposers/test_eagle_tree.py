@@ -75,10 +75,11 @@ def test_after_each_round_the_head_holds_the_target_states_of_the_committed_toke
         torch.testing.assert_close(states, want, atol=1e-4, rtol=1e-4)
 
 
-def test_goodput_prices_eagle_trees_from_the_head_s_timed_steps():
+def test_goodput_prices_eagle_trees_from_the_head_s_timed_steps(linear_clock):
     pipe = Pipeline.from_config([*TREE, *COMMON, "policy=goodput", "max_batch_size=4"])
     pol = pipe.pm.get_plugin("policy.goodput")
-    assert pol.tree and pol.branch_cost > 0.0      # a wider head step, timed at build
+    # a wider head step, timed at build: what one more frontier node adds
+    assert pol.tree and pol.branch_cost == pytest.approx(linear_clock["head"][1])
     prop = head_of(pipe)
     assert all(n == 0 for n in prop.cache.lengths)
     out = pipe.generate(PROMPTS[:4], max_batch_size=4)

@@ -29,6 +29,16 @@ def _umask() -> int:
     return mask
 
 
+def permit_as_opened(folder: str | os.PathLike) -> None:
+    """Give a folder written under mkdtemp (0700) and its files (safetensors writes 0600) the
+    permissions mkdir and open() would have: a shared cache others may read, as the umask says."""
+    mask = _umask()
+    folder = pathlib.Path(folder)
+    for path in folder.rglob("*"):
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
+    os.chmod(folder, 0o777 & ~mask)
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> pathlib.Path:
     """Write `path` whole or not at all (a temporary file renamed over it), with the permissions
     an ordinary open() would give (mkstemp's own are 0600)."""

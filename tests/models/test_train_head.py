@@ -143,3 +143,43 @@ def test_a_head_that_cannot_run_fails_train_head_in_one_line(hf_models, tmp_path
     message = str(info.value)
     assert "does not run under proposer=eagle (RuntimeError: mat1 and mat2" in message
     assert "\n" not in message
+
+
+def test_chat_turns_add_answered_user_turns_spread_among_the_workload_s(deep_target, tmp_path,
+                                                                         monkeypatch):
+    """train_head.chat_turns: the sampled turns (fixed here: the tiny random model rarely ends a
+    turn) become chat prompts the target answers, recorded beside the workload's sequences."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from specflow.training import user_turns
+
+    chatty = tmp_path / "chatty"
+    shutil.copytree(deep_target, chatty)
+    tok = AutoTokenizer.from_pretrained(chatty)
+    tok.chat_template = ("{% for m in messages %}<|endoftext|>{{ m['role'] }}: {{ m['content'] }}"
+                         "\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+    tok.save_pretrained(chatty)
+    asked = []
+
+    def turns(pipe, count, seed, advance):
+        asked.append((count, seed, set(pipe.cfg.logits.keys())))
+        return [f"question {i}?" for i in range(count)]
+    monkeypatch.setattr(user_turns, "sample_user_turns", turns)
+    out = tmp_path / "head"
+    cfg = compose(TRAIN + [f"model.path={chatty}", f"train_head.output={out}",
+                           "train_head.chat_turns=3"], "train_head")
+    train_head.run(cfg, read_prompts(cfg), quiet)
+    assert asked == [(3, 0, {"temperature", "top_p"})]        # a sampling pipeline of its own
+    seqs = torch.load(out / "train_data.pt", weights_only=False)
+    prompts = {tok.apply_chat_template([{"role": "user", "content": f"question {i}?"}],
+                                       tokenize=False, add_generation_prompt=True)
+               for i in range(3)}
+    heads = [tok.decode(t[:n]) for t, n in zip(seqs.tokens, seqs.prompt_lens)]
+    chat = [i for i, h in enumerate(heads) if h in prompts]
+    assert len(chat) == 3 and {heads[i] for i in chat} == prompts
+    assert 0 < chat[0] and chat[-1] < len(seqs) - 1                  # spread, not appended
+    assert all(len(seqs.tokens[i]) > seqs.prompt_lens[i] for i in chat)   # and answered
+    recipe = json.loads((out / "config.json").read_text())["specflow"]["recipe"]
+    assert recipe["chat_turns"] == 3

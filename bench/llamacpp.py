@@ -1,0 +1,67 @@
+"""llama.cpp as a peer arm: plain decoding (`llama-completion`) and its n-gram lookup
+(`llama-lookup`) on the same weights as an f32 GGUF, greedy, one prompt per process.
+
+`make llama-cpp` builds the binaries and converts SmolLM2's dequantized folder to
+build/llama.cpp/smollm2-f32.gguf (about 5 minutes of both cores). Tokens per second count the
+prompt's evaluation and the decoding, as specflow's arms do (the model's load is left out: it is
+once per process here, once per pipeline there).
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+
+PLAIN = re.compile(r"prompt eval time =\s*([\d.]+) ms.*?\n.*?eval time =\s*([\d.]+) ms /\s*(\d+) runs",
+                   re.S)
+LOOKUP = re.compile(r"encoded\s+\d+ tokens in\s+([\d.]+) seconds.*?decoded\s+(\d+) tokens in\s+"
+                    r"([\d.]+) seconds", re.S)
+
+
+class LlamaCpp:
+    """The binaries in `bin_dir` running `gguf` with `threads` threads."""
+
+    def __init__(self, bin_dir: str, gguf: str, threads: int = 1, context: int = 2048):
+        self.bin = pathlib.Path(bin_dir)
+        self.gguf = str(gguf)
+        self.threads = threads
+        self.context = context
+        for name in ("llama-completion", "llama-lookup"):
+            if not (self.bin / name).is_file():
+                raise SystemExit(f"--llama-cpp {bin_dir}: no {name} there; run make llama-cpp")
+        if not pathlib.Path(gguf).is_file():
+            raise SystemExit(f"--llama-gguf {gguf} is not a file; run make llama-cpp")
+
+    def _run(self, tool: str, prompt: str, new_tokens: int, extra: list[str]) -> tuple[str, str]:
+        # -p, not -f: a prompt file loses its last newline (a chat prompt's, after
+        # "assistant"); --no-escape keeps a code prompt's backslashes as they are
+        # passive waits: spinning OpenMP threads starve anything else on a 2-core machine
+        env = {**os.environ, "OMP_WAIT_POLICY": "passive"}
+        proc = subprocess.run(
+            [str(self.bin / tool), "-m", self.gguf, "-p", prompt, "--no-escape",
+             "-n", str(new_tokens), "--temp", "0", "-t", str(self.threads),
+             "-c", str(self.context), "--ignore-eos", *extra],
+            capture_output=True, text=True, env=env, timeout=600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{tool} exited {proc.returncode}: {proc.stderr[-400:]}")
+        return proc.stdout, proc.stderr
+
+    def plain(self, prompt: str, new_tokens: int) -> tuple[str, int, float]:
+        """(generated text, tokens, seconds of prompt evaluation + decoding)."""
+        out, err = self._run("llama-completion", prompt, new_tokens,
+                             ["-no-cnv", "--no-display-prompt"])
+        m = PLAIN.search(err)
+        if m is None:
+            raise RuntimeError(f"llama-completion printed no timings: {err[-400:]}")
+        return out, int(m.group(3)) + 1, (float(m.group(1)) + float(m.group(2))) / 1e3
+
+    def lookup(self, prompt: str, new_tokens: int, draft_max: int) -> tuple[str, int, float]:
+        """llama-lookup (prompt n-grams, at most draft_max drafted): (text with the prompt,
+        tokens decoded, seconds encoding + decoding)."""
+        out, err = self._run("llama-lookup", prompt, new_tokens,
+                             ["--spec-draft-n-max", str(draft_max)])
+        m = LOOKUP.search(err)
+        if m is None:
+            raise RuntimeError(f"llama-lookup printed no timings: {err[-400:]}")
+        return out, int(m.group(2)), float(m.group(1)) + float(m.group(3))

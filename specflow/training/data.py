@@ -54,15 +54,20 @@ def cut_prompts(prompts: list[str], tokenizer, prompt_tokens: int, count: int) -
     return list(out)
 
 
-def continuations(pipe, prompts: list[str], new_tokens: int, advance) -> list[list[int]]:
-    """Prompt + the target's continuation of each prompt, as token ids."""
-    out: list[list[int] | None] = [None] * len(prompts)
+def continuations(pipe, prompts: list[str], new_tokens: int,
+                  advance) -> tuple[list[list[int]], list[int]]:
+    """(prompt + the target's continuation of each prompt as token ids, the prompt's length in
+    each), in prompt order, leaving out sequences of 3 tokens or fewer (nothing to learn): the
+    lengths stay paired with their sequences whichever are left out."""
+    out: list[tuple[list[int], int] | None] = [None] * len(prompts)
 
     def done(result):
-        out[result.index] = list(pipe.tokenizer.encode(result.prompt)) + result.token_ids
+        prompt = list(pipe.tokenizer.encode(result.prompt))
+        out[result.index] = (prompt + result.token_ids, len(prompt))
         advance()
     pipe.generate(prompts, max_new_tokens=new_tokens, on_result=done)
-    return [ids for ids in out if ids is not None and len(ids) > 3]
+    kept = [pair for pair in out if pair is not None and len(pair[0]) > 3]
+    return [ids for ids, _ in kept], [n for _, n in kept]
 
 
 @torch.inference_mode()

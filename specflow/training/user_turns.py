@@ -6,7 +6,8 @@ tokens in its own tuning data (Magpie: Xu et al. 2024, "Magpie: Alignment Data S
 Scratch by Prompting Aligned LLMs with Nothing", arXiv:2406.08464). train-head uses it so a head
 for a chat model sees chat-shaped text, offline: `train_head.chat_turns=N` samples N user turns
 (temperature 1, top-p 0.95, fixed seeds), and each becomes a prompt through the chat template,
-which the target then continues like any other (data.continuations).
+which the target then continues like any other (data.continuations; the wrapping is the chat
+workloads' own, workloads.apply_chat_template).
 """
 from __future__ import annotations
 
@@ -28,13 +29,6 @@ def pre_query_template(tokenizer) -> str:
     text = tok.apply_chat_template([{"role": "user", "content": MARK}], tokenize=False,
                                    add_generation_prompt=False)
     return text[:text.index(MARK)]
-
-
-def chat_prompt(tokenizer, question: str) -> str:
-    """One user turn through the chat template, ready for the assistant's answer."""
-    tok = getattr(tokenizer, "tok", tokenizer)
-    return tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                   add_generation_prompt=True)
 
 
 def sampling_config(run_cfg):

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from specflow import ConfigError
+from specflow.experiments.workloads import apply_chat_template
 from specflow.training import user_turns
 
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -45,7 +46,8 @@ class FakePipe:
 
 def test_the_pre_query_template_is_the_chat_template_up_to_a_user_turn_s_content():
     assert user_turns.pre_query_template(Tok()) == "<|im_start|>user\n"
-    prompt = user_turns.chat_prompt(Tok(), "What is 2 + 2?")
+    # each sampled turn is then wrapped as the chat workloads wrap a prompt
+    prompt, = apply_chat_template(["What is 2 + 2?"], Tok(), "on")
     assert prompt == "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n"
 
 

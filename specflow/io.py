@@ -211,3 +211,18 @@ def read_json(path: str | os.PathLike, name: str, fix: str, error: type = None) 
     except json.JSONDecodeError as exc:
         raise error(f"{name} is not valid JSON ({exc.msg}: line {exc.lineno} column "
                     f"{exc.colno}); {fix}") from None
+
+
+def write_or_explain(path: pathlib.Path, writer, content, rerun: str, kept: int | None = None) -> None:
+    """writer(path, content), or one line when the disk refuses it: what was kept, and how to
+    finish (`rerun`)."""
+    from specflow.errors import InputError
+
+    try:
+        writer(path, content)
+    except OSError as exc:              # a full disk: the finished requests stay where they are
+        kept_text = (f"all {kept} requests are kept" if kept is not None
+                     else "the requests finished so far are kept")
+        raise InputError(f"cannot write {path} ({exc.strerror or exc}); {kept_text} in "
+                         f"{path.parent}/requests.jsonl: free some space, then {rerun} to "
+                         f"finish") from None

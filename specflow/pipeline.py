@@ -99,6 +99,10 @@ class Pipeline:
 
     def _construct(self, cfg: DictConfig, plugins: Iterable[object]) -> None:
         self.cfg = validate(cfg)
+        if self.cfg.get("engine", "specflow") != "specflow":
+            raise ConfigError(f"engine={self.cfg.engine}: a Pipeline is specflow's own engine; "
+                              f"run the config with `specflow run` or `specflow ab` (they hand "
+                              f"engine=vllm arms to vLLM), or drop engine=")
         self.registry = get_registry()
         self.pm = new_plugin_manager()
         self.hook = self.pm.hook

@@ -34,6 +34,9 @@ def config_fingerprint(cfg) -> str:
     plain = OmegaConf.to_container(cfg, resolve=True)
     for key in ("show_progress", "hydra"):
         plain.pop(key, None)
+    if plain.get("engine", "specflow") == "specflow":   # as before engine=vllm existed
+        plain.pop("engine", None)
+        plain.pop("vllm", None)
     return hashlib.sha1(json.dumps(plain, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig
 
-from specflow.errors import InputError
+from specflow.io import write_or_explain
 
 
 @dataclass
@@ -64,18 +64,25 @@ def run_into(cfg: DictConfig, folder: str | os.PathLike, *, owner: str, setting:
         finished = (out / "metrics.json").exists()
         if finished and not replace_finished:
             return FolderRun(out, skipped=True, config=config)
+        if cfg.get("engine", "specflow") == "vllm":     # an installed vLLM decodes the config
+            from specflow.vllm.engine import run_on_vllm
+
+            if finished:
+                _clear(out)
+            rows, stats, resumed, config = run_on_vllm(
+                cfg, out, prompts=len(read_prompts(cfg)), rerun=rerun, on_start=on_start,
+                write_config=write_config, metrics_extra=metrics_extra)
+            return FolderRun(out, rows, stats, resumed, True, False, config)
         pipe = Pipeline(cfg)
         prompts = apply_chat_template(read_prompts(cfg), pipe.tokenizer, chat_mode(cfg))
         if finished:                        # a finished run here: this one replaces it
-            for name in ("requests.jsonl", "metrics.json"):
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(out / name)
+            _clear(out)
         if write_config:
-            _write(out / "arm_config.yaml", atomic_write_text, OmegaConf.to_yaml(pipe.cfg), rerun)
+            write_or_explain(out / "arm_config.yaml", atomic_write_text, OmegaConf.to_yaml(pipe.cfg), rerun)
         if on_start is not None:
             on_start(len(prompts))
         rows, stats, resumed = run_resumable(pipe, prompts, out, progress=progress, rerun=rerun)
-        _write(out / "metrics.json", atomic_write_json, {
+        write_or_explain(out / "metrics.json", atomic_write_json, {
             **(metrics_extra or {}), "config": config, "greedy": pipe.greedy, "threads": pipe.threads,
             "packed": pipe.packed, "draft_packed": pipe.draft_packed, "kernels": pipe.kernels,
             "backends": pipe.backends,
@@ -84,12 +91,7 @@ def run_into(cfg: DictConfig, folder: str | os.PathLike, *, owner: str, setting:
     return FolderRun(out, rows, stats, resumed, pipe.greedy, False, config)
 
 
-def _write(path: pathlib.Path, writer, content, rerun: str, kept: int | None = None) -> None:
-    try:
-        writer(path, content)
-    except OSError as exc:              # a full disk: the finished requests stay where they are
-        kept_text = (f"all {kept} requests are kept" if kept is not None
-                     else "the requests finished so far are kept")
-        raise InputError(f"cannot write {path} ({exc.strerror or exc}); {kept_text} in "
-                         f"{path.parent}/requests.jsonl: free some space, then {rerun} to "
-                         f"finish") from None
+def _clear(out: pathlib.Path) -> None:
+    for name in ("requests.jsonl", "metrics.json"):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(out / name)

@@ -382,7 +382,9 @@ def _read_config(folder: pathlib.Path, what: str) -> dict:
     parsed = read_json(config, f"{what}: config.json", "copy the head again", ConfigError)
     if not isinstance(parsed, dict):
         raise ConfigError(f"{what}: config.json is not a JSON object; copy the head again")
-    return parsed
+    from specflow.models.speculators_format import flatten, is_speculators
+
+    return flatten(parsed) if is_speculators(parsed) else parsed   # vLLM's speculators format
 
 
 def head_shape(config: dict, target, what: str) -> HeadShape:

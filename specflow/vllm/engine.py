@@ -11,10 +11,10 @@ template, max_new_tokens and max_batch_size, and the proposer maps to vLLM's own
 with k = proposer.k as num_speculative_tokens. `vllm.drafter=specflow` runs specflow's own
 proposer and policy inside vLLM instead (specflow.vllm.SpecflowProposer). Records have the
 shape specflow writes (requests.jsonl, metrics.json), so `specflow report` puts both engines side
-by side. vLLM counts drafts and accepted tokens per position for the whole engine: at
-max_batch_size=1 each request is its own generate() call and gets its own counts and seconds; at
-larger batches the prompts go in one call, each request's seconds are the call's shared by its
-tokens, and the counts are the aggregate's only.
+by side. The prompts go to vLLM in one call, max_batch_size at a time; each request's counts
+are vLLM's own per-request speculative metrics (every verify step's drafted and accepted
+tokens), its seconds its life in the engine (first scheduled to last token), as specflow counts
+a request's rounds; the aggregate's seconds are the call's wall time.
 """
 from __future__ import annotations
 
@@ -30,10 +30,6 @@ from specflow.errors import ConfigError
 
 ENGINES = ("specflow", "vllm")
 DRAFTERS = ("own", "specflow")
-SPEC_COUNTERS = {"vllm:spec_decode_num_drafts": "num_drafts",
-                 "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
-                 "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens"}
-PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
 def check_engine(cfg: DictConfig) -> None:
@@ -139,41 +135,34 @@ def engine_arguments(cfg: DictConfig) -> dict[str, Any]:
         "enforce_eager": bool(cfg.vllm.enforce_eager), "disable_log_stats": False,
         "speculative_config": spec,
     }
+    if spec is not None:        # each request's verify steps, for its own counts
+        args["per_request_spec_decode_metrics"] = "detailed"
     if cfg.model.get("max_model_len"):
         args["max_model_len"] = int(cfg.model.max_model_len)
     return args
 
 
-def spec_counts(llm) -> dict[str, Any]:
-    """vLLM's speculative-decoding counters now (zeros for a plain engine)."""
-    out: dict[str, Any] = {v: 0 for v in SPEC_COUNTERS.values()}
-    out["accepted_per_position"] = []
-    for metric in llm.get_metrics():
-        if metric.name in SPEC_COUNTERS:
-            out[SPEC_COUNTERS[metric.name]] = int(metric.value)
-        elif metric.name == PER_POSITION:
-            out["accepted_per_position"] = [int(v) for v in metric.values]
-    return out
+def _brief(args: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in args.items()
+                     if k in ("dtype", "max_num_seqs", "max_model_len", "speculative_config"))
 
 
-def counters_between(before: dict, after: dict, committed: int, seconds: float):
-    """A Counters for what vLLM did between two readings of its counters: passes are the tokens
-    not accepted from drafts (each pass gives one token of its own); per position, position i is
-    examined by every draft that got that far (exact when each draft has k tokens)."""
+def request_counters(spec, committed: int, seconds: float, no_draft: str):
+    """A request's Counters from vLLM's per-request speculative metrics (`spec`: its
+    spec_decode_metrics at level "detailed", None for plain decoding): each verify step drafted
+    d tokens and accepted a of them; every other pass (the prefill's first token, steps without
+    drafts) gave one token of its own. no_draft: why a pass ran without drafts."""
     from specflow.metrics import Counters
 
     c = Counters()
-    for key in SPEC_COUNTERS.values():
-        setattr(c, key, after[key] - before[key])
-    per_pos = [a - (before["accepted_per_position"][i] if i < len(before["accepted_per_position"])
-                    else 0) for i, a in enumerate(after["accepted_per_position"])]
-    c.accepted_per_position = per_pos
-    c.examined_per_position = [c.num_drafts] + per_pos[:-1] if per_pos else []
-    c.num_examined_draft_tokens = sum(c.examined_per_position)
-    c.num_committed_tokens = c.num_drawn_tokens = committed
-    c.num_target_passes = c.num_rounds = max(committed - c.num_accepted_tokens, 0)
-    if c.num_rounds > c.num_drafts:
-        c.rounds_without_drafts["no proposal"] = c.num_rounds - c.num_drafts
+    steps = list(zip(spec.per_step_accepted, spec.per_step_drafted)) if spec is not None else []
+    left = committed
+    for accepted, drafted in steps:
+        got = min(accepted + 1, left)
+        c.add_row(int(drafted), min(int(accepted), got), got)
+        left -= got
+    for _ in range(max(left, 0)):
+        c.add_row(0, 0, 1, no_draft)
     c.seconds = {"engine": seconds}
     return c
 
@@ -195,11 +184,23 @@ class VllmRunner:
 
         from specflow.models.hf import HFTokenizer
 
+        import uuid
+
+        self.session = uuid.uuid4().hex[:12]
         tok = AutoTokenizer.from_pretrained(self.args["model"], local_files_only=True)
         eos = tok.eos_token_id
         self.tokenizer = HFTokenizer(tok, frozenset([] if eos is None else [eos]))
-        self.llm = LLM(**self.args)
-        self.batch_counts = None      # a batched call's counts (rows have only their tokens)
+        try:
+            self.llm = LLM(**self.args)
+        except Exception as exc:      # vLLM's own checks (pydantic, ValueError, ...): one line
+            import traceback
+
+            traceback.print_exc()                          # the whole story, into vllm.log
+            said = " ".join(str(exc).split())[:300] or type(exc).__name__
+            raise ConfigError(f"vLLM refused this arm ({type(exc).__name__}: {said}); change "
+                              f"the setting it names (the arm's engine arguments: "
+                              f"{_brief(self.args)}); vllm.log in the run folder has vLLM's "
+                              f"whole message") from None
 
     def describe(self) -> dict:
         import vllm
@@ -209,12 +210,14 @@ class VllmRunner:
                 "overrides": os.environ.get("SPECFLOW_VLLM_OVERRIDES")
                 if self.cfg.vllm.drafter == "specflow" else None}
 
-    def generate(self, todo: list[tuple[int, str]], on_result: Callable[[dict], None]) -> None:
-        """Decode (index, prompt) pairs; on_result gets each request's record."""
+    def generate(self, todo: list[tuple[int, str]], on_result: Callable[[dict], None]) -> float:
+        """Decode (index, prompt) pairs in one call (max_batch_size at a time, as vLLM
+        schedules them); on_result gets each request's record. -> the call's wall seconds.
+
+        A request's seconds are its life in the engine, from first scheduled to last token (as
+        specflow counts a request's rounds); its counts are vLLM's own for it, step by step."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-
-        from specflow.metrics import Counters
 
         cfg = self.cfg
         params = SamplingParams(temperature=0.0, max_tokens=int(cfg.max_new_tokens),
@@ -222,31 +225,24 @@ class VllmRunner:
                                 stop_token_ids=list(cfg.stop.get("token_ids") or []) or None,
                                 ignore_eos=not bool(cfg.stop.get("eos", True)),
                                 include_stop_str_in_output=bool(cfg.stop.get("include_stop_str")))
-        groups = [[item] for item in todo] if int(cfg.max_batch_size) == 1 else [todo]
-        for group in groups:
-            prompts = [TokensPrompt(prompt_token_ids=self.tokenizer.encode(p)) for _, p in group]
-            before = spec_counts(self.llm)
-            start = time.perf_counter()
-            outs = self.llm.generate(prompts, params, use_tqdm=False)
-            seconds = time.perf_counter() - start
-            after = spec_counts(self.llm)
-            tokens = [self._returned(o.outputs[0]) for o in outs]
-            total = sum(len(t) for t, _ in tokens)
-            for (index, prompt), (ids, reason), out in zip(group, tokens, outs):
-                if len(group) == 1:
-                    counts = counters_between(before, after, len(ids), seconds)
-                else:       # the call's seconds shared by tokens; its counts in batch_counts
-                    counts = Counters()
-                    counts.num_committed_tokens = counts.num_drawn_tokens = len(ids)
-                    counts.seconds = {"engine": seconds * len(ids) / max(total, 1)}
-                on_result({"index": index, "prompt": prompt, "text": out.outputs[0].text,
-                           "token_ids": ids, "finish_reason": reason,
-                           "stats": counts.as_dict()})
-            if len(group) > 1:
-                batch = counters_between(before, after, total, 0.0)
-                batch.num_committed_tokens = batch.num_drawn_tokens = 0   # the rows count them
-                batch.seconds = {}
-                self.batch_counts = batch
+        if not todo:
+            return 0.0
+        prompts = [TokensPrompt(prompt_token_ids=self.tokenizer.encode(p)) for _, p in todo]
+        no_draft = "policy" if self.args["speculative_config"] else f"proposer={cfg.proposer.name}"
+        start = time.perf_counter()
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - start
+        for (index, prompt), out in zip(todo, outs):
+            completion = out.outputs[0]
+            ids, reason = self._returned(completion)
+            m = out.metrics
+            seconds = m.last_token_ts - m.scheduled_ts if m is not None and m.last_token_ts \
+                else wall / len(todo)
+            counts = request_counters(completion.spec_decode_metrics, len(ids), seconds, no_draft)
+            on_result({"index": index, "prompt": prompt, "text": completion.text,
+                       "token_ids": ids, "finish_reason": reason, "stats": counts.as_dict(),
+                       "session": self.session, "session_seconds": {"engine": wall}})
+        return wall
 
     def _returned(self, completion) -> tuple[list[int], str]:
         """specflow's shape of a completion: no EOS token at the end; eos / stop / length."""
@@ -267,18 +263,18 @@ def check_arm(cfg: DictConfig) -> dict[str, Any]:
 
     check_engine(cfg)
     args = engine_arguments(cfg)
-    try:
-        found = importlib.util.find_spec("vllm") is not None
-    except (ImportError, ValueError):
-        found = False
-    if not found:
-        import_vllm()                                      # raises the one line
     spec, overrides = speculative_config(cfg)
     if overrides is not None:
         from specflow.vllm.stages import HistoryStages, read_overrides
 
         HistoryStages.build(read_overrides(overrides), int(spec["num_speculative_tokens"]),
                             int(cfg.max_batch_size))
+    try:
+        found = importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        import_vllm()                                      # raises the one line
     return args
 
 
@@ -366,12 +362,12 @@ def _run_here(cfg: DictConfig, out: pathlib.Path, config: str, rerun: str, write
 
         runner.generate(todo, record)
     ordered = [rows[i] for i in range(len(prompts))]
-    total = Counters()
+    total = Counters()      # the counts of every request; the wall time of the calls that ran them
+    calls: dict[str, float] = {}
     for row in ordered:
         total.add_counts(Counters.from_dict(row["stats"]))
-        total.add_seconds(row["stats"].get("seconds", {}))
-    if runner.batch_counts is not None:
-        total.add_counts(runner.batch_counts)
+        calls[str(row.get("session"))] = float(row.get("session_seconds", {}).get("engine", 0.0))
+    total.seconds = {"engine": sum(calls.values())}
     write_or_explain(out / "metrics.json", atomic_write_json, {
         **metrics_extra, "config": config, "greedy": True, "threads": None,
         "backends": {"target": runner.describe()}, "aggregate": total.as_dict(),

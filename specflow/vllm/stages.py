@@ -60,6 +60,14 @@ class HistoryStages:
                               f"plugin's)")
         if not any(o.lstrip("+").startswith("proposer.k=") for o in overrides):
             cfg = compose([*overrides, f"proposer.k={k_max}"])    # vLLM's num_speculative_tokens
+        shaping = [f"logits=[{','.join(cfg.logits)}]"] if cfg.get("logits") else []
+        if cfg.get("constraint") is not None and cfg.constraint.name != "none":
+            shaping.append(f"constraint={cfg.constraint.name}")
+        if shaping:
+            raise ConfigError(f"{' '.join(shaping)}: inside vLLM the target's sampling and "
+                              f"structured output are vLLM's (SamplingParams, guided decoding), "
+                              f"and a drafter drafts from the tokens; drop them from "
+                              f"{OVERRIDES_ENV}")
         if int(cfg.proposer.get("topk", 1) or 1) > 1:
             raise ConfigError(f"proposer.topk={cfg.proposer.topk}: vLLM verifies chains, not token "
                               f"trees; use proposer.topk=1 inside vLLM")

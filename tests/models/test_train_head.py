@@ -183,3 +183,25 @@ def test_chat_turns_add_answered_user_turns_spread_among_the_workload_s(deep_tar
     assert all(len(seqs.tokens[i]) > seqs.prompt_lens[i] for i in chat)   # and answered
     recipe = json.loads((out / "config.json").read_text())["specflow"]["recipe"]
     assert recipe["chat_turns"] == 3
+
+
+def test_train_head_format_speculators_writes_a_head_specflow_runs(deep_target, tmp_path):
+    out = tmp_path / "head"
+    cfg = compose(TRAIN + [f"model.path={deep_target}", f"train_head.output={out}",
+                           "train_head.format=speculators"], "train_head")
+    train_head.run(cfg, read_prompts(cfg), quiet)
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3"
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str(deep_target)
+    assert config["specflow"]["recipe"]["steps"] == 6              # the card travels along
+    base = ["model=hf", f"model.path={deep_target}", "draft=none", "max_batch_size=3"]
+    plain = Pipeline.from_config([*base, "proposer=none"]).generate(PROMPTS, max_new_tokens=12)
+    pipe = Pipeline.from_config([*base, "proposer=eagle", f"proposer.path={out}"])
+    assert [r.token_ids for r in pipe.generate(PROMPTS, max_new_tokens=12)] == \
+        [r.token_ids for r in plain]
+
+
+def test_an_unknown_head_format_is_one_line():
+    cfg = compose(["train_head.output=x", "train_head.format=onnx"], "train_head")
+    with pytest.raises(ConfigError, match="train_head.format='onnx'; use eagle3"):
+        train_head.run(cfg, read_prompts(cfg), quiet)

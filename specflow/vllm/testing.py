@@ -1,8 +1,18 @@
-"""A stand-in for vLLM's side of the custom_class contract, for tests that run without vLLM.
+"""A stand-in for vLLM's side of the custom_class contract: test a proposer plugin inside "vLLM"
+without installing vLLM.
 
-`FakeEngine` keeps requests in rows as vLLM's persistent batch does (token_ids_cpu, num_tokens_no_spec),
-verifies drafts greedily against a toy target, and calls the drafter after every step with what
-each row committed. Tests move rows, skip steps and add requests between calls.
+`FakeEngine` keeps requests in rows as vLLM's persistent batch does (`token_ids_cpu`,
+`num_tokens_no_spec`), verifies drafts greedily against a toy target, and calls the drafter after
+every step with what each row committed, as vLLM's model runner does. Tests move rows, skip
+steps and add or remove requests between calls:
+
+    from specflow.vllm import SpecflowProposer
+    from specflow.vllm.testing import FakeEngine, vllm_config
+
+    drafter = SpecflowProposer(vllm_config(k=4), overrides=["proposer=mine"])
+    engine = FakeEngine(drafter, max_num_seqs=4)
+    engine.add("a", [1, 2, 3, 1, 2])
+    drafts = engine.step()          # each row's drafts; engine.accepted counts what verified
 """
 from __future__ import annotations
 

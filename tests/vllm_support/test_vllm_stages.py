@@ -15,6 +15,10 @@ from specflow.vllm.stages import HistoryStages, read_overrides
     (["proposer=ngram", "policy=goodput"], r"policy.goodput needs specflow's own pipeline"),
     (["proposer=none"], r"proposer=none drafts nothing"),
     (["proposer=ngram", "proposer.min_n=0"], r"proposer.min_n=0"),
+    (["proposer=ngram", "logits=[temperature]"], r"logits=\[temperature\]: inside vLLM the "
+                                                 r"target's sampling"),
+    (["proposer=ngram", "constraint=regex", "constraint.pattern=a+"],
+     r"constraint=regex: inside vLLM"),
 ])
 def test_what_needs_more_than_the_token_history_is_refused_in_one_line(overrides, message):
     with pytest.raises(ConfigError, match=message) as err:
@@ -84,6 +88,7 @@ def plugin(tmp_path, monkeypatch):
     import sys
 
     from fake_plugins import install_fake_plugin
+
     from specflow import plugins
 
     root = install_fake_plugin(tmp_path, PLUGIN, SOURCE, option=("proposer", "repeat"))
@@ -98,8 +103,8 @@ def plugin(tmp_path, monkeypatch):
 
 
 def test_a_third_party_history_proposer_drafts_inside_vllm(plugin):
-    from fake_vllm import FakeEngine, vllm_config
     from specflow.vllm import SpecflowProposer
+    from specflow.vllm.testing import FakeEngine, vllm_config
 
     p = SpecflowProposer(vllm_config(k=3), overrides=read_overrides("proposer=repeat"))
     e = FakeEngine(p, 4)

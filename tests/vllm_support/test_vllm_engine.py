@@ -76,13 +76,33 @@ def test_a_pipeline_refuses_the_vllm_engine():
 
 
 def test_runs_on_specflow_keep_the_config_fingerprint_they_had_before_engines():
-    from omegaconf import open_dict
+    from omegaconf import OmegaConf
 
     from specflow.resume import config_fingerprint
 
     c = compose(["proposer=ngram"])
-    before = c.copy()
-    with open_dict(before):
-        del before["engine"], before["vllm"]
+    before = OmegaConf.create(OmegaConf.to_container(c, resolve=True))     # untyped: editable
+    del before["engine"], before["vllm"], before.model["graphs"], before.draft["graphs"]
     assert config_fingerprint(c) == config_fingerprint(before)
+    assert config_fingerprint(compose(["proposer=ngram", "model.graphs=true"])) != \
+        config_fingerprint(c)
     assert config_fingerprint(cfg("proposer=ngram")) != config_fingerprint(c)
+
+
+def test_a_requests_counts_come_from_vllms_verify_steps():
+    from types import SimpleNamespace
+
+    from specflow.vllm.engine import request_counters
+
+    spec = SimpleNamespace(per_step_accepted=[2, 4, 0], per_step_drafted=[4, 4, 3])
+    # prefill's token, 3 + 5 + 1 from the verify steps, then 3 passes without drafts: 13 tokens
+    c = request_counters(spec, committed=13, seconds=0.5, no_draft="policy")
+    assert (c.num_target_passes, c.num_drafts, c.num_draft_tokens) == (7, 3, 11)
+    assert (c.num_accepted_tokens, c.num_examined_draft_tokens) == (6, 3 + 4 + 1)
+    assert c.accepted_per_position == [2, 2, 1, 1] and c.examined_per_position == [3, 2, 2, 1]
+    assert c.rounds_without_drafts == {"policy": 4} and c.num_committed_tokens == 13
+    assert c.seconds == {"engine": 0.5}
+    cut = request_counters(spec, committed=6, seconds=0.1, no_draft="policy")   # max_tokens hit
+    assert cut.num_committed_tokens == 6 and cut.num_accepted_tokens <= 5
+    plain = request_counters(None, committed=4, seconds=0.1, no_draft="proposer=none")
+    assert plain.num_target_passes == 4 and plain.rounds_without_drafts == {"proposer=none": 4}

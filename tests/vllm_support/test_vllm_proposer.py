@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fake_vllm import FakeEngine, toy_next, vllm_config
 from specflow.plugins import hookimpl
 from specflow.stages.proposers.ngram import NgramIndex
 from specflow.vllm import SpecflowProposer
+from specflow.vllm.testing import FakeEngine, toy_next, vllm_config
 
 PROMPTS = {"a": [1, 2, 3, 1, 2], "b": [5, 6, 7, 5], "c": [9, 9, 9, 4], "d": [2, 4, 6, 8, 2]}
 

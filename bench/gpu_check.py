@@ -16,9 +16,14 @@ Both run in bfloat16 on CUDA. Then:
 4. the pass-cost table of bench/passcost.py on this GPU (target and draft, batch 1/8/32);
 5. float32 exactness: the same pair in fp32, draft and ngram against plain, batch 1 and 8;
 6. a profile of a target pass at contexts 64 and 512 (top ops by device and host time) and the
-   synchronizing CUDA calls per round (torch.cuda.set_sync_debug_mode).
+   synchronizing CUDA calls per round (torch.cuda.set_sync_debug_mode);
+7. CUDA graphs (models/graph_step.py): `none graphs` and `draft graphs` arms in 1 and 2 (the
+   target's chain passes and the draft's steps captured per bucket), and a target pass at
+   contexts 64 / 512 / 1000 with graphs on and off. `--quick` (4 prompts x 64 tokens, batches 1
+   and 8, no profile) fits the device budget with room for a rerun.
 
     python bench/gpu_check.py --out results/            # on a CUDA machine
+    python bench/gpu_check.py --quick --out results/    # the same in under 8 minutes
     python bench/gpu_check.py --tiny --device cpu       # the same steps on tiny models (smoke test)
 """
 from __future__ import annotations
@@ -267,6 +272,49 @@ def pass_cost(paths, args, device, dtype):
                       f"{dtype} (dashed: weight-read bound)")
 
 
+@section("graph pass cost: one target pass, CUDA graphs on and off, contexts 64 to 1000")
+def graph_pass_cost(paths, args, device, dtype):
+    """A 1- and a 5-position target pass at contexts 64, 512 and 1000 (batch 1), as the round
+    runs it (plan, pass, lengths rolled back), with model.graphs on and off: the targets are a
+    one-position pass within 2x its weight-read bound, flat from context 64 to 1000, and 5
+    positions within 1.1x of one."""
+    from specflow import Pipeline
+
+    rows = []
+    for graphs in (False, True):
+        base = ["model=hf", f"model.path={paths[0]}", "draft=none", "proposer=none",
+                f"device={args.device}", f"dtype={args.dtype}", "show_progress=false",
+                "max_batch_size=1", f"model.graphs={str(graphs).lower()}"]
+        target = Pipeline.from_config(base).target
+        target.tune(rows=1, positions=args.k + 1, settings={"pack": False, "threads": "auto"})
+        slot = torch.tensor([0])
+        for ctx in (64, 512, 1000):
+            target.reset(0)
+            target.forward(slot, torch.arange(ctx, device="cpu")[None] % 1000 + 5,
+                           torch.tensor([ctx]), logits=False)
+            for T in (1, args.k + 1):
+                ids = torch.full((1, T), 7)
+
+                def one(ids=ids, T=T, ctx=ctx, target=target, slot=slot):
+                    target.forward(slot, ids, torch.tensor([T]))
+                    target.cache.truncate([0], [ctx])
+
+                for _ in range(3):
+                    one()
+                sync(device)
+                start = time.perf_counter()
+                for _ in range(20):
+                    one()
+                sync(device)
+                ms = (time.perf_counter() - start) / 20 * 1e3
+                rows.append({"graphs": graphs, "context": ctx, "positions": T, "ms": round(ms, 3)})
+        if graphs:
+            say(f"graphs: {target.describe().get('graphs')}")
+        del target
+    RESULTS["graph_pass_cost"] = rows
+    table(rows)
+
+
 @section("profile: a target pass at short and long context, and host syncs per round")
 def profile(paths, args, device, dtype):
     """Where a pass's time goes (torch.profiler, top ops by host and by device time) and how
@@ -380,11 +428,18 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--out", default="")
     ap.add_argument("--skip", default="", help="steps to skip: batch1,batched,passcost,"
-                    "exactness,profile")
+                    "exactness,profile,graphpass")
+    ap.add_argument("--quick", action="store_true", help="4 prompts x 64 tokens, batches 1 and "
+                    "8, no profile: under 8 minutes with start-up")
+    ap.add_argument("--no-graphs", dest="graphs", action="store_false",
+                    help="leave out the CUDA-graph arms (model.graphs=true)")
     ap.add_argument("--only", default="", help="'profile': the profile step alone")
     args = ap.parse_args()
+    if args.quick:
+        args.prompts, args.new_tokens, args.batches = 4, 64, "1,8"
+        args.skip = ",".join(filter(None, [args.skip, "profile"]))
     if args.only:
-        args.skip = "batch1,batched,passcost,pipelines,exactness"
+        args.skip = "batch1,batched,passcost,pipelines,exactness,graphpass"
     args.batches = [int(b) for b in args.batches.split(",")]
     skip = set(args.skip.split(",")) - {""}
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -419,6 +474,11 @@ def main() -> None:
             pipes["draft tree"] = Pipeline.from_config(
                 [*base, "proposer=draft", f"proposer.k={args.k}", "proposer.topk=4",
                  "proposer.num_draft_tokens=16"])
+            if args.graphs:      # the target's chain passes and the draft's steps as CUDA graphs
+                graphs = ["model.graphs=true", "draft.graphs=true"]
+                pipes["none graphs"] = Pipeline.from_config([*base, *graphs, "proposer=none"])
+                pipes["draft graphs"] = Pipeline.from_config(
+                    [*base, *graphs, "proposer=draft", f"proposer.k={args.k}"])
             how = pipes["none"].target.describe()
             say(f"target forward: {'lean, ' + how['kernels'] if how['forward'] == 'lean' else 'transformers'}")
             return pipes
@@ -435,6 +495,8 @@ def main() -> None:
             torch.cuda.empty_cache()
         if "passcost" not in skip:
             pass_cost(paths, args, device, dtype)
+        if "graphpass" not in skip and args.graphs:
+            graph_pass_cost(paths, args, device, dtype)
         if "exactness" not in skip:
             exactness(paths, args, device)
         if "profile" not in skip and "profile" not in args.only:

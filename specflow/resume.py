@@ -27,6 +27,9 @@ from specflow.io import atomic_write_text
 from specflow.metrics import Counters
 
 
+ADDED_SINCE = {"engine": "specflow", "model.graphs": False, "draft.graphs": False}
+
+
 def config_fingerprint(cfg) -> str:
     """What a request's output depends on: the composed config without display-only keys."""
     from omegaconf import OmegaConf
@@ -34,9 +37,17 @@ def config_fingerprint(cfg) -> str:
     plain = OmegaConf.to_container(cfg, resolve=True)
     for key in ("show_progress", "hydra"):
         plain.pop(key, None)
-    if plain.get("engine", "specflow") == "specflow":   # as before engine=vllm existed
-        plain.pop("engine", None)
-        plain.pop("vllm", None)
+    # settings added later, at their defaults, leave the fingerprint as it was before they
+    # existed: an earlier run's folder still resumes (and an earlier sweep's jobs are kept)
+    for path, default in ADDED_SINCE.items():
+        *parents, key = path.split(".")
+        node = plain
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and key in node and node[key] == default:
+            del node[key]
+    if "engine" not in plain:
+        plain.pop("vllm", None)           # engine=vllm's settings, read by no specflow run
     return hashlib.sha1(json.dumps(plain, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

@@ -44,6 +44,8 @@ class HFModelConfig:
     forward: str = "auto"             # hf | lean | auto (lean where the architecture allows)
     max_model_len: int | None = None  # the context served (default: the model's); the KV cache
                                       # holds max_batch_size x this many positions
+    graphs: bool = False              # chain passes as static-shape steps per bucket, captured as
+                                      # CUDA graphs on a GPU (models/graph_step.py)
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and (isinstance(self.max_model_len, bool)
@@ -293,7 +295,9 @@ class HFBackend(Backend):
             self.max_length = min(self.max_length or cfg.max_model_len, int(cfg.max_model_len))
         num_layers = config.num_hidden_layers
         # a little headroom past the context for the k+1 positions a last round may write
-        self.cache = SlotKVCache(num_layers, slots, (self.max_length or 1 << 16) + 64)
+        # (graphs: one column more, the scratch column padding positions write to)
+        self.cache = SlotKVCache(num_layers, slots,
+                                 (self.max_length or 1 << 16) + 64 + bool(cfg.graphs))
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._keeps_logits = "logits_to_keep" in params
@@ -303,6 +307,13 @@ class HFBackend(Backend):
         self.lean = self._lean_forward(cfg.forward, role, cfg.device_map)
         self.num_layers = num_layers
         self.hidden_size = config.hidden_size
+        self.graphs = None                  # a GraphRunner once tune() knows the fullest pass
+        if cfg.graphs and (self.lean is None or self.window is not None):
+            why = "a sliding window" if self.lean is not None and self.window is not None \
+                else "no lean forward (model.forward=hf, or an architecture it does not cover)"
+            raise ConfigError(f"{role}.graphs=true runs the lean forward's static step, and "
+                              f"{self.path!r} has {why}; use {role}.graphs=false")
+        self._want_graphs = bool(cfg.graphs)
 
     def _lean_forward(self, choice: str, role: str, device_map: str | None):
         from specflow.models.lean_llama import LeanLlama, unsupported_reason
@@ -336,15 +347,25 @@ class HFBackend(Backend):
         else:
             self.threads = choose_threads(settings.get("threads", "auto"), self)
             self.packed = choose_pack(pack, self, positions, rows)
+        if self._want_graphs:     # static steps up to the fullest pass, in power-of-two buckets
+            from specflow.models.graph_step import GraphRunner
+
+            self.graphs = GraphRunner(self.lean, self.cache, self.device, rows, positions)
+            self.bucket = self.graphs.bucket
 
     def describe(self) -> dict:
         """forward (lean | hf), threads (tune's choice for the target; otherwise torch's CPU
         threads now), packed (tune's choice) and kernels (the product forms the lean forward
         timed and chose; None without it)."""
         threads = self.threads if self.threads is not None else torch.get_num_threads()
-        return {"forward": "lean" if self.lean is not None else "hf",
-                "threads": threads, "packed": bool(self.packed),
-                "kernels": self.lean.kernels.describe() if self.lean is not None else None}
+        out = {"forward": "lean" if self.lean is not None else "hf",
+               "threads": threads, "packed": bool(self.packed),
+               "kernels": self.lean.kernels.describe() if self.lean is not None else None}
+        if self.graphs is not None:
+            out["graphs"] = {"captured": self.graphs.capture,
+                             "buckets": sorted(self.graphs.steps),
+                             "capture_seconds": round(self.graphs.capture_seconds, 3)}
+        return out
 
     def reset(self, slot: int) -> None:
         self.cache.reset(slot)
@@ -375,6 +396,8 @@ class HFBackend(Backend):
         """Run a plan (models/plan.py) -> logits [B, T, V] float32 (None with logits=False) and,
         with hidden_layers, the inputs of those layers [B, T, nE] (the real rows and positions
         of a padded plan)."""
+        if self.graphs is not None and self.graphs.takes(plan, hidden_layers, logits):
+            return self.graphs.run(plan)                                             # [B, T, V]
         self.cache.begin(plan)
         mask = self._mask(plan)
         ids, positions = plan.input_ids, plan.positions                               # [Bp, Tp]

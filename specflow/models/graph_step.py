@@ -23,8 +23,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specflow.models.lean_llama import rotate
-
 
 def static_forward(lean, keys: list[torch.Tensor], values: list[torch.Tensor],
                    ids: torch.Tensor, positions: torch.Tensor, write: torch.Tensor,
@@ -34,36 +32,23 @@ def static_forward(lean, keys: list[torch.Tensor], values: list[torch.Tensor],
     ids, positions, write [B, T] long: the inputs, their rotary positions, and the cache column
     each one's keys and values go to (padding: the scratch column); slots [B] long: each row's
     cache row; columns [C] long: 0..C-1; keys / values: the cache's [S, Hkv, C, D] per layer."""
-    B, T = ids.shape
-    H, Hkv, D = lean.num_heads, lean.num_kv_heads, lean.head_dim
-    mm = lean.mm
     x = F.embedding(ids, lean.embed)                                                 # [B, T, E]
     cos, sin = lean._cos[positions][:, None], lean._sin[positions][:, None]          # [B, 1, T, D]
     mask = (columns[None, None, :] <= positions[:, :, None])[:, None]                # [B, 1, T, C]
-    gqa = {"enable_gqa": True} if lean.gqa_in_sdpa else {}
+    B, T = ids.shape
     layers, head = lean._dual if lean._dual is not None and B * T >= lean.dual_from \
         else (lean.layers, lean.lm_head)
     rows = slots[:, None]                                                            # [B, 1]
-    for i, (ln1, wqkv, bqkv, wo, bo, ln2, wgu, wdown) in enumerate(layers):
-        qkv = mm(lean._rms(x, ln1), wqkv)                                            # [B, T, (H+2Hkv)D]
-        if bqkv is not None:
-            qkv = qkv + bqkv
-        qk, v = qkv.split([(H + Hkv) * D, Hkv * D], -1)
-        qk = rotate(qk.view(B, T, H + Hkv, D).transpose(1, 2), cos, sin)            # [B, H+Hkv, T, D]
-        q, k = qk.split([H, Hkv], 1)
+
+    def attend(k, v, i):     # every position written (padding: scratch), every column read
         kb, vb = keys[i], values[i]                                                  # [S, Hkv, C, D]
         kb[rows, :, write] = k.transpose(1, 2).to(kb.dtype)                          # [B, T, Hkv, D]
-        vb[rows, :, write] = v.view(B, T, Hkv, D).to(vb.dtype)
-        k_all, v_all = kb.index_select(0, slots), vb.index_select(0, slots)          # [B, Hkv, C, D]
-        if lean.gqa and not lean.gqa_in_sdpa:
-            k_all = k_all.repeat_interleave(H // Hkv, 1)
-            v_all = v_all.repeat_interleave(H // Hkv, 1)
-        a = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, **gqa)   # [B, H, T, D]
-        o = mm(a.transpose(1, 2).reshape(B, T, H * D), wo)                           # [B, T, E]
-        x = x + (o if bo is None else o + bo)
-        gate, up = mm(lean._rms(x, ln2), wgu).chunk(2, -1)                           # [B, T, I] x2
-        x = x + mm(F.silu(gate) * up, wdown)
-    return mm(lean._rms(x, lean.norm), head)                                         # [B, T, V]
+        vb[rows, :, write] = v.transpose(1, 2).to(vb.dtype)
+        return kb.index_select(0, slots), vb.index_select(0, slots)                  # [B, Hkv, C, D]
+
+    for i, weights in enumerate(layers):
+        x = lean.layer(i, weights, x, cos, sin, mask, attend)
+    return lean.mm(lean._rms(x, lean.norm), head)                                    # [B, T, V]
 
 
 class StaticStep:

@@ -299,6 +299,33 @@ class LeanLlama:
             self._sin = (emb.sin() * self.rope_scale).to(dtype)
         return self._cos[positions][:, None], self._sin[positions][:, None]
 
+    def layer(self, i: int, weights: tuple, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              mask: torch.Tensor | None, attend) -> torch.Tensor:
+        """Decoder layer i over x [B, T, E] -> [B, T, E]. attend(k, v, i) takes this pass's keys
+        and values [B, Hkv, T, D], caches them and returns the keys and values attended
+        [B, Hkv, L, D] (the eager pass: SlotKVCache.update; a static step: its own write)."""
+        ln1, wqkv, bqkv, wo, bo, ln2, wgu, wdown = weights
+        B, T = x.shape[:2]
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        mm = self.mm
+        qkv = mm(self._rms(x, ln1), wqkv)                                             # [B, T, (H+2Hkv)D]
+        if bqkv is not None:
+            qkv = qkv + bqkv
+        qk, v = qkv.split([(H + Hkv) * D, Hkv * D], -1)
+        qk = rotate(qk.view(B, T, H + Hkv, D).transpose(1, 2), cos, sin)        # [B, H+Hkv, T, D]
+        q, k = qk.split([H, Hkv], 1)                                                  # one rotation
+        v = v.view(B, T, Hkv, D).transpose(1, 2)                                      # [B, Hkv, T, D]
+        k_all, v_all = attend(k, v, i)                                                # [B, Hkv, L, D]
+        if self.gqa and not self.gqa_in_sdpa:
+            k_all = k_all.repeat_interleave(H // Hkv, 1)
+            v_all = v_all.repeat_interleave(H // Hkv, 1)
+        gqa = {"enable_gqa": True} if self.gqa_in_sdpa else {}
+        a = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, **gqa)      # [B, H, T, D]
+        o = mm(a.transpose(1, 2).reshape(B, T, H * D), wo)                            # [B, T, E]
+        x = x + (o if bo is None else o + bo)
+        gate, up = mm(self._rms(x, ln2), wgu).chunk(2, -1)                            # [B, T, I] x2
+        return x + mm(F.silu(gate) * up, wdown)
+
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
                  cache, logits_to_keep: int = 0, capture: tuple[int, ...] = (),
@@ -307,33 +334,15 @@ class LeanLlama:
         residual stream entering layer i, as transformers' hidden_states[i]) is appended to
         `captured` [B, T, E] each, for draft heads that read the target's hidden states."""
         B, T = input_ids.shape
-        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        mm = self.mm
         x = F.embedding(input_ids, self.embed)                                        # [B, T, E]
         # a row fed nothing sits at its length, which may equal kv_len: one row more
         cos, sin = self._rope(positions, x.dtype, cache.get_seq_length() + 1)         # [B, 1, T, D]
-        gqa = {"enable_gqa": True} if self.gqa_in_sdpa else {}
         layers, head = self._dual if self._dual is not None and B * T >= self.dual_from \
             else (self.layers, self.lm_head)
-        for i, (ln1, wqkv, bqkv, wo, bo, ln2, wgu, wdown) in enumerate(layers):
+        for i, weights in enumerate(layers):
             if i in capture:
                 captured.append(x)                                                    # [B, T, E]
-            qkv = mm(self._rms(x, ln1), wqkv)                                         # [B, T, (H+2Hkv)D]
-            if bqkv is not None:
-                qkv = qkv + bqkv
-            qk, v = qkv.split([(H + Hkv) * D, Hkv * D], -1)
-            qk = rotate(qk.view(B, T, H + Hkv, D).transpose(1, 2), cos, sin)    # [B, H+Hkv, T, D]
-            q, k = qk.split([H, Hkv], 1)                                              # one rotation
-            v = v.view(B, T, Hkv, D).transpose(1, 2)                                  # [B, Hkv, T, D]
-            k_all, v_all = cache.update(k, v, i)                                      # [B, Hkv, L, D]
-            if self.gqa and not self.gqa_in_sdpa:
-                k_all = k_all.repeat_interleave(H // Hkv, 1)
-                v_all = v_all.repeat_interleave(H // Hkv, 1)
-            a = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, **gqa)  # [B, H, T, D]
-            o = mm(a.transpose(1, 2).reshape(B, T, H * D), wo)                        # [B, T, E]
-            x = x + (o if bo is None else o + bo)
-            gate, up = mm(self._rms(x, ln2), wgu).chunk(2, -1)                        # [B, T, I] x2
-            x = x + mm(F.silu(gate) * up, wdown)
+            x = self.layer(i, weights, x, cos, sin, mask, cache.update)
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
-        return mm(self._rms(x, self.norm), head)                                      # [B, T, V]
+        return self.mm(self._rms(x, self.norm), head)                                      # [B, T, V]

@@ -38,6 +38,10 @@ def read_overrides(text: str | None) -> list[str]:
     return overrides
 
 
+class NeedsDraftModel(ConfigError):
+    """A proposer asked for the draft model, which only specflow's pipeline builds."""
+
+
 class HistoryStages:
     """A proposer and a policy registered on their own plugin manager."""
 
@@ -46,7 +50,7 @@ class HistoryStages:
 
     @classmethod
     def build(cls, overrides: Sequence[str], k_max: int, slots: int) -> "HistoryStages":
-        from specflow.config import compose
+        from specflow.config import compose, option
         from specflow.models.base import SimClock
         from specflow.pipeline import BuildContext
         from specflow.plugins import check_hooks, get_registry, new_plugin_manager
@@ -76,21 +80,20 @@ class HistoryStages:
                            hook=pm.hook)
 
         def no_draft_model():
-            raise ConfigError(f"proposer={proposer} needs a draft model, which specflow cannot run "
-                              f"inside vLLM; use {INSTEAD['draft']}")
+            raise NeedsDraftModel(f"proposer={proposer} needs a draft model, which specflow cannot "
+                                  f"run inside vLLM; use {INSTEAD['draft']}")
 
         ctx.build_draft = no_draft_model
         registry = get_registry()
         for kind in ("proposer", "policy"):
-            from specflow.config import option
             node = cfg[kind]
             component = registry.get(kind, node.name)
             obj = option({kind: node}, kind) if component.schema is not None else node
             try:
                 stage = component.factory(obj, ctx)
-            except ConfigError as exc:
-                if "draft model, which specflow cannot run" in str(exc):
-                    raise
+            except NeedsDraftModel:
+                raise
+            except ConfigError as exc:       # a factory that wanted the target (ctx.target)
                 raise ConfigError(f"{kind}={node.name} cannot be built without specflow's own "
                                   f"target model ({exc}); inside vLLM specflow runs stages that "
                                   f"work from the token history; for a draft model or a head use "

@@ -89,6 +89,8 @@ def _interrupt_when(proc, path: pathlib.Path, lines: int, timeout: float = 120):
     return proc.communicate(timeout=120)
 
 
+# a whole CLI run, interrupted and rerun (about 40 s of a worker): make test-slow and CI run it
+@pytest.mark.slow
 def test_ctrl_c_on_the_command_line_keeps_finished_requests_and_the_rerun_resumes(tmp_path):
     prompts = tmp_path / "prompts.txt"
     n = 40

@@ -98,6 +98,8 @@ def test_rerun_skips_finished_jobs_and_redoes_an_unfinished_one(healthy, tmp_pat
     assert json.loads(done.read_text())["resumed_requests"] == 1
 
 
+# two sweeps and a report (about 30 s of a worker): make test-slow and CI run it
+@pytest.mark.slow
 def test_broken_draft_cache_lowers_alpha_and_trips_the_drift_check(healthy, tmp_path):
     from fake_plugins import LEAKY_DRAFT_PLUGIN, install_fake_plugin
 

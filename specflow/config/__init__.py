@@ -494,7 +494,7 @@ def _check_root(cfg: DictConfig) -> None:
         raise ConfigError(f"dtype={dtype!r} is not supported; use one of {', '.join(DTYPES)}")
     if cfg.get("server") is not None:
         check_server(cfg.server)
-    from specflow.vllm.engine import check_engine
+    from specflow.vllm.arm import check_engine
     check_engine(cfg)
     check_token_ids(cfg)
 

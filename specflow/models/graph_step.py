@@ -141,8 +141,7 @@ class GraphRunner:
         logits) run eagerly."""
         Bp, Tp = plan.shape
         return (plan.tree is None and logits and not hidden_layers
-                and (Bp, Tp) == self.bucket(Bp, Tp) and Bp <= self.max_rows
-                and Tp <= self.max_positions)
+                and Bp == pow2(Bp) <= self.max_rows and Tp == pow2(Tp) <= self.max_positions)
 
     def run(self, plan) -> torch.Tensor:
         """Logits [B, T, V] float32 of the plan's real rows and positions; commits its lengths."""

@@ -23,18 +23,17 @@ import os
 import numpy as np
 import torch
 
+from specflow.request import Request
 from specflow.state import PAD, DecodeBatch, RoundResult
 from specflow.vllm.rows import RowTracker, Tracked
 from specflow.vllm.stages import OVERRIDES_ENV, HistoryStages, read_overrides
 
 
-class _Request:
-    """What specflow_request_start reads of a request (specflow.request.Request's fields)."""
-
-    def __init__(self, state: Tracked, max_new_tokens: int):
-        self.request_id, self.prompt, self.prompt_ids = state.key, "", list(state.tokens)
-        self.max_new_tokens, self.stop, self.seed = max_new_tokens, None, 0
-        self.logprobs = self.sampling = self.grammar = None
+def _request(state: Tracked, max_model_len: int) -> Request:
+    """specflow's Request for a followed request: its prompt ids and the tokens it may still add
+    (vLLM knows its max_tokens; the drafter knows only the context left)."""
+    return Request(request_id=state.key, prompt="", prompt_ids=state.tokens[:state.prompt_len],
+                   max_new_tokens=max_model_len - state.prompt_len, stop=None, seed=0)
 
 
 class SpecflowProposer:
@@ -78,7 +77,7 @@ class SpecflowProposer:
             return drafts
         started = [s for _, s, new in states if new]
         if started:
-            requests = [_Request(s, self.max_model_len - s.prompt_len) for s in started]
+            requests = [_request(s, self.max_model_len) for s in started]
             for s, r in zip(started, requests):
                 self.hook.specflow_request_start(slot=s.slot, request=r)
             self.hook.specflow_prefill(slots=[s.slot for s in started], requests=requests)
@@ -150,9 +149,8 @@ class SpecflowProposer:
 
     def _end(self, ended: list[Tracked]) -> None:
         for s in ended:
-            req = _Request(s, self.max_model_len - s.prompt_len)
-            req.prompt_ids = s.tokens[:s.prompt_len]
-            self.hook.specflow_request_end(slot=s.slot, request=req, finish_reason="stop")
+            self.hook.specflow_request_end(slot=s.slot, request=_request(s, self.max_model_len),
+                                           finish_reason="stop")
 
     def close(self) -> None:
         """End every request still followed (their per-request state released)."""

@@ -24,22 +24,16 @@ class Tracked:
     slot: int                      # a stable slot for the stages' per-slot state
     tokens: list[int]              # what the stages have synced: prompt + committed tokens
     prompt_len: int
-    arr: np.ndarray = field(repr=False, default=None)   # tokens as int64, for fast comparison
     drafts: list[int] = field(default_factory=list)     # proposed last step, awaiting verdict
     drafted: bool = False          # a propose step ran for it since its last verdict
     last_step: int = 0
 
-    def __post_init__(self) -> None:
-        if self.arr is None:
-            self.arr = np.asarray(self.tokens, dtype=np.int64)
-
     def is_prefix_of(self, row: np.ndarray) -> bool:
         n = len(self.tokens)
-        return n <= len(row) and bool(np.array_equal(row[:n], self.arr))
+        return n <= len(row) and bool(np.array_equal(row[:n], self.tokens))
 
     def extend(self, new: list[int]) -> None:
         self.tokens.extend(new)
-        self.arr = np.concatenate([self.arr, np.asarray(new, dtype=np.int64)])
 
 
 class RowTracker:

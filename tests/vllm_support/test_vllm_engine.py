@@ -7,7 +7,7 @@ import pytest
 
 from specflow.config import compose
 from specflow.errors import ConfigError
-from specflow.vllm.engine import engine_arguments, speculative_config, stage_overrides
+from specflow.vllm.arm import engine_arguments, speculative_config, stage_overrides
 from specflow.vllm.stages import HistoryStages, read_overrides
 
 

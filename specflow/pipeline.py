@@ -595,7 +595,8 @@ class Pipeline:
             round_index=round_index, request_ids=batch.request_ids, num_drafts=num_drafts,
             num_accepted=verified.num_accepted.tolist(), committed=trim.committed,
             finish_reasons=trim.finish_reasons, batch_size=batch.size, skip_reasons=skip_reasons,
-            sim_time=clock.sim_time(), drawn=trim.consumed, **layout.round_fields(accepted))
+            sim_time=clock.sim_time(), drawn=trim.consumed, num_asked=k.tolist(),
+            **layout.round_fields(accepted))
         hook.specflow_sync_cache(batch=batch, result=result)
         clock.mark("sync")
         result.seconds = clock.seconds(prefill=proposal.catch_up_seconds)

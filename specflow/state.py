@@ -307,6 +307,10 @@ class RoundResult:
     # [B] tokens the round drew up to and including the one that ended the row: the committed
     # ones plus an EOS or a stop string's tokens the trim held back (None: len(committed))
     drawn: list[int] | None = None
+    # [B] the draft length each row was asked for (the policy's k, capped by what the row may
+    # still commit). A proposer may draft fewer (an n-gram lookup without a match drafts none):
+    # the positions it left empty commit nothing, as a rejected draft would. None: num_drafts
+    num_asked: list[int] | None = None
 
     def path_starts(self, token_ids: list[list[int]]) -> list[int]:
         """[B] after a tree round (token_ids already extended by the commits): where each row's

@@ -96,7 +96,7 @@ class SpecflowProposer:
         for b, ((row, _, _), s) in enumerate(zip(states, live)):
             d = [] if ids is None or b >= ids.shape[0] else ids[b, :ks[b]].tolist()
             d = d[:d.index(PAD)] if PAD in d else d
-            s.drafts, s.drafted = d, True
+            s.drafts, s.drafted, s.asked = d, True, ks[b]
             drafts[row] = d
         return drafts
 
@@ -128,7 +128,7 @@ class SpecflowProposer:
         if verdicts:
             self.hook.specflow_observe(result=self._result(verdicts))
         for s, _, _ in advanced:
-            s.drafts, s.drafted = [], False
+            s.drafts, s.drafted, s.asked = [], False, 0
         self.rounds += 1
 
     def _result(self, rows: list[tuple[Tracked, list[int], int | None]]) -> RoundResult:
@@ -137,7 +137,8 @@ class SpecflowProposer:
             round_index=self.rounds, request_ids=[s.key for s, _, _ in rows], num_drafts=k,
             num_accepted=[acc or 0 for _, _, acc in rows], committed=[new for _, new, _ in rows],
             finish_reasons=[None] * len(rows), batch_size=len(rows),
-            skip_reasons=[None if kb else "policy" for kb in k])
+            skip_reasons=[None if kb else "policy" for kb in k],
+            num_asked=[s.asked if acc is not None else 0 for s, _, acc in rows])
 
     def _batch(self, states: list[Tracked]) -> DecodeBatch:
         return DecodeBatch(

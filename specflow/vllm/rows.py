@@ -26,6 +26,7 @@ class Tracked:
     prompt_len: int
     drafts: list[int] = field(default_factory=list)     # proposed last step, awaiting verdict
     drafted: bool = False          # a propose step ran for it since its last verdict
+    asked: int = 0                 # the draft length the policy asked of it then
     last_step: int = 0
 
     def is_prefix_of(self, row: np.ndarray) -> bool:

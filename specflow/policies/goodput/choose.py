@@ -70,7 +70,8 @@ def choose_k_padded(acceptance, a_t: float, b_t: float, a_d: float, b_d: float,
 
     For a cap the rows' choices and the round's rate depend on each other (Dinkelbach): each row
     maximises E(k) - rate * b_d * k at the current rate, a few passes. `plain`: the measured
-    seconds of a round without drafts at this batch, in place of the fit's a_t + b_t B;
+    seconds of a round without drafts at this batch, in place of the fit's a_t + b_t B (a cap
+    then costs the dearer of the fit's line and plain + b_t B (its extra positions));
     `row_first` [B] (or a function returning it): seconds a row adds to the round if it drafts
     at all (its draft's catch-up)."""
     E = expected_tokens(acceptance)                                              # [B, K+1]
@@ -83,6 +84,12 @@ def choose_k_padded(acceptance, a_t: float, b_t: float, a_d: float, b_d: float,
     scored = cap + 1 if positions is None else np.asarray(positions[:K + 1])    # [C]
     target = a_t + b_t * B * scored                                              # [C]
     if plain is not None:
+        # a cap costs the dearer of the fit's line and the measured plain round plus the fit's
+        # price of the extra positions: the fit's value at B is an extrapolation, and each
+        # price alone drafted where drafting lost at 16 requests (the line when plain rounds
+        # measured dearer than it, on SmolLM2; the measured round plus the slope on the demo
+        # pair, whose drafting rounds cost more than the slope says): docs/decisions.md
+        target = np.maximum(target, plain + b_t * B * (scored - scored[0]))
         target[0] = plain
     # under load no longest draft K can beat plain decoding even if every row drafted K and all
     # were accepted at its estimated rates (the round then costs at least target + (a_d + b_d) K):

@@ -68,3 +68,45 @@ def test_a_request_that_ends_leaves_nothing_for_the_next_one_with_its_id():
     pol.specflow_request_end(0, SimpleNamespace(request_id=0), "length")
     # as a sequence never seen (the global rate moved, the row's own counts are gone)
     assert np.allclose(pol.acceptance(batch), pol.estimates.estimate([123], pol.mode))
+
+
+def test_positions_asked_for_and_left_empty_count_as_rejections():
+    """An n-gram lookup without a match drafts fewer tokens than asked, or none: what the
+    policy prices is the chance a position asked for adds a token, so the empty ones count as
+    examined and not accepted (a row that drafted nothing is not a row that was not asked)."""
+    est = AcceptanceEstimates(k_max=4, ewma=0.1, prior_acceptance=0.7, optimism=0.0)
+    for _ in range(60):
+        # rows 0 and 1 asked for 2: row 0 drafted both and both were accepted, row 1 drafted
+        # none (no match); row 2 asked for 3, drafted 1, accepted it; row 3 was not asked
+        est.observe(_round([2, 0, 1, 0], [2, 0, 1, 0], num_asked=[2, 2, 3, 0]), "chain")
+    acc = est.estimate([0, 1, 2, 3], "chain")
+    assert acc[0, 0] > 0.9 and acc[0, 1] > 0.9
+    assert acc[1, 0] < 0.1                        # asked every round, never a token
+    assert acc[2, 0] > 0.9 and acc[2, 1] < 0.1    # its first token, never a second
+    # without num_asked (a proposer that always drafts what it is asked) nothing changes
+    plain = AcceptanceEstimates(k_max=4, ewma=0.1, prior_acceptance=0.7, optimism=0.0)
+    for _ in range(60):
+        plain.observe(_round([2, 0], [2, 0]), "chain")
+    assert np.allclose(plain.estimate([1], "chain"), plain.estimate([9], "chain"))
+
+
+def test_the_pipeline_records_what_each_row_was_asked_for():
+    from specflow import Pipeline
+    from specflow.plugins import hookimpl
+
+    pipe = Pipeline.from_config(["model=demo", "proposer=ngram", "proposer.k=3", "threads=1"])
+    rounds = []
+
+    class Record:
+        @hookimpl
+        def specflow_observe(self, result):
+            rounds.append(result)
+
+    pipe.pm.register(Record(), "test.rounds")
+    pipe.generate(["def f(x):\n    return x"], max_new_tokens=12)
+    assert rounds and all(r.num_asked is not None for r in rounds)
+    for r in rounds:
+        for asked, drafted in zip(r.num_asked, r.num_drafts):
+            assert drafted <= asked <= 3
+    assert any(a > d for r in rounds for a, d in zip(r.num_asked, r.num_drafts))  # no match
+

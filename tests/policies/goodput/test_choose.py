@@ -102,6 +102,17 @@ def test_a_measured_plain_round_replaces_the_fits_extrapolation():
     assert choose_k_padded(acc, *costs, plain=0.013) == [0] * 16
 
 
+def test_drafting_is_priced_from_the_measured_plain_round_when_the_fit_says_less():
+    """A plain round measured dearer than the fit's line says (a busy hour, a longer context)
+    must not make drafting look cheap: a cap costs at least the measured round plus the fit's
+    price of its extra positions. Here a plain round measures 24 ms where the fit says 20; a
+    k = 1 round is 24 + 8 ms, 1.33x, so rows committing 1.3 tokens do not draft (priced from the
+    fit alone, 28 ms against the measured 24, they did) and rows committing 1.9 do."""
+    costs = (0.012, 0.0005, 0.0, 0.0)              # the fit: plain 20 ms, k = 1 28 ms
+    assert choose_k_padded(np.full((16, 4), 0.3), *costs, plain=0.024) == [0] * 16
+    assert max(choose_k_padded(np.full((16, 4), 0.9), *costs, plain=0.024)) > 0
+
+
 def test_a_rows_own_first_draft_cost_holds_it_back_alone():
     """row_first: seconds a row adds to the round if it drafts at all (its draft's catch-up):
     the row that owes them stops drafting, the others do not; asked only past the common

@@ -80,6 +80,7 @@ def test_report_speedups_intervals_exact_match_and_plots(healthy, tmp_path):
     assert "Per repetition" in (healthy / "report.md").read_text() and "per repetition" in text
 
 
+@pytest.mark.slow           # 26 s on 2 cores: make test-slow (and CI) run it
 def test_rerun_skips_finished_jobs_and_redoes_an_unfinished_one(healthy, tmp_path):
     done = healthy / "ngram/rep1/metrics.json"
     stamps = {p: p.stat().st_mtime_ns for p in healthy.glob("*/rep*/metrics.json")}

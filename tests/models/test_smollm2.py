@@ -56,6 +56,7 @@ def test_plain_decoding_equals_transformers_generate(plain):
         assert out[0, inputs["input_ids"].shape[1]:].tolist()[:len(ids)] == ids
 
 
+@pytest.mark.slow           # ~25 s an arm on 2 cores: make test-slow (and CI) run them
 @pytest.mark.parametrize("arm", list(ARMS))
 def test_greedy_speculation_equals_plain(plain, arm):
     _, want = plain

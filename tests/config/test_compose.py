@@ -70,6 +70,8 @@ def test_every_workload_option_loads_prompts(tmp_path):
 
 def test_every_experiment_composes_and_builds():
     for opt in options("experiment"):
+        if opt.startswith("smollm2") and not _have_smollm2():
+            continue                  # a registry package (make smollm2): tested where installed
         pipe = Pipeline.from_config([f"experiment={opt}"])
         assert pipe.generate(["ab"], max_new_tokens=3)[0].token_ids
 

@@ -570,9 +570,10 @@ class Pipeline:
         """policy -> propose -> score -> shape -> verify -> trim -> sync -> observe."""
         hook, clock = self.hook, RoundClock(self.clock)
         k, skip_reasons = self._draft_lengths(batch)                                 # [B]
+        asked = k.tolist()                                   # what each row was asked to draft
         clock.mark("policy")
         proposal = hook.specflow_propose(batch=batch, k=k) or Proposal.empty(batch.size)
-        proposal, layout, num_drafts = self._checked(proposal, batch, k, skip_reasons)  # sync 1
+        proposal, layout, num_drafts = self._checked(proposal, batch, asked, skip_reasons)  # sync 1
         clock.mark("propose", less=proposal.catch_up_seconds)
         logits = self._score(batch, proposal)                                      # [B, P, V]
         clock.mark("target")
@@ -595,7 +596,7 @@ class Pipeline:
             round_index=round_index, request_ids=batch.request_ids, num_drafts=num_drafts,
             num_accepted=verified.num_accepted.tolist(), committed=trim.committed,
             finish_reasons=trim.finish_reasons, batch_size=batch.size, skip_reasons=skip_reasons,
-            sim_time=clock.sim_time(), drawn=trim.consumed, num_asked=k.tolist(),
+            sim_time=clock.sim_time(), drawn=trim.consumed, num_asked=asked,
             **layout.round_fields(accepted))
         hook.specflow_sync_cache(batch=batch, result=result)
         clock.mark("sync")
@@ -615,12 +616,12 @@ class Pipeline:
         batch.node_price = None if price is None else self._check_price(price, batch.size)
         return k, skip_reasons
 
-    def _checked(self, proposal: Proposal, batch: DecodeBatch, k: torch.Tensor,
+    def _checked(self, proposal: Proposal, batch: DecodeBatch, asked: list[int],
                  skip_reasons: list[str | None]):
         """The proposal read to the host and checked (PluginError naming the proposer) ->
         (the proposal to score, its layout, drafts or nodes per row); rows asked for drafts
         that got none get the proposer's reason."""
-        proposal, layout, num_drafts, problem = check_proposal(proposal, batch, k.tolist(),
+        proposal, layout, num_drafts, problem = check_proposal(proposal, batch, asked,
                                                                self.target)
         if problem:
             self._proposer_error(problem)

@@ -109,4 +109,3 @@ def test_the_pipeline_records_what_each_row_was_asked_for():
         for asked, drafted in zip(r.num_asked, r.num_drafts):
             assert drafted <= asked <= 3
     assert any(a > d for r in rounds for a, d in zip(r.num_asked, r.num_drafts))  # no match
-

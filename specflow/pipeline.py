@@ -175,6 +175,10 @@ class Pipeline:
         built = {"target": self.target.describe()}
         if self.ctx._draft is not None:
             built["draft"] = self.ctx._draft.describe()
+        named = self.cfg.get("proposer")
+        proposer = self.pm.get_plugin(f"proposer.{named.name}") if named is not None else None
+        if callable(getattr(proposer, "describe", None)):     # a draft head: its file and dtype
+            built["proposer"] = proposer.describe()
         return built
 
     @property

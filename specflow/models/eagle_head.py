@@ -472,8 +472,11 @@ def _strip(name: str) -> str:
     return name.replace("layers.0.", "midlayer.", 1)
 
 
-def load_head(path: str, target, device: torch.device, dtype: torch.dtype) -> Eagle3Head:
-    """A published (or train-head) EAGLE-3 head folder, checked against `target` (an HFBackend)."""
+def load_head(path: str, target, device: torch.device, dtype: torch.dtype | None) -> Eagle3Head:
+    """A published (or train-head) EAGLE-3 head folder, checked against `target` (an HFBackend),
+    its weights in `dtype` (None: as saved, e.g. float16 for a head `specflow train-head` wrote:
+    a drafting step then reads half the bytes of a float32 one, and the target's states and
+    embedding rows are cast to it on the way in)."""
     from safetensors import safe_open
 
     what = f"proposer.path={path!r}"
@@ -505,6 +508,8 @@ def load_head(path: str, target, device: torch.device, dtype: torch.dtype) -> Ea
                               f"config.json says {tuple(tensor.shape)}; the folder mixes two heads")
     _in_layer_order(shape, weights)
     head.load_state_dict({k: weights[k] for k in expected}, strict=True)
+    if dtype is None:
+        dtype = saved_dtype(weights)
     head.to(device=device, dtype=dtype)
     head.d2t, head.t2d = head.d2t.long(), head.t2d.bool()
     head.check_finite()
@@ -515,6 +520,13 @@ def load_head(path: str, target, device: torch.device, dtype: torch.dtype) -> Ea
     head.eval().requires_grad_(False)
     head.prepare()
     return head
+
+
+def saved_dtype(weights: dict[str, torch.Tensor]) -> torch.dtype:
+    """The floating dtype a head was saved in (its fc weight's; every product weight shares it);
+    float32 for one CPU kernels do not cover (float64, float8)."""
+    saved = weights["fc.weight"].dtype
+    return saved if saved in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
 
 
 def _in_layer_order(shape: HeadShape, weights: dict[str, torch.Tensor]) -> None:

@@ -98,7 +98,8 @@ def test_training_time_test_computes_what_drafting_computes(hf_models, tiny_head
     from specflow.stages.proposers.eagle import EagleProposer, EagleProposerConfig
     from specflow.training.ttt import chain_attention
 
-    pipe = pipeline(hf_models, "proposer=eagle", f"proposer.path={tiny_head[0]}")
+    pipe = pipeline(hf_models, "proposer=eagle", f"proposer.path={tiny_head[0]}",
+                    "proposer.dtype=float32")     # the training forward's dtype, to 1e-5
     prop = next(p for p in pipe.pm.get_plugins() if isinstance(p, EagleProposer))
     head = prop.head
     T, steps = 10, 3
@@ -140,6 +141,32 @@ def test_greedy_eagle_equals_greedy_plain(hf_models, tiny_head, batch, forward):
     s = pipe.last_stats
     assert s["num_draft_tokens"] > 0 and s["num_accepted_tokens"] > 0
     assert pipe.hidden_layers == tuple(pipe.pm.get_plugin("proposer.eagle").layers)
+
+
+def test_a_head_drafts_in_the_dtype_it_was_saved_in_unless_told(hf_models, tiny_head):
+    """train-head saves float16: auto drafts in it (half the bytes a step reads), an explicit
+    proposer.dtype overrides, metrics say which, and greedy output is plain decoding's either way
+    (draft numerics only change how often drafts are accepted)."""
+    from specflow.models.eagle_head import saved_dtype
+
+    plain = pipeline(hf_models, "proposer=none")
+    expected = [r.token_ids for r in plain.generate(PROMPTS[:4], max_new_tokens=24)]
+    for setting, dtype in (("auto", torch.float16), ("float32", torch.float32),
+                           ("bfloat16", torch.bfloat16)):
+        pipe = pipeline(hf_models, "proposer=eagle", f"proposer.path={tiny_head[0]}",
+                        f"proposer.dtype={setting}")
+        head = pipe.pm.get_plugin("proposer.eagle").head
+        assert {p.dtype for p in head.parameters()} == {dtype}
+        assert pipe.backends["proposer"]["dtype"] == str(dtype).removeprefix("torch.")
+        assert [r.token_ids for r in pipe.generate(PROMPTS[:4], max_new_tokens=24)] == expected
+        assert pipe.last_stats["num_accepted_tokens"] > 0
+    assert saved_dtype({"fc.weight": torch.zeros(2, dtype=torch.float64)}) == torch.float32
+    assert saved_dtype({"fc.weight": torch.zeros(2, dtype=torch.bfloat16)}) == torch.bfloat16
+
+
+def test_an_unknown_head_dtype_is_one_line(hf_models, tiny_head):
+    with pytest.raises(ConfigError, match=r"proposer.dtype='fp8'; use auto .* float16$"):
+        pipeline(hf_models, "proposer=eagle", f"proposer.path={tiny_head[0]}", "proposer.dtype=fp8")
 
 
 def test_states_are_released_with_their_requests(hf_models, tiny_head):

@@ -36,6 +36,11 @@ from specflow.stages.tree import no_branch_pays, tree_budget
 from specflow.state import Proposal
 
 
+# proposer.dtype: None = the head's weights as saved (draft numerics never change the output's
+# distribution, only how often drafts are accepted)
+HEAD_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,
+               "float16": torch.float16}
+
 
 @dataclass
 class EagleProposerConfig:
@@ -44,10 +49,14 @@ class EagleProposerConfig:
     path: str | None = None      # an EAGLE-3 head folder; null = the shipped demo head (demo target)
     topk: int = 1                # > 1: an EAGLE-2 tree, each node's topk likeliest children
     num_draft_tokens: int | None = None   # nodes per row in a tree (default k)
+    dtype: str = "auto"          # the head's weights: auto (as saved) | float32 | bfloat16 | float16
 
     def __post_init__(self) -> None:
         if self.k < 0:
             raise ConfigError(f"proposer.k={self.k} must be >= 0 (0 = no drafting)")
+        if self.dtype not in HEAD_DTYPES:
+            raise ConfigError(f"proposer.dtype={self.dtype!r}; use auto (the head as saved), "
+                              f"float32, bfloat16 or float16")
         self.nodes = tree_budget(self.k, self.topk, self.num_draft_tokens)
 
 
@@ -65,7 +74,8 @@ class EagleProposer:
         if path is None:
             raise missing_head(target.path)
         self.cfg = cfg
-        self.head = load_head(path, target, target.device, target.model.dtype)
+        self.path = path
+        self.head = load_head(path, target, target.device, HEAD_DTYPES[cfg.dtype])
         self.layers = tuple(self.head.shape.layer_ids)    # read in layer order (load_head)
         self.cache = SlotKVCache(1, ctx.slots, (target.max_length or 1 << 16) + 64)
         self.pending: dict[int, list] = {}    # slot -> [(first position, [n, nE]), ...]
@@ -75,6 +85,12 @@ class EagleProposer:
         self.target_length = target.max_length
         self.trees: dict[int, DraftTree] = {}       # by slot, this round's tree rows
         self.calibration = Calibration(cfg.topk)    # head q -> acceptance, learned online
+
+    def describe(self) -> dict:
+        """The head that drafts (metrics.json `backends.proposer`)."""
+        dtype = str(self.head.fc.weight.dtype).removeprefix("torch.")
+        return {"head": str(self.path), "dtype": dtype,
+                "draft_vocab_size": self.head.shape.draft_vocab_size}
 
     @torch.inference_mode()
     def step_seconds(self, rows: int, reps: int = 5, context: int = 64, positions: int = 1) -> float:

@@ -97,6 +97,10 @@ def specflow_propose(batch: "DecodeBatch", k: "torch.Tensor") -> "Proposal | Non
     parent's q) and sets ``parents`` [B, N]: -1 for a child of the root, else the index of an
     earlier node; k is then each row's depth. A model proposer shapes its logits with
     ``batch.shape(...)`` so processors and constraints apply as they do to the target.
+    A chain proposer that drafts on a device and knows how many drafts each row holds (its k)
+    sets ``draft_counts`` (a host list [B]): the round then scores the drafts where they are and
+    checks them on the device, and reads the device once, after verification; without it the
+    drafts are read to the host to be counted.
     The first non-None result wins.
     """
 

@@ -8,10 +8,13 @@ queue at the next round, and every row has its own k, its own length and its own
 
 Host syncs (device to host reads): at most two per round, and none inside stages' tensor work.
 1. the drafts, once, after the proposer (`Proposal.host_draft_token_ids`): the target pass's
-   inputs, lengths and cache bookkeeping are per-row ints (none when drafts are made on the host,
-   as the n-gram proposer does);
-2. the verifier's output and the empty-row flags, in one read after verification
-   (`Pipeline._to_host`): which rows finish and what is committed decide the next round.
+   inputs, lengths and cache bookkeeping are per-row ints. None when drafts are made on the host
+   (the n-gram proposer), and none for a chain whose proposer counted its drafts
+   (`Proposal.draft_counts`: the draft model's and the EAGLE head's chains): the pass takes the
+   drafts where they are, and they are checked on the device;
+2. the verifier's output, the empty-row flags and those device checks, in one read after
+   verification (`Pipeline._to_host`): which rows finish and what is committed decide the next
+   round.
 Asking for logprobs adds one read of the committed tokens' logprobs. tests/test_host_syncs.py
 counts them with a probe.
 """
@@ -38,7 +41,7 @@ from specflow.stages.empty_rows import EmptyDistributionError, EmptyRowLog, Shap
 from specflow.stages.logits import is_greedy
 from specflow.stages.request_settings import check_request_sampling
 from specflow.stages.score import TargetScorer
-from specflow.stages.layout import along_paths, check_proposal
+from specflow.stages.layout import along_paths, check_proposal, deferred_problem
 from specflow.stages.tree import scored_nodes, tree_width
 from specflow.state import DecodeBatch, Proposal, RoundResult, Scores, ShapingBatch, VerifyOutput
 
@@ -581,11 +584,13 @@ class Pipeline:
         clock.mark("propose", less=proposal.catch_up_seconds)
         logits = self._score(batch, proposal)                                      # [B, P, V]
         clock.mark("target")
-        # the drafts as the host read them: prefix processors and grammars walk them on the host
-        shaped = layout.shape(self.shape, logits, batch, proposal.host_draft_token_ids())
+        # prefix processors and grammars walk the drafts on the host (read once if on a device)
+        shaped = layout.shape(self.shape, logits, batch, proposal.round_drafts())
         probs = shaped if batch.greedy else shaped.softmax(-1)   # greedy reads only the argmax
         verified = hook.specflow_verify(batch=batch, proposal=proposal, target_probs=probs)
-        verified = self._to_host(verified)                 # host sync 2: what the round decided
+        verified, flagged = self._to_host(verified, proposal)   # what the round decided
+        if flagged is not None and any(flagged):    # a counted chain's drafts were bad
+            self._proposer_error(deferred_problem(proposal, flagged, batch, asked, self.target))
         clock.mark("verify")
         trim = hook.specflow_trim(batch=batch, verified=verified)
         accepted = layout.accepted_paths(verified)
@@ -645,16 +650,21 @@ class Pipeline:
             self.hook.specflow_target_states(states=states)
         return scores.logits
 
-    def _to_host(self, verified: VerifyOutput) -> VerifyOutput:
-        """The verifier's output and this round's empty-row flags, moved to the host in one read.
+    def _to_host(self, verified: VerifyOutput, proposal: Proposal
+                 ) -> tuple[VerifyOutput, list[bool] | None]:
+        """The verifier's output, this round's empty-row flags and a counted chain's draft
+        checks (stages/layout.py), moved to the host in one read -> (the output, the rows whose
+        drafts failed the check, or None when the drafts were checked on the host).
 
         Everything after verification (stop checks, the empty-row check, commits, cache sync,
         policies) is host logic over a handful of ints per row; reading them together makes the
-        round's second and last host sync (the first reads the drafts: host_draft_token_ids).
+        round's last host sync (and its only one when the drafts stayed on the device).
         """
         calls = self.empty_rows.calls
+        checks = proposal._unchecked[0] if proposal._unchecked is not None else None
         outputs = [verified.out_token_ids, verified.num_accepted, verified.accepted_nodes]
-        parts = [p for p in outputs if p is not None] + [c.unusable for c in calls]
+        parts = [p for p in outputs if p is not None] + [c.unusable for c in calls] + \
+            ([checks] if checks is not None else [])
         device = verified.out_token_ids.device
         flat = torch.cat([p.to(device).long().flatten() for p in parts]).cpu()         # [N]
         pieces = iter(piece.view(p.shape) for piece, p in
@@ -662,7 +672,8 @@ class Pipeline:
         host = [None if p is None else next(pieces) for p in outputs]
         for call in calls:
             call.unusable = next(pieces).bool()
-        return VerifyOutput(*host)
+        flagged = None if checks is None else next(pieces).bool().tolist()
+        return VerifyOutput(*host), flagged
 
     def record_logprobs(self, rows: list[Row], shaped: torch.Tensor,
                          committed: list[list[int]],

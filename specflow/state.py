@@ -114,7 +114,16 @@ class Proposal:
     catch_up_seconds: float = 0.0             # host time spent caching rows' context before the
                                               # draft steps (a new row's prompt): recorded as the
                                               # round's prefill, not as drafting
+    draft_counts: list[int] | None = None     # [B] host: drafts per row, for a chain whose
+                                              # proposer knows them without reading the device
+                                              # (the k it drafted each row): the round then
+                                              # scores the drafts where they are and checks them
+                                              # in its one read after verification; None: the
+                                              # round reads the drafts to count them
     _host: tuple | None = field(default=None, init=False, repr=False, compare=False)
+    # a counted chain's checks, [B] bool on the drafts' device (stages/layout.py), read with
+    # the verifier's output, and the drafts as the proposer returned them
+    _unchecked: tuple | None = field(default=None, init=False, repr=False, compare=False)
     # how the drafts are laid out (stages/layout.py: ChainLayout or TreeLayout), set when the
     # pipeline checks the proposal; stages read it through stages.layout.layout_of
     layout: Any = field(default=None, repr=False, compare=False)
@@ -130,6 +139,20 @@ class Proposal:
         if self._host is None or self._host[0] is not ids:
             self._host = (ids, ids.cpu())
         return self._host[1]
+
+    def host_counts(self) -> list[int]:
+        """Drafts (or nodes) per row on the host: the proposer's count, else read from the
+        drafts (the host copy the round's check already made)."""
+        if self.draft_counts is not None:
+            return list(self.draft_counts)
+        return (self.host_draft_token_ids() != PAD).sum(-1).tolist()
+
+    def round_drafts(self) -> torch.Tensor:
+        """The drafts [B, K] the round's tensor work takes: where the proposer made them when it
+        counted them (no host read), else the host copy."""
+        if self.draft_counts is not None and self.parents is None:
+            return self.draft_token_ids
+        return self.host_draft_token_ids()
 
     def as_chain(self) -> "Proposal":
         """The same drafts as a chain proposal (for a tree whose every row is one path: node i's

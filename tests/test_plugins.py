@@ -254,20 +254,30 @@ def test_out_of_memory_passes_through_unchanged(make_pipeline):
         make_pipeline(plugins=[Hungry()]).generate(["ab"], max_new_tokens=4)
 
 
-@pytest.mark.parametrize("drafts,message", [
-    ([[3, -1, 4]], "padding \\(-1\\) between drafts"),
-    ([[3, 10_000]], "token ids outside the vocabulary"),
+@pytest.mark.parametrize("drafts,counts,message", [
+    ([[3, -1, 4]], None, "padding \\(-1\\) between drafts"),
+    ([[3, 10_000]], None, "token ids outside the vocabulary"),
+    # counted drafts stay on the device and are checked there, read with the verifier's
+    # output: the same lines, before anything is committed
+    ([[3, -1, 4]], [3], "padding \\(-1\\) between drafts"),
+    ([[3, 10_000]], [2], "token ids outside the vocabulary"),
+    ([[3, -7]], [2], "token ids outside the vocabulary"),
+    ([[3, 4]], [1], r"said its rows \[0\] hold \[1\] drafts \(draft_counts\) but returned \[2\]"),
+    ([[3, 4]], [3], r"draft_counts=\[3\] for 1 rows of at most 2 drafts"),
+    ([[3, 4, 5, 6, 7, 8]], [6], "returned 6 drafts for a row given k=4"),
 ])
-def test_malformed_drafts_are_refused(make_pipeline, drafts, message):
+def test_malformed_drafts_are_refused(make_pipeline, drafts, counts, message):
     from specflow.state import Proposal
 
     class Bad:
         @hookimpl
         def specflow_propose(self, batch, k):
-            return Proposal(torch.tensor(drafts))
+            return Proposal(torch.tensor(drafts), draft_counts=counts)
 
-    with pytest.raises(PluginError, match=message):
-        make_pipeline("proposer=draft", plugins=[Bad()]).generate(["ab"], max_new_tokens=20)
+    pipe = make_pipeline("proposer=draft", plugins=[Bad()])
+    with pytest.raises(PluginError, match=message) as info:
+        pipe.generate(["ab"], max_new_tokens=20)
+    assert "\n" not in str(info.value)
 
 
 def test_a_search_path_in_hydras_slash_form_works_and_a_broken_one_names_the_plugin(plugin_env):

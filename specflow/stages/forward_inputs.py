@@ -15,27 +15,35 @@ from specflow.state import PAD
 
 
 def uncached_inputs(token_ids: list[list[int]], cached: list[int],
-                    drafts: torch.Tensor | None = None):
+                    drafts: torch.Tensor | None = None, counts: list[int] | None = None):
     """A pass's inputs: each row's committed tokens not yet in a cache (at least its last one),
-    then its drafts (host [B, K], PAD after each row's own), right-padded.
+    then its drafts ([B, K], PAD after each row's own; on the host, or on the device with
+    `counts`, each row's number of drafts, so that nothing is read), right-padded.
 
-    -> (inputs [B, T] long, lens [B] long, last [B] long: the index of each row's last committed
-    token, whose output predicts the first draft; output last + j follows draft j)."""
+    -> (inputs [B, T] long, on the drafts' device; lens [B] long and last [B] long on the host:
+    last is the index of each row's last committed token, whose output predicts the first
+    draft; output last + j follows draft j)."""
     # a cache is never ahead of the committed tokens; one that was never rolled back (the fault
     # the tests inject) still has to be fed the last committed token
     pending = [ids[min(n, len(ids) - 1):] for ids, n in zip(token_ids, cached)]
     n_pending = torch.tensor([len(p) for p in pending], dtype=torch.long)            # [B]
     K = 0 if drafts is None else drafts.shape[1]
-    k = torch.zeros_like(n_pending) if drafts is None else (drafts != PAD).sum(-1)   # [B]
+    if drafts is None:
+        k = torch.zeros_like(n_pending)                                              # [B]
+    elif counts is not None:
+        k = torch.tensor(counts, dtype=torch.long)                                   # [B]
+    else:
+        k = (drafts != PAD).sum(-1)                                                  # [B] host
     if all(len(p) == 1 for p in pending):   # the steady state: only the last token each
         first = torch.tensor([p[0] for p in pending], dtype=torch.long)[:, None]    # [B, 1]
-        inputs = first if drafts is None else torch.cat([first, drafts], 1)         # [B, 1+K]
-        return inputs, k + 1, torch.zeros_like(k)
+        inputs = first if drafts is None else torch.cat([first.to(drafts.device), drafts], 1)
+        return inputs, k + 1, torch.zeros_like(k)                                   # [B, 1+K]
     inputs = torch.full((len(pending), int(n_pending.max()) + K), PAD, dtype=torch.long)
     for b, p in enumerate(pending):
         inputs[b, :len(p)] = torch.tensor(p, dtype=torch.long)
     if K:      # drafts go right after each row's own pending tokens
-        inputs.scatter_(1, n_pending[:, None] + torch.arange(K)[None, :], drafts)    # [B, P+K]
+        at = n_pending[:, None] + torch.arange(K)[None, :]                           # [B, K]
+        inputs = inputs.to(drafts.device).scatter_(1, at.to(drafts.device), drafts)  # [B, P+K]
     return inputs, n_pending + k, n_pending - 1
 
 

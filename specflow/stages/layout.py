@@ -61,12 +61,56 @@ class ChainLayout:
 
 
 def check_proposal(proposal: Proposal, batch, ks: list[int], target):
-    """Read the drafts to the host (the round's first host sync) and check them.
+    """Check the drafts: on the host (the round's first host sync: the drafts are read), or for
+    a chain whose proposer counted its drafts (`Proposal.draft_counts`), on the device, read
+    with the verifier's output (`deferred_problem` then says what was wrong).
 
     -> (the proposal to score (a tree of single paths becomes its chain), its layout, the
     number of drafts or nodes per row, and what is wrong with it or None). Checks: drafts packed
     at the front of each row (PAD only after them), inside the vocabulary, at most k per row
     (a tree: depth at most k, parents before children, nodes within the context left)."""
+    if proposal.draft_counts is not None and proposal.parents is None:
+        return _check_counted(proposal, ks, target.vocab_size)
+    return _check_on_host(proposal, batch, ks, target)
+
+
+def _check_counted(proposal: Proposal, ks: list[int], vocab_size: int):
+    """A counted chain: the counts are checked against k here, the drafts against the counts
+    and the vocabulary on their device, without a read. The round scores the drafts clamped
+    into the vocabulary (a bad id fails the round at its end, not inside the pass)."""
+    counts = list(proposal.draft_counts)
+    ids = proposal.draft_token_ids                                                    # [B, K]
+    B, K = ids.shape
+    if len(counts) != B or any(not 0 <= n <= K for n in counts):
+        problem = (f"returned draft_counts={counts} for {B} rows of at most {K} drafts; "
+                   f"give each row's number of drafts, or None")
+        return proposal, None, [0] * B, problem
+    layout = ChainLayout(counts)
+    problem = layout.check(ks, [])
+    if problem is None:
+        expected = torch.arange(K)[None, :] < torch.tensor(counts)[:, None]            # [B, K]
+        bad = ((ids != PAD) != expected.to(ids.device)) | (ids < PAD) | (ids >= vocab_size)
+        proposal._unchecked = (bad.any(-1), ids)                                      # [B]
+        proposal.draft_token_ids = ids.clamp(PAD, vocab_size - 1)                    # [B, K]
+        proposal.layout = layout
+    return proposal, layout, counts, problem
+
+
+def deferred_problem(proposal: Proposal, flagged: list[bool], batch, ks: list[int],
+                     target) -> str:
+    """What the device check of a counted chain found (`flagged`: its rows, read to the host),
+    in the words the host check uses."""
+    _, raw = proposal._unchecked
+    host = Proposal(raw, proposal.draft_probs, proposal.skip_reasons)
+    _, _, num_drafts, problem = _check_on_host(host, batch, ks, target)
+    if problem is None:
+        rows = [b for b, bad in enumerate(flagged) if bad]
+        problem = (f"said its rows {rows} hold {[proposal.draft_counts[b] for b in rows]} "
+                   f"drafts (draft_counts) but returned {[num_drafts[b] for b in rows]}")
+    return problem
+
+
+def _check_on_host(proposal: Proposal, batch, ks: list[int], target):
     from specflow.stages.tree import check_parents
 
     vocab_size, limit = target.vocab_size, target.max_length
@@ -100,8 +144,8 @@ def layout_of(proposal: Proposal):
     """The proposal's layout (a ChainLayout, or a TreeLayout for one with parents, checked
     beforehand: the pipeline does), built on the host once and kept on the proposal."""
     if proposal.layout is None:
-        ids = proposal.host_draft_token_ids()
-        num_nodes = (ids != PAD).sum(-1).tolist()
+        num_nodes = proposal.host_counts() if proposal.parents is None else \
+            (proposal.host_draft_token_ids() != PAD).sum(-1).tolist()
         if proposal.parents is None:
             proposal.layout = ChainLayout(num_nodes)
         else:

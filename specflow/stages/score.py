@@ -35,24 +35,25 @@ class TargetScorer:
 
     @hookimpl
     def specflow_score(self, batch, proposal):
-        drafts = proposal.host_draft_token_ids()                           # [B, K] inputs are
-                                                                           # built on the host
         hidden: list[HiddenStates] = []
         if proposal.parents is not None:
-            logits = self._score_tree(batch, proposal, drafts, hidden)
-        else:
-            logits = self._score_chain(batch, drafts, hidden)
+            drafts = proposal.host_draft_token_ids()          # [B, N] trees are laid out on
+            logits = self._score_tree(batch, proposal, drafts, hidden)           # the host
+        else:      # drafts a proposer counted stay where it made them; else the host copy
+            logits = self._score_chain(batch, proposal.round_drafts(), proposal.host_counts(),
+                                       hidden)
         return Scores(logits, hidden) if self.hidden_layers else logits
 
-    def _score_chain(self, batch, drafts, hidden):
+    def _score_chain(self, batch, drafts, counts: list[int], hidden):
         B, K = drafts.shape
         cached = [self.target.cache_length(s) for s in batch.slots.tolist()]
-        inputs, lens, last = uncached_inputs(batch.token_ids, cached, drafts)       # [B, P+K]
+        inputs, lens, last = uncached_inputs(batch.token_ids, cached, drafts, counts)  # [B, P+K]
         logits = self._forward(batch.slots, inputs, lens, hidden)                  # [B, P+K, V]
         if inputs.shape[1] == K + 1:    # steady state: each row lacked only its last token
             return logits                                                           # [B, K+1, V]
         # position j of the verifier = the last committed token (j = 0) or draft j
         pick = (last[:, None] + torch.arange(K + 1)[None, :]).clamp(max=inputs.shape[1] - 1)
+        pick = pick.to(logits.device)                                               # [B, K+1]
         return logits.gather(1, pick[..., None].expand(B, K + 1, logits.shape[-1]))  # [B, K+1, V]
 
     def _score_tree(self, batch, proposal, drafts, hidden):

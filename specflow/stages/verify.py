@@ -171,8 +171,7 @@ class StandardVerifier:
                 greedy=batch.greedy, generator=None if batch.greedy else batch.generators,
                 layout=layout_of(proposal))
             return VerifyOutput(out, num_accepted, path)
-        num_drafts = None if batch.greedy else \
-            (proposal.host_draft_token_ids() != PAD).sum(-1).tolist()     # host: no device read
+        num_drafts = None if batch.greedy else proposal.host_counts()    # host: no device read
         out, num_accepted = verify(proposal.draft_token_ids, target_probs, proposal.draft_probs,
                                    greedy=batch.greedy,
                                    generator=None if batch.greedy else batch.generators,

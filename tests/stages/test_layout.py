@@ -33,6 +33,32 @@ def test_a_chain_is_checked_and_laid_out_as_one():
     assert "outside the vocabulary [0, 50)" in check([[7, 80, PAD], [9, PAD, PAD]])[3]
 
 
+def test_a_counted_chain_is_checked_without_reading_its_drafts():
+    """draft_counts: the layout comes from the counts, the drafts are checked on their device
+    (flags read later with the verifier's output) and scored clamped into the vocabulary."""
+    from specflow.stages.layout import deferred_problem
+
+    good = Proposal(torch.tensor([[7, 8, PAD], [9, PAD, PAD]]), draft_counts=[2, 1])
+    proposal, layout, n, problem = check_proposal(good, Rows(), [3, 3], Target())
+    assert problem is None and layout.num_nodes == [2, 1] and n == [2, 1]
+    assert proposal._host is None                         # nothing was read to the host
+    assert proposal._unchecked[0].tolist() == [False, False]
+    bad = Proposal(torch.tensor([[7, 80, PAD], [9, PAD, PAD]]), draft_counts=[2, 1])
+    proposal, layout, n, problem = check_proposal(bad, Rows(), [3, 3], Target())
+    assert problem is None and proposal._unchecked[0].tolist() == [True, False]
+    assert proposal.draft_token_ids.tolist() == [[7, 49, PAD], [9, PAD, PAD]]
+    assert "outside the vocabulary [0, 50)" in deferred_problem(proposal, [True, False], Rows(),
+                                                                [3, 3], Target())
+    short = Proposal(torch.tensor([[7, 8, PAD], [9, PAD, PAD]]), draft_counts=[1, 1])
+    proposal, *_ = check_proposal(short, Rows(), [3, 3], Target())
+    assert proposal._unchecked[0].tolist() == [True, False]
+    assert "rows [0] hold [1] drafts (draft_counts) but returned [2]" in deferred_problem(
+        proposal, [True, False], Rows(), [3, 3], Target())
+    assert "never more" in check_proposal(
+        Proposal(torch.tensor([[7, 8, 9], [9, PAD, PAD]]), draft_counts=[3, 1]), Rows(), [2, 3],
+        Target())[3]
+
+
 def test_a_tree_of_single_paths_is_scored_as_a_chain_but_keeps_its_tree_record():
     proposal, layout, n, problem = check([[7, 8], [9, PAD]], parents=[[-1, 0], [-1, PAD]])
     assert problem is None and isinstance(layout, TreeLayout) and layout.is_chain

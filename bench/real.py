@@ -1,5 +1,6 @@
 """`make bench-real`: SmolLM2-135M-Instruct, a real model whose pass is bound by reading its
-weights, against HF generate on the same weights and prompts, in one run.
+weights, against HF generate on the same weights and prompts, in one run (`--model demo`: the
+same arms on the demo pair, 12 held-out code prompts, against llama.cpp on the demo target).
 
 Greedy, fp32, batch 1, 12 held-out prompts (6 code from the demo prompt file, 6 chat from
 MT-Bench through the model's chat template) x 128 new tokens, arms interleaved prompt by prompt:
@@ -8,7 +9,7 @@ is found: the shipped one or --head), and none in bfloat16 where the CPU has AMX
 AVX512-BF16; llama.cpp's plain decoding (1 and 2 threads) and its n-gram lookup on the same
 weights as an f32 GGUF, where `make llama-cpp` has built it (bench/llamacpp.py). Then `none` at
 16 concurrent requests against batch 1, and `policy=goodput` at batch 1 and 16. Writes
-bench/results/real.{json,md}.
+bench/results/real.{json,md} (real_demo.{json,md} for the demo pair).
 """
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ LLAMA_CPP = ROOT / "build" / "llama.cpp"
 def chat_prompts(tokenizer, n: int) -> list[str]:
     """The last n MT-Bench first turns shipped in specflow/data, through the model's chat
     template (as workload=mt_bench wraps them)."""
+    if n <= 0:
+        return []
     rows = read_prompt_file(str(ROOT / "specflow" / "data" / "mt_bench_subset.jsonl"), "prompt")
     return apply_chat_template(rows[-n:], tokenizer, "on")
 
@@ -76,6 +79,7 @@ def bf16_cpu() -> bool:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=("smollm2", "demo"), default="smollm2")
     ap.add_argument("--prompts", type=int, default=12)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
@@ -83,19 +87,22 @@ def main() -> None:
     ap.add_argument("--head", default=None, help="an EAGLE-3 head folder for SmolLM2")
     ap.add_argument("--llama-cpp", default=str(LLAMA_CPP / "build" / "bin"),
                     help="llama.cpp's binaries (make llama-cpp); skipped when absent")
-    ap.add_argument("--llama-gguf", default=str(LLAMA_CPP / "smollm2-f32.gguf"))
+    ap.add_argument("--llama-gguf", default=None,
+                    help="the same weights as an f32 GGUF (default: make llama-cpp's)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     N = args.new_tokens
-    base = ["model=smollm2", "show_progress=false", f"threads={args.threads}"]
+    demo = args.model == "demo"
+    gguf = args.llama_gguf or str(LLAMA_CPP / f"{args.model}-f32.gguf")
+    base = [f"model={args.model}", "show_progress=false", f"threads={args.threads}"]
     plain = Pipeline.from_config([*base, "proposer=none", "max_batch_size=1"])
     tok, model = plain.tokenizer.tok, plain.target.model
-    half = args.prompts // 2
+    half = args.prompts if demo else args.prompts // 2   # the demo target has no chat template
     code = read_prompt_file(str(DEMO_DIR / "prompts.jsonl"), "prompt")[:half]
     prompts = code + chat_prompts(plain.tokenizer, args.prompts - half)
 
-    head = args.head or str(ROOT / "specflow" / "models" / "smollm2" / "eagle")
+    head = args.head or str(ROOT / "specflow" / "models" / args.model / "eagle")
     have_head = (pathlib.Path(head) / "config.json").is_file()
     k = args.k
     sf_arms = {"specflow none": ["proposer=none"],
@@ -132,9 +139,9 @@ def main() -> None:
     if (pathlib.Path(args.llama_cpp) / "llama-completion").is_file():
         for t in sorted({1, args.threads}):
             arms[f"llama.cpp plain ({t} thread{'s' if t > 1 else ''})"] = \
-                llama_plain(LlamaCpp(args.llama_cpp, args.llama_gguf, threads=t), N)
+                llama_plain(LlamaCpp(args.llama_cpp, gguf, threads=t), N)
         arms["llama.cpp lookup (1 thread)"] = \
-            llama_lookup(LlamaCpp(args.llama_cpp, args.llama_gguf, threads=1), N, k)
+            llama_lookup(LlamaCpp(args.llama_cpp, gguf, threads=1), N, k)
     else:
         console.print(f"[dim]no llama.cpp at {args.llama_cpp} (make llama-cpp): its arms are "
                       f"left out[/]")
@@ -173,7 +180,8 @@ def main() -> None:
                "vs_llama_cpp": med / llama if llama else None,
                "same_as_none": sum(a == b for a, b in zip(outputs[name], ref)) / len(ref),
                "code_tokens_per_s": statistics.median(speeds[name][:half]),
-               "chat_tokens_per_s": statistics.median(speeds[name][half:])}
+               "chat_tokens_per_s": statistics.median(speeds[name][half:])
+               if half < len(prompts) else None}
         if passes:
             row["tau"] = sum(s["num_committed_tokens"] for s in st) / passes
         rows.append(row)
@@ -197,10 +205,13 @@ def main() -> None:
 
     env = {"cpu": platform.processor() or platform.machine(), "threads": args.threads,
            "torch": torch.__version__, "prompts": len(prompts), "new_tokens": N, "k": k,
-           "head": head if have_head else None}
+           "head": head if have_head else None, "model": args.model}
     out = pathlib.Path(args.out)
-    atomic_write_json(out / "real.json", {"env": env, "arms": rows, "batch": batch_rows})
-    lines = [f"SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to fp32), cpu, {args.threads} threads,"
+    name = "real_demo" if demo else "real"
+    atomic_write_json(out / f"{name}.json", {"env": env, "arms": rows, "batch": batch_rows})
+    what = "The demo pair's target (fp32)" if demo else \
+        "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to fp32)"
+    lines = [f"{what}, cpu, {args.threads} threads,"
              f" torch {torch.__version__}; llama.cpp on the same weights as an f32 GGUF; "
              f"{len(prompts)} prompts ({half} code, "
              f"{len(prompts) - half} chat) x {N} new tokens, greedy, batch 1, k = {k}; medians "
@@ -210,9 +221,10 @@ def main() -> None:
     for r in rows:
         tau = f"{r['tau']:.2f}" if "tau" in r else "-"
         vs_llama = f"{r['vs_llama_cpp']:.2f}x" if r["vs_llama_cpp"] else "-"
+        chat = "-" if r["chat_tokens_per_s"] is None else f"{r['chat_tokens_per_s']:.1f}"
         lines.append(f"| {r['arm']} | {r['tokens_per_s']:.1f} | {r['vs_none']:.2f}x | "
                      f"{r['vs_hf']:.2f}x | {vs_llama} | {r['code_tokens_per_s']:.1f} | "
-                     f"{r['chat_tokens_per_s']:.1f} | {r['same_as_none']:.0%} | {tau} |")
+                     f"{chat} | {r['same_as_none']:.0%} | {tau} |")
     lines += ["", f"| arm | batch | tokens/s (16 requests x {N // 2} tokens) | vs batch 1 | "
               f"prefill s | decoding tokens/s | vs batch 1 |", "|---|---:|---:|---:|---:|---:|---:|"]
     for r in batch_rows:
@@ -221,7 +233,7 @@ def main() -> None:
                      f"{r['tokens_per_s'] / one['tokens_per_s']:.2f}x | {r['prefill_s']:.2f} | "
                      f"{r['decode_tokens_per_s']:.1f} | "
                      f"{r['decode_tokens_per_s'] / one['decode_tokens_per_s']:.2f}x |")
-    atomic_write_text(out / "real.md", "\n".join(lines) + "\n")
+    atomic_write_text(out / f"{name}.md", "\n".join(lines) + "\n")
     console.print("\n".join(lines))
 
 

@@ -33,41 +33,34 @@ class LlamaCpp:
         if not pathlib.Path(gguf).is_file():
             raise SystemExit(f"--llama-gguf {gguf} is not a file; run make llama-cpp")
 
-    def _run(self, tool: str, prompt: str, new_tokens: int, extra: list[str]) -> tuple[str, str]:
+    def _run(self, tool: str, prompt: str, new_tokens: int, extra: list[str], timings):
+        """-> (stdout, the `timings` regex's match in stderr). Once in a while a tool exits 0
+        before printing its timings: such a run is retried once."""
         # -p, not -f: a prompt file loses its last newline (a chat prompt's, after
         # "assistant"); --no-escape keeps a code prompt's backslashes as they are
         # passive waits: spinning OpenMP threads starve anything else on a 2-core machine
         env = {**os.environ, "OMP_WAIT_POLICY": "passive"}
-        proc = subprocess.run(
-            [str(self.bin / tool), "-m", self.gguf, "-p", prompt, "--no-escape",
-             "-n", str(new_tokens), "--temp", "0", "-t", str(self.threads),
-             "-c", str(self.context), "--ignore-eos", *extra],
-            capture_output=True, text=True, env=env, timeout=600)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{tool} exited {proc.returncode}: {proc.stderr[-400:]}")
-        return proc.stdout, proc.stderr
+        for _ in range(2):
+            proc = subprocess.run(
+                [str(self.bin / tool), "-m", self.gguf, "-p", prompt, "--no-escape",
+                 "-n", str(new_tokens), "--temp", "0", "-t", str(self.threads),
+                 "-c", str(self.context), "--ignore-eos", *extra],
+                capture_output=True, text=True, env=env, timeout=600)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{tool} exited {proc.returncode}: {proc.stderr[-400:]}")
+            if (m := timings.search(proc.stderr)) is not None:
+                return proc.stdout, m
+        raise RuntimeError(f"{tool} printed no timings: {proc.stderr[-400:]}")
 
     def plain(self, prompt: str, new_tokens: int) -> tuple[str, int, float]:
         """(generated text, tokens, seconds of prompt evaluation + decoding)."""
-        for _ in range(2):     # once in a while it exits 0 before printing its timings: retry
-            out, err = self._run("llama-completion", prompt, new_tokens,
-                                 ["-no-cnv", "--no-display-prompt"])
-            m = PLAIN.search(err)
-            if m is not None:
-                break
-        if m is None:
-            raise RuntimeError(f"llama-completion printed no timings: {err[-400:]}")
+        out, m = self._run("llama-completion", prompt, new_tokens,
+                           ["-no-cnv", "--no-display-prompt"], PLAIN)
         return out, int(m.group(3)) + 1, (float(m.group(1)) + float(m.group(2))) / 1e3
 
     def lookup(self, prompt: str, new_tokens: int, draft_max: int) -> tuple[str, int, float]:
         """llama-lookup (prompt n-grams, at most draft_max drafted): (text with the prompt,
         tokens decoded, seconds encoding + decoding)."""
-        for _ in range(2):     # as plain(): retry a run that printed no timings
-            out, err = self._run("llama-lookup", prompt, new_tokens,
-                                 ["--spec-draft-n-max", str(draft_max)])
-            m = LOOKUP.search(err)
-            if m is not None:
-                break
-        if m is None:
-            raise RuntimeError(f"llama-lookup printed no timings: {err[-400:]}")
+        out, m = self._run("llama-lookup", prompt, new_tokens,
+                           ["--spec-draft-n-max", str(draft_max)], LOOKUP)
         return out, int(m.group(2)), float(m.group(1)) + float(m.group(3))

@@ -67,8 +67,8 @@ class EagleProposerConfig:
         if self.k < 0:
             raise ConfigError(f"proposer.k={self.k} must be >= 0 (0 = no drafting)")
         if self.dtype not in HEAD_DTYPES:
-            raise ConfigError(f"proposer.dtype={self.dtype!r}; use auto (the head as saved), "
-                              f"float32, bfloat16 or float16")
+            raise ConfigError(f"proposer.dtype={self.dtype!r}; use auto (the head as saved, or the target's "
+                              f"16-bit dtype), float32, bfloat16 or float16")
         self.nodes = tree_budget(self.k, self.topk, self.num_draft_tokens)
 
 

@@ -171,7 +171,7 @@ class Proposal:
         None): PAD and zero q in the other rows, each with its reason in `reasons`."""
         if len(rows) == batch_size:
             return cls(drafts, probs, parents=parents)
-        full = cls.empty(batch_size, drafts.shape[1], device=drafts.device)
+        full = cls(drafts.new_full((batch_size, drafts.shape[1]), PAD))   # where drafts are
         full.skip_reasons = reasons
         full.draft_token_ids[rows] = drafts
         if parents is not None:

@@ -184,10 +184,13 @@ def shape_tree(shape, logits: torch.Tensor, batch, drafts: torch.Tensor,
                          [batch.token_ids[b] for b in rows], sub, 0,
                          [batch.request_ids[b] for b in rows], "target", paths=paths,
                          sampling=None if batch.sampling is None else [batch.sampling[b] for b in rows])
-    used = torch.arange(D + 1)[None, :] <= lens[:, None]                              # [R, D+1]
+    # each path's positions up to its leaf, as flat indices built on the host (a boolean mask
+    # on the device would be a read)
+    used = (torch.arange(D + 1)[None, :] <= lens[:, None]).flatten().nonzero()[:, 0]   # [U]
+    to_row = row_t[:, None].expand(R, D + 1).flatten()[used]                          # [U]
     shaped = shaped_paths.new_zeros(B, N1, V)
-    shaped[row_t[:, None].expand(R, D + 1)[used].to(device), pos[used].to(device)] = \
-        shaped_paths[used.to(device)]
+    where = torch.stack([to_row, pos.flatten()[used], used]).to(device)               # [3, U]
+    shaped[where[0], where[1]] = shaped_paths.flatten(0, 1)[where[2]]
     return shaped
 
 

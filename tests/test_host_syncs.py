@@ -1,5 +1,6 @@
 """Host syncs per round: one (the verifier's decision; drafts a proposer made on the device and
-counted stay there), two where a proposer's drafts must be read to be counted, counted by a probe.
+counted stay there), two where a proposer's drafts must be read to be counted (a token tree:
+its layout), counted by a probe.
 
 On a GPU every read of a device tensor by the host (`.tolist()`, `.item()`, `.cpu()`, `bool(t)`,
 and the ops whose output size depends on the data: `nonzero`, `masked_select`, `unique`, boolean
@@ -78,10 +79,11 @@ class HostReadProbe(TorchFunctionMode):
             if "cpu only" not in line:         # a read the code takes only on a CPU device
                 self.reads.append(f"{name} at {site}")
         out = func(*args, **kwargs)
-        if name == "cpu" and out is args[0]:
-            out = out.clone()                  # on a GPU .cpu() makes a new, host tensor
         device_born = kwargs.get("device") is not None or (name == "to" and (
             "device" in kwargs or any(isinstance(a, (str, torch.device)) for a in args[1:])))
+        if (name == "cpu" or (name == "to" and device_born)) and out is args[0]:
+            out = out.clone()                  # on a GPU .cpu() makes a new, host tensor, and
+                                               # .to(device) a device one: the host one stays clean
         if (dirty or device_born) and name not in READS:
             self.taint(out)
             if args and isinstance(args[0], torch.Tensor) and (
@@ -129,6 +131,10 @@ PROMPTS = ["def add(a, b):\n    return", "import os\nimport sys\n", "class Stack
     (["proposer=eagle", "logits=[temperature]"], 1),
     (["proposer=ngram", "logits=[repetition_penalty,temperature]"], 1),
     (["proposer=draft", "logits=[repetition_penalty,temperature]"], 1),
+    # a token tree is built on the device and read once, finished (its layout is host data)
+    (["proposer=eagle", "proposer.topk=3", "proposer.k=4", "proposer.num_draft_tokens=10"], 2),
+    (["proposer=draft", "proposer.topk=3", "proposer.k=4", "proposer.num_draft_tokens=10",
+      "logits=[repetition_penalty,temperature]"], 2),
     # a grammar walks each draft step's new token on the host: one read per draft step more,
     # and one of the drafts for the target's positions
     (["proposer=draft", "proposer.k=4", "constraint=choice",

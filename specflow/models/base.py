@@ -48,17 +48,19 @@ class TreeAttention:
     parent: torch.Tensor | None = None
 
     def allowed(self, kv_len: int, window: int | None = None) -> torch.Tensor:
-        """[B, T, kv_len] bool (host): query t may attend key j (the committed prefix, only its
-        last `window` positions with a sliding window, and the tree keys `see` marks)."""
+        """[B, T, kv_len] bool on `see`'s device: query t may attend key j (the committed
+        prefix, only its last `window` positions with a sliding window, and the tree keys `see`
+        marks)."""
         B, T, R = self.see.shape
-        below = torch.tensor(self.visible_below)                                     # [B]
-        keys = torch.arange(kv_len)                                                  # [L]
+        device = self.see.device
+        below = torch.tensor(self.visible_below, device=device)                      # [B]
+        keys = torch.arange(kv_len, device=device)                                   # [L]
         rel = keys[None, :] - below[:, None]                                         # [B, L]
         in_tree = (rel >= 0) & (rel < R)                                             # [B, L]
         tree_part = self.see.gather(2, rel.clamp(0, max(R - 1, 0))[:, None, :].expand(B, T, kv_len))
         prefix = (rel < 0)[:, None, :]                                               # [B, 1, L]
         if window is not None:
-            prefix = prefix & (keys[None, None, :] > self.positions[:, :, None] - window)
+            prefix = prefix & (keys[None, None, :] > self.positions.to(device)[:, :, None] - window)
         return prefix | (in_tree[:, None, :] & tree_part)                            # [B, T, L]
 
     @classmethod

@@ -239,3 +239,26 @@ def test_the_calibration_learns_per_sibling_rank_whatever_the_tree_order():
         cal.observe(tree, [1], greedy=True)        # the rank-0 child (listed second) is accepted
     rate = cal.log_rate(torch.tensor([[0.05, 0.04]])).exp()[0]
     assert rate[0] > 0.9 and rate[1] < 0.1
+
+
+def test_the_calibrations_device_tables_give_its_shrunk_rates():
+    # the tree is built on the device from two [ranks, bins] tables: each cell's rate is
+    # (accepted + prior x pooled) / (tried + prior), pooled = the rank's rate shrunk towards q
+    import math
+    import random
+
+    from specflow.stages.proposers.draft_tree import Calibration
+
+    rng = random.Random(0)
+    cal = Calibration(ranks=3, bins=10, prior=2.0)
+    cal.tried = [[rng.uniform(0, 20) for _ in range(10)] for _ in range(3)]
+    cal.accepted = [[t * rng.random() for t in row] for row in cal.tried]
+    q = torch.tensor([[0.93, 0.41, 0.05, 0.0], [0.5, 0.25, 0.1, 0.099]])
+    got = cal.log_rate(q)
+    for b in range(2):
+        for r in range(4):
+            rank, x = min(r, 2), float(q[b, r])
+            cell = min(int(x * 10), 9)
+            pooled = (sum(cal.accepted[rank]) + 2 * x) / (sum(cal.tried[rank]) + 2)
+            want = (cal.accepted[rank][cell] + 2 * pooled) / (cal.tried[rank][cell] + 2)
+            assert float(got[b, r]) == pytest.approx(math.log(want), abs=1e-5)

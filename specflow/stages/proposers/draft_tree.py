@@ -26,10 +26,14 @@ Each scored position is shaped through the pipeline's shape() with its own root 
 prefix, so processors, penalties and grammars shape the draft as they will shape the target; a
 token the shaping forbids (-inf) is never proposed. Children are fixed tokens (the likeliest), so
 the verifier treats each as a one-hot q: exact under sampling too.
+
+All of it runs on the drafts' device with fixed shapes (`_Nodes`): the finished trees are read
+to the host once, as the round's layout needs them.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -37,22 +41,6 @@ import torch
 from specflow.models.base import TreeAttention
 from specflow.stages.tree import node_budgets
 from specflow.state import PAD
-
-
-@dataclass
-class _Node:
-    token: int
-    parent: int           # index in the row's node list, -1 = the root
-    q: float              # the draft's shaped probability of this token after its parent
-    rank: int             # its place among the children its parent offered (0 = likeliest)
-    score: float          # cumulative log of the calibrated acceptance from the root
-    path: list[int]       # tokens from the root to this node (inclusive)
-    entry: int = -1       # this round's draft-cache entry (from the row's base), -1 = not fed
-    main: bool = False    # on the draft's own chain (the likeliest child of a node on it)
-
-    @property
-    def depth(self) -> int:
-        return len(self.path)
 
 
 @dataclass
@@ -84,26 +72,30 @@ class Calibration:
         self.tried = [[0.0] * bins for _ in range(ranks)]
 
     def log_rate(self, q: torch.Tensor) -> torch.Tensor:
-        """q [R, t] of each row's children by rank -> log P(accepted) [R, t]."""
-        return torch.tensor(self.log_rates(q.tolist()), dtype=q.dtype).view(q.shape)
+        """q [R, t] of each row's children by rank -> log P(accepted) [R, t], on q's device."""
+        return self.on(q.device)(q)
+
+    def on(self, device) -> Callable[[torch.Tensor], torch.Tensor]:
+        """log_rate with this round's counts sent to `device` once. A cell's rate is affine in
+        q: (accepted + prior x pooled) / (tried + prior), pooled = (rank's accepted + prior x q)
+        / (rank's tried + prior); so two [ranks, bins] tables give it for any q on the device."""
+        prior, a, b = self.prior, [], []
+        for acc, tried in zip(self.accepted, self.tried):
+            acc_rank, tried_rank = sum(acc), sum(tried)
+            a.append([(x + prior * acc_rank / (tried_rank + prior)) / (n + prior)
+                      for x, n in zip(acc, tried)])
+            b.append([prior * prior / ((tried_rank + prior) * (n + prior)) for n in tried])
+        table = torch.tensor([a, b], dtype=torch.float32, device=device)   # [2, ranks, bins]
+
+        def log_rate(q: torch.Tensor) -> torch.Tensor:                     # [R, t] -> [R, t]
+            rank = torch.arange(q.shape[-1], device=q.device).clamp(max=self.ranks - 1)   # [t]
+            cell = (q * self.bins).long().clamp(0, self.bins - 1)                          # [R, t]
+            rate = table[0, rank, cell] + table[1, rank, cell] * q.float()
+            return rate.clamp(1e-12, 1.0).log().to(q.dtype)
+        return log_rate
 
     def _cell(self, x: float) -> int:
         return min(max(int(x * self.bins), 0), self.bins - 1)
-
-    def log_rates(self, q: list[list[float]]) -> list[list[float]]:
-        """log_rate on host lists: [R][t] q -> [R][t] log P(accepted)."""
-        acc_rank, tried_rank = [sum(a) for a in self.accepted], [sum(t) for t in self.tried]
-        prior, last = self.prior, self.ranks - 1
-        out = []
-        for row in q:
-            rates = []
-            for r, x in enumerate(row):
-                r, cell = min(r, last), self._cell(x)
-                pooled = (acc_rank[r] + prior * x) / (tried_rank[r] + prior)
-                rate = (self.accepted[r][cell] + prior * pooled) / (self.tried[r][cell] + prior)
-                rates.append(math.log(max(rate, 1e-12)))
-            out.append(rates)
-        return out
 
     def decay(self) -> None:
         """Once a round: older verdicts weigh less (a window of about 1 / (1 - memory) rounds)."""
@@ -130,66 +122,190 @@ class Calibration:
                         break
 
 
-def _top_children(shaped: torch.Tensor, topk: int, calibration: Calibration
-                  ) -> tuple[list[list[float]], list[list[float]], list[list[int]]]:
-    """Each row's topk likeliest tokens with q > 0: ([R][<=topk] q, log calibrated rate,
-    tokens). A row whose likeliest token is no likelier than the rest (a uniform row: shape()'s
-    stand-in of zeros for a row nothing survived, e.g. a grammar that allows no token a draft
-    head can name) offers no child."""
-    top, idx = shaped.topk(min(topk, shaped.shape[-1]), -1)                          # [R, t]
-    norm = shaped.logsumexp(-1, keepdim=True)                                        # [R, 1]
-    vals = (top - norm).exp()                                                        # [R, t] q
-    vals = vals * (vals[:, :1] * shaped.shape[-1] > 1 + 1e-4)       # a uniform row: q = 0
-    q_rows = vals.tolist()
-    rates = calibration.log_rates(q_rows)
-    qs, scores, tokens = [], [], []
-    for v, r, i in zip(q_rows, rates, idx.tolist()):
-        keep = [(a, c, b) for a, c, b in zip(v, r, i) if a > 0]
-        qs.append([a for a, _, _ in keep])
-        scores.append([c for _, c, _ in keep])
-        tokens.append([b for _, _, b in keep])
-    return qs, scores, tokens
+class _Nodes:
+    """Every row's candidate nodes, on the device: the children offered at each depth, that
+    depth's block sorted by value (the likeliest first; candidates that are not worth their
+    price, or have no chance, sorted last and marked invalid). Node n of row b is column n."""
+
+    def __init__(self, B: int, width: int, children: int, depth: int, device):
+        self.width, self.children, self.device = width, children, device
+        M = children + (depth - 1) * width * children         # the root's, then each depth's
+        E = max((depth - 1) * width, 1)                       # draft-cache entries a row feeds
+        self.token = torch.zeros(B, M, dtype=torch.long, device=device)
+        self.parent = torch.full((B, M), -1, dtype=torch.long, device=device)     # -1: the root
+        self.q = torch.zeros(B, M, device=device)
+        self.rank = torch.zeros(B, M, dtype=torch.long, device=device)
+        self.score = torch.full((B, M), -math.inf, device=device)  # log calibrated chance
+        self.valid = torch.zeros(B, M, dtype=torch.bool, device=device)
+        self.main = torch.zeros(B, M, dtype=torch.bool, device=device)  # on the draft's chain
+        self.depth = torch.zeros(B, M, dtype=torch.long, device=device)
+        self.entry = torch.full((B, M), -1, dtype=torch.long, device=device)     # -1: not fed
+        self.path = torch.zeros(B, M, depth, dtype=torch.long, device=device)    # root -> node
+        self.sees = torch.zeros(B, M, E, dtype=torch.bool, device=device)   # fed ancestors, self
+        self.used = 0                                          # columns filled so far
+
+    def offer(self, rows: torch.Tensor, front: torch.Tensor | None, shaped: torch.Tensor,
+              depth: int, log_rate, floor: torch.Tensor) -> torch.Tensor:
+        """The frontier nodes front [R, F] of rows [R] (None: each row's root) offer their
+        likeliest children (shaped [R x F, V], one row per frontier node in order): those worth
+        the row's floor (log price, [R]) are valid, and the draft's own chain always (the
+        policy's k priced its depth, and its verdicts keep the calibration learning). Stored
+        as depth `depth`'s block. -> the next frontier [R, W]: the block's first W columns."""
+        R, V = rows.shape[0], shaped.shape[-1]
+        t = self.children
+        top, token = shaped.topk(t, -1)                                              # [RF, t]
+        q = (top - shaped.logsumexp(-1, keepdim=True)).exp()                         # [RF, t]
+        # a uniform row (shape()'s stand-in of zeros where nothing survived) offers no child
+        q = q * (q[:, :1] * V > 1 + 1e-4)
+        s = log_rate(q)                                                              # [RF, t]
+        F = q.shape[0] // R
+        if front is None:
+            p_score = q.new_zeros(R, 1)
+            p_main = p_valid = torch.ones(R, 1, dtype=torch.bool, device=q.device)
+            p_path = self.path.new_zeros(R, 1, 0)
+            p_index = self.parent.new_full((R, 1), -1)
+        else:
+            at = (rows[:, None], front)
+            p_score, p_main, p_valid = self.score[at], self.main[at], self.valid[at]  # [R, F]
+            p_path, p_index = self.path[at][..., :depth - 1], front                  # [R, F, d-1]
+        rank = torch.arange(t, device=q.device)                                      # [t]
+        score = p_score[..., None] + s.view(R, F, t)                                 # [R, F, t]
+        main = p_main[..., None] & (rank == 0)
+        valid = p_valid[..., None] & (q.view(R, F, t) > 0) & ((score >= floor[:, None, None]) | main)
+        C = F * t
+        order = torch.where(valid, score, -math.inf).view(R, C).sort(
+            dim=-1, descending=True, stable=True).indices                               # [R, C]
+        cols = torch.arange(self.used, self.used + C, device=q.device)[None, :]       # [1, C]
+        at = (rows[:, None], cols)
+
+        def put(store, values):                   # values [R, F, t, ...] -> block in order
+            flat = values.reshape(R, C, *values.shape[3:])
+            store[at] = flat.gather(1, order.view(R, C, *[1] * (flat.dim() - 2)).expand_as(flat))
+
+        put(self.token, token.view(R, F, t))
+        put(self.parent, p_index[..., None].expand(R, F, t))
+        put(self.q, q.view(R, F, t).float())
+        put(self.rank, rank.expand(R, F, t))
+        put(self.score, score.float())
+        put(self.valid, valid)
+        put(self.main, main)
+        self.depth[at] = depth
+        paths = torch.cat([p_path[:, :, None].expand(R, F, t, depth - 1),
+                           token.view(R, F, t, 1)], -1)                              # [R, F, t, d]
+        put(self.path[..., :depth], paths)
+        front = cols[:, :min(self.width, C)].expand(R, -1)                           # [R, W]
+        self.used += C
+        return front
+
+    def feed(self, model, batch, rows: torch.Tensor, front: torch.Tensor, depth: int,
+             base: list[int]) -> torch.Tensor:
+        """The draft's forward over the frontier front [R, W] (nodes of depth - 1) of rows [R]
+        with tree attention: each sees the committed prefix, its fed ancestors and itself, at
+        position root + depth - 1; they are written after the W (depth - 2) entries each row
+        fed before (each query's parent entry goes along, for a draft head that feeds a node
+        its parent's state). A frontier slot with no valid node is fed too (never seen by a
+        valid one): the shapes stay fixed and nothing is read. -> logits [R, W, V_draft]."""
+        R, W = front.shape
+        fed = (depth - 2) * W
+        at = (rows[:, None], front)
+        entries = torch.arange(fed, fed + W, device=self.device)                     # [W]
+        self.entry[at] = entries.expand(R, W)
+        parent = self.parent[at]                                                     # [R, W]
+        has_parent = parent >= 0
+        up = (rows[:, None], parent.clamp(min=0))
+        parent_entry = torch.where(has_parent, self.entry[up], -1)                   # [R, W]
+        see = self.sees[up][..., :fed + W] & has_parent[..., None]                   # [R, W, E']
+        see |= torch.nn.functional.one_hot(entries, fed + W).bool()[None]
+        self.sees[at] = torch.nn.functional.pad(see, (0, self.sees.shape[-1] - fed - W))
+        pos = torch.tensor(base)[:, None] - 2 + depth + torch.zeros(1, W, dtype=torch.long)
+        return model.forward(batch.slots, self.token[at], torch.full((R,), W, dtype=torch.long),
+                             tree=TreeAttention(pos, list(base), see, parent_entry))
+
+    def select(self, budgets: list[int], base: list[int]):
+        """Each row's `budget` likeliest valid nodes, parents first (a child never scores above
+        its parent, and ties go to the shallower: the set is closed under ancestors), read to
+        the host in one go. -> (tokens [B, N], parents [B, N] long, PAD after each row's nodes;
+        per row its DraftTree)."""
+        B, M = self.token.shape
+        N = min(max(budgets, default=0), M)
+        key = torch.where(self.valid, self.score, -math.inf)
+        best = key.sort(dim=-1, descending=True, stable=True).indices[:, :N]             # [B, N]
+        limit = torch.tensor(budgets, device=self.device)[:, None]                   # [B, 1]
+        kept = self.valid.gather(1, best) & (torch.arange(N, device=self.device) < limit)
+        # tree order: by depth, the likeliest first within a depth; what is not kept goes last
+        by_depth = torch.where(kept, self.depth.gather(1, best), 1 << 30)
+        order = by_depth.sort(dim=-1, stable=True).indices
+        pick, kept = best.gather(1, order), kept.gather(1, order)                   # [B, N]
+        where = torch.full_like(self.token, -1)
+        where.scatter_(1, pick, torch.arange(N, device=self.device).expand(B, N))
+        parent = self.parent.gather(1, pick)
+        parent = torch.where(parent >= 0, where.gather(1, parent.clamp(min=0)), -1)
+        fields = [self.token.gather(1, pick), parent, self.entry.gather(1, pick),
+                  self.rank.gather(1, pick), kept]
+        host = torch.stack([f.double() for f in fields] + [self.q.gather(1, pick).double(),
+                                                           self.score.gather(1, pick).double()])
+        token, parent, entry, rank, kept, q, score = host.tolist()     # the drafter's one read
+        counts = [int(sum(row)) for row in kept]
+        n = max(counts, default=0)
+        tokens = torch.full((B, n), PAD, dtype=torch.long)
+        parents = torch.full((B, n), PAD, dtype=torch.long)
+        trees = []
+        for b, c in enumerate(counts):
+            tokens[b, :c] = torch.tensor(token[b][:c], dtype=torch.long)
+            parents[b, :c] = torch.tensor(parent[b][:c], dtype=torch.long)
+            trees.append(DraftTree(base[b], [int(e) for e in entry[b][:c]],
+                                   [int(p) for p in parent[b][:c]], q[b][:c],
+                                   [int(r) for r in rank[b][:c]],
+                                   [math.exp(x) for x in score[b][:c]]))
+        return tokens, parents, trees
 
 
 def build_trees(model, batch, ks: list[int], budgets: list[int], topk: int, first_logits,
                 align, calibration: Calibration | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, list[DraftTree]]:
-    """Trees for the rows of `batch` (every row drafts: ks[b] >= 1).
+    """Trees for the rows of `batch` (every row drafts: ks[b] >= 1), built on the drafts'
+    device with fixed shapes: every row that reaches a depth feeds topk frontier slots and
+    each offers topk children, so nothing is read until the finished trees are, once.
 
     first_logits [B, V]: the draft's logits after each row's committed tokens (its cache holds
     them all). align(logits) maps draft logits onto the target's vocabulary.
-    -> (tokens [B, N] long, parents [B, N] long, PAD after each row's nodes; per row its DraftTree)
+    -> (tokens [B, N] long, parents [B, N] long, PAD after each row's nodes; per row its
+    DraftTree), on the host.
     """
-    B = batch.size
+    B, V = first_logits.shape
+    device = first_logits.device
     calibration = calibration or Calibration(topk)
+    log_rate = calibration.on(device)
+    width = min(topk, V)
+    nodes = _Nodes(B, width, width, max(ks, default=1), device)
     # per row, the least log chance of acceptance a node must have (-inf: no price)
-    floor = [-math.inf] * B if batch.node_price is None else \
-        [math.log(p) if p > 0 else -math.inf for p in batch.node_price]
+    floor = torch.tensor([-math.inf] * B if batch.node_price is None else
+                         [math.log(p) if p > 0 else -math.inf for p in batch.node_price],
+                         device=device)                                               # [B]
     empty = torch.zeros(B, 0, dtype=torch.long)
     shaped = batch.shape(first_logits[:, None], empty, 0, "draft")[:, 0]               # [B, V]
-    rows: list[list[_Node]] = [[] for _ in range(B)]
-    frontier = _offer(rows, [[-1]] * B, shaped, topk, calibration, floor)  # depth 1: every child
-    fed = [0] * B                                             # entries written per row
+    every = torch.arange(B, device=device)
+    front = nodes.offer(every, None, shaped, 1, log_rate, floor)      # depth 1: the root's
     base = [model.cache_length(s) for s in batch.slots.tolist()]
+    was_live = list(range(B))                                  # the rows of front
     for d in range(2, max(ks, default=0) + 1):
-        live = [b for b in range(B) if ks[b] >= d and frontier[b]]
+        live = [b for b in range(B) if ks[b] >= d]             # a row stops at its own k
         if not live:
             break
-        sub = batch.select(live)
-        logits = _feed(model, sub, [rows[b] for b in live], [frontier[b] for b in live],
-                       [fed[b] for b in live], [base[b] for b in live])                 # [L, T, V]
+        if live != was_live:
+            front = front[torch.tensor([was_live.index(b) for b in live], device=device)]
+        rows = every if len(live) == B else torch.tensor(live, device=device)          # [L]
+        sub = batch if len(live) == B else batch.select(live)
+        was_live = live
+        logits = nodes.feed(model, sub, rows, front, d, [base[b] for b in live])     # [L, W, Vd]
+        L, W = front.shape
         # each frontier node's children, shaped with its own root path as the prefix
-        pick = [(i, t) for i, b in enumerate(live) for t in range(len(frontier[b]))]
-        paths = torch.tensor([rows[live[i]][frontier[live[i]][t]].path for i, t in pick])  # [F, d-1]
-        flat = align(logits[[i for i, _ in pick], [t for _, t in pick]])                   # [F, V]
-        shaped = sub.select([i for i, _ in pick]).shape(flat[:, None], paths, d - 1,
-                                                        "draft")[:, 0]                     # [F, V]
-        offered = _offer([rows[b] for b in live], [frontier[b] for b in live], shaped, topk,
-                         calibration, [floor[b] for b in live])
-        for b, nxt in zip(live, offered):
-            fed[b] += len(frontier[b])
-            frontier[b] = nxt
-    return _select(rows, budgets, base)
+        paths = nodes.path[rows[:, None], front][..., :d - 1].reshape(L * W, d - 1)  # [LW, d-1]
+        flat = align(logits.reshape(L * W, -1))                                       # [LW, V]
+        shaped = sub.select([i for i in range(L) for _ in range(W)]).shape(
+            flat[:, None], paths, d - 1, "draft")[:, 0]                                # [LW, V]
+        front = nodes.offer(rows, front, shaped, d, log_rate, floor[rows])
+    return nodes.select(budgets, base)
 
 
 def draft_trees(model, batch, ks: list[int], cfg, first_logits, align, calibration: Calibration,
@@ -201,96 +317,6 @@ def draft_trees(model, batch, ks: list[int], cfg, first_logits, align, calibrati
     scaled_from = cfg.k if batch.node_price is None else 0
     return build_trees(model, batch, ks, node_budgets(ks, scaled_from, cfg.nodes, room), cfg.topk,
                        first_logits, align, calibration)
-
-
-def _feed(model, batch, rows: list[list[_Node]], frontier: list[list[int]], fed: list[int],
-          base: list[int]) -> torch.Tensor:
-    """The draft's forward over each row's frontier nodes with tree attention: each sees the
-    committed prefix, its fed ancestors and itself, at position root + depth; the nodes are
-    written after the row's `fed` earlier entries (each query's parent entry goes along, for a
-    draft head that feeds a node its parent's state). -> logits [L, T, V_draft].
-
-    When every row feeds one node whose row holds only its ancestors (a priced tree that is a
-    chain so far), that is a plain causal step: no tree mask is built."""
-    L, T = len(rows), max(len(f) for f in frontier)
-    if T == 1 and all(len(f) == 1 and nodes[f[0]].depth - 1 == n_fed
-                      for nodes, f, n_fed in zip(rows, frontier, fed)):
-        for nodes, f, n_fed in zip(rows, frontier, fed):
-            nodes[f[0]].entry = n_fed
-        ids = torch.tensor([[nodes[f[0]].token] for nodes, f in zip(rows, frontier)])  # [L, 1]
-        return model.forward(batch.slots, ids, torch.ones(L, dtype=torch.long))
-    ids = torch.full((L, T), PAD, dtype=torch.long)
-    pos = torch.zeros(L, T, dtype=torch.long)
-    parent = torch.full((L, T), -1, dtype=torch.long)
-    see = torch.zeros(L, T, max(fed) + T, dtype=torch.bool)
-    for i, (nodes, front) in enumerate(zip(rows, frontier)):
-        for t, n in enumerate(front):
-            ids[i, t] = nodes[n].token
-            pos[i, t] = base[i] - 1 + nodes[n].depth          # the root token sits at base - 1
-            nodes[n].entry = fed[i] + t
-            if nodes[n].parent != -1:
-                parent[i, t] = nodes[nodes[n].parent].entry
-            anc = n
-            while anc != -1:                                  # itself and its fed ancestors
-                see[i, t, nodes[anc].entry] = True
-                anc = nodes[anc].parent
-    lens = torch.tensor([len(f) for f in frontier])
-    return model.forward(batch.slots, ids, lens, tree=TreeAttention(pos, list(base), see, parent))
-
-
-def _offer(rows: list[list[_Node]], frontier: list[list[int]], shaped: torch.Tensor, topk: int,
-           calibration: Calibration, floor: list[float]) -> list[list[int]]:
-    """Each frontier node (-1 = the root) offers its topk likeliest children (shaped [F, V], one
-    row per frontier node in order); the children worth the row's floor (log price) join its
-    candidates, and the draft's own chain always (the policy's k priced its depth, and its
-    verdicts keep the calibration learning), and the topk with the highest value form the row's
-    next frontier (returned as node indices)."""
-    child_q, child_scores, child_tokens = _top_children(shaped, topk, calibration)
-    f, out = 0, []
-    for nodes, front, low in zip(rows, frontier, floor):
-        candidates = []
-        for n in front:
-            score, path, main = (nodes[n].score, nodes[n].path, nodes[n].main) if n != -1 \
-                else (0.0, [], True)
-            for r, (q, s, t) in enumerate(zip(child_q[f], child_scores[f], child_tokens[f])):
-                if score + s >= low or (main and r == 0):
-                    candidates.append(_Node(t, n, q, r, score + s, path + [t], main=main and r == 0))
-            f += 1
-        candidates.sort(key=lambda c: -c.score)
-        start = len(nodes)
-        nodes.extend(candidates)
-        out.append(list(range(start, start + min(topk, len(candidates)))))
-    return out
-
-
-def _select(rows: list[list[_Node]], budgets: list[int], base: list[int]):
-    """Each row's `budget` likeliest nodes, parents first, as tensors; the kept nodes' entries."""
-    picked_rows = []
-    for nodes, budget in zip(rows, budgets):
-        order = sorted(range(len(nodes)), key=lambda n: (-nodes[n].score, nodes[n].depth))
-        keep: set[int] = set()
-        for n in order:
-            if len(keep) >= budget:
-                break
-            if nodes[n].parent == -1 or nodes[n].parent in keep:
-                keep.add(n)
-        picked_rows.append(sorted(keep, key=lambda n: (nodes[n].depth, -nodes[n].score)))
-    N = max((len(p) for p in picked_rows), default=0)
-    B = len(rows)
-    tokens = torch.full((B, N), PAD, dtype=torch.long)
-    parents = torch.full((B, N), PAD, dtype=torch.long)
-    trees = []
-    for b, picked in enumerate(picked_rows):
-        where = {n: i for i, n in enumerate(picked)}
-        nodes = rows[b]
-        for i, n in enumerate(picked):
-            tokens[b, i] = nodes[n].token
-            parents[b, i] = where[nodes[n].parent] if nodes[n].parent != -1 else -1
-        trees.append(DraftTree(base[b], [nodes[n].entry for n in picked],
-                               parents[b, :len(picked)].tolist(), [nodes[n].q for n in picked],
-                               [nodes[n].rank for n in picked],
-                               [math.exp(nodes[n].score) for n in picked]))
-    return tokens, parents, trees
 
 
 def learn(calibration: Calibration, trees: dict[int, DraftTree], slots: list[int],

@@ -357,12 +357,11 @@ class _HeadTree:
                             for s, r in zip(slot_list, rows)])
         # where each query's parent state is (entry e at e + 1, the root at 0), and where its
         # output goes (a padding query's lands past the row's entries: never read)
-        parent = fed[:, None] if tree is None else tree.parent + 1                     # [L, T]
+        device = self.proposer.device
         at = fed[:, None] + 1 + torch.arange(T)[None, :]                               # [L, T]
-        idx = torch.stack([torch.tensor(rows)[:, None].expand(L, T), parent, at])
-        r, src, dst = idx.to(self.proposer.device)                                     # [L, T] x3
+        r, dst = torch.stack([torch.tensor(rows)[:, None].expand(L, T), at]).to(device)
+        src = (fed[:, None] if tree is None else tree.parent + 1).to(device)           # [L, T]
         h = self.states[r, src]                                                        # [L, T, E]
-        out = self.proposer._forward(slot_list, h, ids.clamp(min=0).to(self.proposer.device),
-                                     n, tree)                                          # [L, T, E]
+        out = self.proposer._forward(slot_list, h, ids.clamp(min=0).to(device), n, tree)   # [L, T, E]
         self.states[r, dst] = out
         return self.proposer.head.logits(out).float()                                  # [L, T, Vd]

@@ -127,9 +127,9 @@ class _Nodes:
     depth's block sorted by value (the likeliest first; candidates that are not worth their
     price, or have no chance, sorted last and marked invalid). Node n of row b is column n."""
 
-    def __init__(self, B: int, width: int, children: int, depth: int, device):
-        self.width, self.children, self.device = width, children, device
-        M = children + (depth - 1) * width * children         # the root's, then each depth's
+    def __init__(self, B: int, width: int, depth: int, device):
+        self.width, self.device = width, device   # frontier slots per depth = children per slot
+        M = width + (depth - 1) * width * width               # the root's, then each depth's
         E = max((depth - 1) * width, 1)                       # draft-cache entries a row feeds
         self.token = torch.zeros(B, M, dtype=torch.long, device=device)
         self.parent = torch.full((B, M), -1, dtype=torch.long, device=device)     # -1: the root
@@ -152,7 +152,7 @@ class _Nodes:
         policy's k priced its depth, and its verdicts keep the calibration learning). Stored
         as depth `depth`'s block. -> the next frontier [R, W]: the block's first W columns."""
         R, V = rows.shape[0], shaped.shape[-1]
-        t = self.children
+        t = self.width
         top, token = shaped.topk(t, -1)                                              # [RF, t]
         q = (top - shaped.logsumexp(-1, keepdim=True)).exp()                         # [RF, t]
         # a uniform row (shape()'s stand-in of zeros where nothing survived) offers no child
@@ -217,7 +217,7 @@ class _Nodes:
         see = self.sees[up][..., :fed + W] & has_parent[..., None]                   # [R, W, E']
         see |= torch.nn.functional.one_hot(entries, fed + W).bool()[None]
         self.sees[at] = torch.nn.functional.pad(see, (0, self.sees.shape[-1] - fed - W))
-        pos = torch.tensor(base)[:, None] - 2 + depth + torch.zeros(1, W, dtype=torch.long)
+        pos = (torch.tensor(base)[:, None] + depth - 2).expand(R, W)                 # [R, W]
         return model.forward(batch.slots, self.token[at], torch.full((R,), W, dtype=torch.long),
                              tree=TreeAttention(pos, list(base), see, parent_entry))
 
@@ -240,23 +240,18 @@ class _Nodes:
         where.scatter_(1, pick, torch.arange(N, device=self.device).expand(B, N))
         parent = self.parent.gather(1, pick)
         parent = torch.where(parent >= 0, where.gather(1, parent.clamp(min=0)), -1)
-        fields = [self.token.gather(1, pick), parent, self.entry.gather(1, pick),
-                  self.rank.gather(1, pick), kept]
-        host = torch.stack([f.double() for f in fields] + [self.q.gather(1, pick).double(),
-                                                           self.score.gather(1, pick).double()])
-        token, parent, entry, rank, kept, q, score = host.tolist()     # the drafter's one read
-        counts = [int(sum(row)) for row in kept]
+        # the kept nodes come first in each row: PAD after them
+        ints = torch.stack([self.token.gather(1, pick), parent, self.entry.gather(1, pick),
+                            self.rank.gather(1, pick)]).masked_fill(~kept, PAD)      # [4, B, N]
+        floats = torch.stack([self.q.gather(1, pick), self.score.gather(1, pick).exp()])
+        host = torch.cat([ints.double(), floats.double()]).cpu()   # the drafter's one read
+        counts = (host[0] != PAD).sum(-1).tolist()
         n = max(counts, default=0)
-        tokens = torch.full((B, n), PAD, dtype=torch.long)
-        parents = torch.full((B, n), PAD, dtype=torch.long)
-        trees = []
-        for b, c in enumerate(counts):
-            tokens[b, :c] = torch.tensor(token[b][:c], dtype=torch.long)
-            parents[b, :c] = torch.tensor(parent[b][:c], dtype=torch.long)
-            trees.append(DraftTree(base[b], [int(e) for e in entry[b][:c]],
-                                   [int(p) for p in parent[b][:c]], q[b][:c],
-                                   [int(r) for r in rank[b][:c]],
-                                   [math.exp(x) for x in score[b][:c]]))
+        tokens, parents = host[:2, :, :n].long()                                     # [B, n] x2
+        entry, rank = host[2:4].long().tolist()
+        q, value = host[4:].tolist()
+        trees = [DraftTree(base[b], entry[b][:c], parents[b, :c].tolist(), q[b][:c],
+                           rank[b][:c], value[b][:c]) for b, c in enumerate(counts)]
         return tokens, parents, trees
 
 
@@ -277,7 +272,7 @@ def build_trees(model, batch, ks: list[int], budgets: list[int], topk: int, firs
     calibration = calibration or Calibration(topk)
     log_rate = calibration.on(device)
     width = min(topk, V)
-    nodes = _Nodes(B, width, width, max(ks, default=1), device)
+    nodes = _Nodes(B, width, max(ks, default=1), device)
     # per row, the least log chance of acceptance a node must have (-inf: no price)
     floor = torch.tensor([-math.inf] * B if batch.node_price is None else
                          [math.log(p) if p > 0 else -math.inf for p in batch.node_price],

@@ -192,13 +192,15 @@ def specflow_observe(result: "RoundResult") -> None:
 
 @hookspec
 def specflow_hidden_layers() -> "list[int] | None":
-    """Called once, when the pipeline is built: the target layers whose hidden states a stage
-    reads (an EAGLE-3 head's three, an MTP or Medusa head's last one).
+    """Called when the pipeline is built (and when `Pipeline.register` adds a plugin that
+    answers it): the target layers whose hidden states a stage reads (an EAGLE-3 head's three,
+    an MTP or Medusa head's last one).
 
     Return layer indices (the state at the input of each layer; ``num_layers`` for the final
-    norm's input), or None. The pipeline asks the target for the union of all answers at every
-    pass it runs (``Backend.forward(..., hidden_layers=...)``) and hands them out through
-    specflow_target_states. All results are used.
+    normed state, transformers' last ``hidden_states`` entry), or None; an index outside
+    0..num_layers is a ConfigError. The pipeline asks the target for the union of all answers
+    at every pass it runs (``Backend.forward(..., hidden_layers=...)``) and hands them out
+    through specflow_target_states. All results are used.
     """
 
 

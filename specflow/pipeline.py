@@ -216,6 +216,13 @@ class Pipeline:
             raise ConfigError(f"a stage reads the target's hidden states (layers {asked}), but "
                               f"the target backend {type(self.target).__name__} does not hand "
                               f"them out; use model=demo or model=hf")
+        top = getattr(self.target, "num_layers", None)
+        outside = [i for i in asked if i < 0 or (top is not None and i > top)]
+        if outside:
+            fix = "non-negative indices" if top is None else \
+                f"0..{top - 1} (the input of a layer) or {top} (the final normed state)"
+            raise ConfigError(f"a stage reads the target's hidden states of layers {outside}, "
+                              f"but the target has {top} layers; ask for {fix}")
         self.hidden_layers = tuple(asked)
         self.scorer.hidden_layers = self.target_cache.hidden_layers = self.hidden_layers
         self.target_cache.deliver = lambda states: self.hook.specflow_target_states(states=states)
@@ -283,9 +290,12 @@ class Pipeline:
             self.pm.register(stage, name=name)
 
     def register(self, plugin: object, name: str | None = None) -> None:
-        """Add an observer or stage to this pipeline (a tracing plugin, a test probe)."""
+        """Add an observer or stage to this pipeline (a tracing plugin, a test probe); one that
+        reads the target's hidden states (specflow_hidden_layers) gets them from the next pass."""
         self.pm.register(plugin, name=name)
         check_hooks(self.pm)
+        if hasattr(plugin, "specflow_hidden_layers"):
+            self._ask_hidden_layers()
 
     # --- the shaping call draft and target share ---------------------------------------------
 

@@ -332,7 +332,8 @@ class LeanLlama:
                  captured: list | None = None) -> torch.Tensor:
         """Logits [B, T or logits_to_keep, V]. `capture`: layer indices whose *input* (the
         residual stream entering layer i, as transformers' hidden_states[i]) is appended to
-        `captured` [B, T, E] each, for draft heads that read the target's hidden states."""
+        `captured` [B, T, E] each, for draft heads that read the target's hidden states; index
+        num_layers: the final normed state (transformers' last hidden_states entry)."""
         B, T = input_ids.shape
         x = F.embedding(input_ids, self.embed)                                        # [B, T, E]
         # a row fed nothing sits at its length, which may equal kv_len: one row more
@@ -343,6 +344,11 @@ class LeanLlama:
             if i in capture:
                 captured.append(x)                                                    # [B, T, E]
             x = self.layer(i, weights, x, cos, sin, mask, cache.update)
-        if logits_to_keep:
+        final = len(layers) in capture
+        if logits_to_keep and not final:
             x = x[:, -logits_to_keep:]
-        return self.mm(self._rms(x, self.norm), head)                                      # [B, T, V]
+        x = self._rms(x, self.norm)                                                   # [B, T, E]
+        if final:
+            captured.append(x)                                                        # [B, T, E]
+            x = x[:, -logits_to_keep:] if logits_to_keep else x
+        return self.mm(x, head)                                                       # [B, T, V]

@@ -1,16 +1,19 @@
 """Self-distillation data for a draft head: the target's own continuations and hidden states.
 
-The target continues each prompt (plain decoding, the run's logits settings, batched), then one
-more forward over every whole sequence records what the head learns from: the inputs of the
-layers the head reads ([T, nE]) and the target's final normed state ([T, E]), from which the
-target's next-token distribution is recomputed in training (storing [T, V] logits would cost
-V / E times more memory).
+The target continues each prompt (plain decoding, the run's logits settings, batched) and what
+the head learns from is recorded from the same passes (`StateRecorder`): for every position the
+inputs of the layers the head reads ([T, nE]) and the target's final normed state ([T, E]), from
+which the target's next-token distribution is recomputed in training (storing [T, V] logits
+would cost V / E times more memory). A sequence's last token is never fed (decoding stops after
+choosing it), so it is left out.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from specflow.plugins import hookimpl
 
 
 @dataclass
@@ -54,54 +57,85 @@ def cut_prompts(prompts: list[str], tokenizer, prompt_tokens: int, count: int) -
     return list(out)
 
 
-def continuations(pipe, prompts: list[str], new_tokens: int,
-                  advance) -> tuple[list[list[int]], list[int]]:
+class StateRecorder:
+    """A pipeline plugin that keeps the target's states of every position it feeds while it
+    decodes: the inputs of `layer_ids` and the final normed state (specflow_hidden_layers'
+    index num_layers), per request, as fp16 host chunks. Under proposer=none every fed
+    position is committed, so a request's chunks are its sequence's states in order."""
+
+    def __init__(self, layer_ids: list[int], num_layers: int):
+        self.layers = (*layer_ids, num_layers)           # the final state last
+        self.slot_request: dict[int, int] = {}           # slot -> request_id decoding in it
+        self.chunks: dict[int, list[tuple[int, torch.Tensor]]] = {}  # request_id -> (start, [n, (k+1)E])
+
+    @hookimpl
+    def specflow_hidden_layers(self):
+        return list(self.layers)
+
+    @hookimpl
+    def specflow_request_start(self, slot, request):
+        self.slot_request[slot] = request.request_id
+        self.chunks[request.request_id] = []
+
+    @hookimpl
+    def specflow_target_states(self, states):
+        hidden = states.select(self.layers).half().cpu()                  # [B, T, (k+1)E]
+        for b, (slot, start, n) in enumerate(zip(states.slots, states.starts, states.lens)):
+            if n:
+                self.chunks[self.slot_request[slot]].append((start, hidden[b, :n]))
+
+    def take(self, request_id: int, positions: int) -> torch.Tensor:
+        """The request's states of its first `positions` positions [positions, (k+1)E],
+        released here; ValueError when they were not all recorded, in order."""
+        chunks = self.chunks.pop(request_id, [])
+        at = 0
+        for start, part in chunks:
+            if start != at:
+                raise ValueError(f"request {request_id}: states recorded from position {start}, "
+                                 f"expected {at}")
+            at += len(part)
+        if at < positions:
+            raise ValueError(f"request {request_id}: {at} positions recorded, {positions} needed")
+        return torch.cat([part for _, part in chunks])[:positions]
+
+
+def continuations(pipe, prompts: list[str], new_tokens: int, advance,
+                  recorder: StateRecorder | None = None):
     """(prompt + the target's continuation of each prompt as token ids, the prompt's length in
     each), in prompt order, leaving out sequences of 3 tokens or fewer (nothing to learn): the
-    lengths stay paired with their sequences whichever are left out."""
-    out: list[tuple[list[int], int] | None] = [None] * len(prompts)
+    lengths stay paired with their sequences whichever are left out.
+
+    With a recorder registered on `pipe`: also each kept sequence's recorded states [T, (k+1)E],
+    the sequence cut to the positions fed (its last token never is) -> (sequences, lengths,
+    states)."""
+    out: list[tuple[list[int], int, torch.Tensor | None] | None] = [None] * len(prompts)
 
     def done(result):
         prompt = list(pipe.tokenizer.encode(result.prompt))
-        out[result.index] = (prompt + result.token_ids, len(prompt))
+        ids = prompt + result.token_ids
+        states = None
+        if recorder is not None:
+            ids = ids[:-1]
+            states = recorder.take(result.index, len(ids))
+        out[result.index] = (ids, len(prompt), states)
         advance()
     pipe.generate(prompts, max_new_tokens=new_tokens, on_result=done)
-    kept = [pair for pair in out if pair is not None and len(pair[0]) > 3]
-    return [ids for ids, _ in kept], [n for _, n in kept]
+    kept = [row for row in out if row is not None and len(row[0]) > 3]
+    sequences, lens = [ids for ids, _, _ in kept], [n for _, n, _ in kept]
+    if recorder is None:
+        return sequences, lens
+    return sequences, lens, [states for _, _, states in kept]
 
 
-@torch.inference_mode()
-def target_states(model, sequences: list[list[int]], layer_ids: list[int], prompt_lens: list[int],
-                  advance, batch: int = 8) -> Sequences:
-    """One forward of the target (transformers' own, no cache) over each sequence."""
-    tokens, states, finals = [], [], []
-    device = next(model.parameters()).device
-    order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
-    kept: dict[int, tuple] = {}
-    for at in range(0, len(order), batch):
-        group = order[at:at + batch]
-        width = len(sequences[group[0]])
-        ids = torch.zeros(len(group), width, dtype=torch.long)
-        mask = torch.zeros(len(group), width, dtype=torch.long)
-        for r, i in enumerate(group):
-            ids[r, :len(sequences[i])] = torch.tensor(sequences[i])
-            mask[r, :len(sequences[i])] = 1
-        out = model(input_ids=ids.to(device), attention_mask=mask.to(device),
-                    output_hidden_states=True, use_cache=False, logits_to_keep=1)
-        hs = out.hidden_states                       # inputs of each layer, then the normed output
-        aux = torch.cat([hs[j] for j in layer_ids], -1)                          # [G, T, nE]
-        final = hs[-1]                                                            # [G, T, E]
-        for r, i in enumerate(group):
-            n = len(sequences[i])
-            kept[i] = (torch.tensor(sequences[i]), aux[r, :n].half().cpu(),
-                       final[r, :n].half().cpu())
-        advance(len(group))
-    for i in range(len(sequences)):
-        t, s, f = kept[i]
-        tokens.append(t)
-        states.append(s)
-        finals.append(f)
-    return Sequences(tokens, states, finals, list(prompt_lens))
+def recorded_sequences(sequences: list[list[int]], prompt_lens: list[int],
+                       states: list[torch.Tensor], num_aux: int) -> Sequences:
+    """Sequences from a StateRecorder's states: the first `num_aux` layers' inputs, then the
+    final normed state, split per sequence."""
+    cut = [s.shape[1] // (num_aux + 1) * num_aux for s in states]
+    return Sequences([torch.tensor(ids) for ids in sequences],
+                     [s[:, :c].contiguous() for s, c in zip(states, cut)],      # [T, nE]
+                     [s[:, c:].contiguous() for s, c in zip(states, cut)],      # [T, E]
+                     list(prompt_lens))
 
 
 def draft_vocabulary(seqs: Sequences, size: int, vocab: int) -> torch.Tensor:

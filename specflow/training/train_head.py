@@ -127,7 +127,6 @@ def _train(cfg, th: TrainHeadConfig, out: pathlib.Path, settings: dict, prompts:
         run_cfg.proposer = OmegaConf.create({"name": "none"})
         run_cfg.policy = OmegaConf.create({"name": "static", "k": 0})
         run_cfg.max_batch_size = th.generate_batch
-        run_cfg.pack = False
     threads = torch.get_num_threads()      # the pipeline picks its decoding threads; training
     pipe = Pipeline(run_cfg)               # gets them all back below
     target = pipe.target
@@ -147,11 +146,17 @@ def _train(cfg, th: TrainHeadConfig, out: pathlib.Path, settings: dict, prompts:
         if th.chat_turns:                 # the target's own user turns, answered like the rest
             user_turns.pre_query_template(target.tokenizer)    # no chat template: one line, now
             cut = user_turns.interleave(cut, chat_prompts(run_cfg, th, progress))
+        # the states come from the decoding passes themselves (no second forward)
+        recorder = data.StateRecorder(shape.layer_ids, target.num_layers)
+        pipe.register(recorder, "train-head.states")
         adv = progress("target writes continuations", len(cut))
-        sequences, lens = data.continuations(pipe, cut, th.new_tokens, lambda: adv(1))
-        adv = progress("target states of each sequence", len(sequences))
-        seqs = data.target_states(target.model, sequences, shape.layer_ids, lens, adv)
+        sequences, lens, states = data.continuations(pipe, cut, th.new_tokens, lambda: adv(1),
+                                                     recorder)
+        seqs = data.recorded_sequences(sequences, lens, states, len(shape.layer_ids))
+        del states
         torch.save(seqs, cache)
+    if target.lean is not None:      # decoding may have packed the weights the head copies
+        target.lean.unpack()
     check_prompts = data.cut_prompts(prompts, target.tokenizer, th.prompt_tokens, 2)
     generated = time.perf_counter() - started
     torch.set_num_threads(threads)

@@ -10,6 +10,7 @@ from specflow import ConfigError, Pipeline
 from specflow.app.prompts import read_prompts
 from specflow.config import compose
 from specflow.models.eagle_head import HeadShape, init_head, load_head, save_head
+from specflow.plugins import hookimpl
 
 PROMPTS = ["def fib(n):\n    ", "import os", "class Stack:\n    def __init__(self):\n        self",
            "x", "for i in range(10):\n", "return {", "# utilities for json", "with open(path) as f:"]
@@ -39,19 +40,44 @@ def tiny_head(hf_models, tmp_path_factory):
 
 
 def test_captured_states_are_the_layer_inputs_transformers_reports(hf_models):
-    """The lean and the transformers forward hand out the same states (inputs of each layer)."""
-    got = {}
+    """The lean and the transformers forward hand out the same states: inputs of each layer, and
+    at index num_layers (2 here) the final normed state, transformers' last hidden_states entry."""
+    got, logits = {}, {}
     for forward in ("lean", "hf"):
         pipe = pipeline(hf_models, "proposer=none", f"model.forward={forward}")
         target = pipe.target
+        assert target.num_layers == 2
         ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, -1]])
-        logits, got[forward] = target.forward(torch.tensor([0, 1]), ids, torch.tensor([4, 3]),
-                                              (0, 1))
-        assert logits.shape == (2, 4, target.vocab_size)
+        logits[forward], got[forward] = target.forward(torch.tensor([0, 1]), ids,
+                                                       torch.tensor([4, 3]), (0, 1, 2))
+        assert logits[forward].shape == (2, 4, target.vocab_size)
     h1, h2 = got["lean"], got["hf"]
-    assert h1.shape == (2, 4, 2 * 64)
+    assert h1.shape == (2, 4, 3 * 64)
     torch.testing.assert_close(h1[0], h2[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(h1[1, :3], h2[1, :3], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits["lean"][1, :3], logits["hf"][1, :3], atol=1e-4, rtol=1e-4)
+    # the LM head reads the final normed state: it gives the logits back
+    head = pipe.target.model.get_output_embeddings().weight.detach()
+    torch.testing.assert_close(h1[0, :, 128:] @ head.T, logits["lean"][0], atol=1e-4, rtol=1e-4)
+
+
+class AsksForLayers:
+    def __init__(self, layers):
+        self.layers = layers
+
+    @hookimpl
+    def specflow_hidden_layers(self):
+        return self.layers
+
+
+def test_a_stage_asking_for_a_layer_the_target_lacks_is_one_line(hf_models):
+    with pytest.raises(ConfigError, match=r"layers \[3\], but the target has 2 layers; ask for "
+                                          r"0..1 \(the input of a layer\) or 2"):
+        Pipeline.from_config(["model=hf", f"model.path={hf_models['llama']}", "draft=none",
+                              "proposer=none"], plugins=[AsksForLayers([0, 3])])
+    pipe = pipeline(hf_models, "proposer=none")
+    with pytest.raises(ConfigError, match=r"layers \[-1\]"):
+        pipe.register(AsksForLayers([-1]))
 
 
 def save_tiny_head(pipe, folder, layer_ids: list[int]):

@@ -205,3 +205,38 @@ def test_an_unknown_head_format_is_one_line():
     cfg = compose(["train_head.output=x", "train_head.format=onnx"], "train_head")
     with pytest.raises(ConfigError, match="train_head.format='onnx'; use eagle3"):
         train_head.run(cfg, read_prompts(cfg), quiet)
+
+
+def test_the_states_recorded_while_decoding_are_those_of_a_forward_over_each_sequence(hf_models):
+    """train-head records the head's data from its decoding passes (training/data.py
+    StateRecorder): for every position but a sequence's last, the inputs of the head's layers
+    and the final normed state, equal (in fp16) to what one forward of transformers over the
+    whole sequence reports. Two slots for five prompts of different lengths: slots are reused
+    and rows finish at different rounds."""
+    from transformers import AutoModelForCausalLM
+
+    from specflow.training import data
+
+    pipe = Pipeline.from_config(["model=hf", f"model.path={hf_models['llama']}", "draft=none",
+                                 "proposer=none", "max_batch_size=2"])
+    recorder = data.StateRecorder([0, 1], pipe.target.num_layers)
+    pipe.register(recorder)
+    prompts = ["def fib(n):\n    ", "import os", "class Stack:\n    def __init__(self):\n",
+               "x = [", "for i in range(10):\n"]
+    seen = []
+    sequences, lens, states = data.continuations(pipe, prompts, 12, lambda: seen.append(1),
+                                                 recorder)
+    assert len(seen) == len(prompts) and len(sequences) == len(prompts)
+    assert recorder.chunks == {}                        # every request's states were taken
+    seqs = data.recorded_sequences(sequences, lens, states, 2)
+    model = AutoModelForCausalLM.from_pretrained(hf_models["llama"], dtype=torch.float32)
+    for i, ids in enumerate(sequences):
+        generated = pipe.generate([prompts[i]], max_new_tokens=12)[0].token_ids
+        assert ids == pipe.tokenizer.encode(prompts[i]) + generated[:-1]   # all but the last
+        with torch.no_grad():
+            hs = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+        want_aux = torch.cat([hs[0], hs[1]], -1)[0].half().float()            # [T, 2E]
+        assert seqs.states[i].shape == (len(ids), 128) and seqs.finals[i].shape == (len(ids), 64)
+        torch.testing.assert_close(seqs.states[i].float(), want_aux, atol=3e-3, rtol=3e-3)
+        torch.testing.assert_close(seqs.finals[i].float(), hs[-1][0].half().float(), atol=3e-3,
+                                   rtol=3e-3)

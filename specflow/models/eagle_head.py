@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specflow.errors import ConfigError
+from specflow.models.kernels import grouped_attention, pick_one_query_attention
 from specflow.models.lean_llama import rotate
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "LlamaForCausalLM")
@@ -356,7 +357,14 @@ class Eagle3Head(nn.Module):
         return self._mm(self.norm(h), self.lm_head.weight)
 
     def attend(self, q, k, v, mask):
-        gqa = self.shape.num_attention_heads // self.shape.num_key_value_heads
+        """q [B, H, T, D] over the cached k, v [B, Hkv, L, D], mask [B, 1, T, L] bool or None."""
+        s = self.shape
+        if q.shape[2] == 1:           # one query per row: grouped products where measured faster
+            start = pick_one_query_attention(s.num_attention_heads, s.num_key_value_heads, s.dim,
+                                             q.dtype, q.device)
+            if start is not None and q.shape[0] * k.shape[2] >= start:
+                return grouped_attention(q, k, v, mask)                               # [B, H, 1, D]
+        gqa = s.num_attention_heads // s.num_key_value_heads
         if gqa > 1:
             k, v = k.repeat_interleave(gqa, 1), v.repeat_interleave(gqa, 1)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)

@@ -361,6 +361,9 @@ class HFBackend(Backend):
         out = {"forward": "lean" if self.lean is not None else "hf",
                "threads": threads, "packed": bool(self.packed),
                "kernels": self.lean.kernels.describe() if self.lean is not None else None}
+        if self.lean is not None and self.lean.grouped_from is not None:
+            out["attention"] = (f"one query: grouped products from {self.lean.grouped_from} "
+                                f"keys, rows x cached length (kernels.pick_one_query_attention)")
         if self.graphs is not None:
             out["graphs"] = {"captured": self.graphs.capture,
                              "buckets": sorted(self.graphs.steps),

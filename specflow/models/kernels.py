@@ -171,3 +171,74 @@ def pick(weights: list[torch.Tensor], repeats: int = 3, budget_s: float = 2.0) -
     picked = Kernels(one, few, many, False, tuple(timings))
     _PICKED[key] = picked
     return picked
+
+
+# --- attention of one query per row --------------------------------------------------------------
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention of one query per row as two batched products, each key/value head's query
+    heads grouped into one product (no copies of the keys): q [B, H, 1, D], k/v [B, Hkv, L, D]
+    (H a multiple of Hkv; query head h reads key head h // (H / Hkv), as `enable_gqa`), mask
+    [B, 1, 1, L] bool (True: attend) or additive, or None -> [B, H, 1, D]. Scores and softmax in
+    float32; the same result as scaled_dot_product_attention up to rounding."""
+    B, H, _, D = q.shape
+    Hkv = k.shape[1]
+    scores = torch.matmul(q.reshape(B, Hkv, H // Hkv, D), k.transpose(-1, -2)).float()  # [B, Hkv, G, L]
+    scores.mul_(D ** -0.5)
+    if mask is not None:                                 # [B, 1, 1, L]: over every head and group
+        if mask.dtype == torch.bool:
+            scores.masked_fill_(~mask, float("-inf"))
+        else:
+            scores.add_(mask)
+    weights = torch.softmax(scores, -1).to(v.dtype)                                 # [B, Hkv, G, L]
+    return torch.matmul(weights, v).view(B, H, 1, D)
+
+
+ATTENTION_LENGTHS = (128, 256, 1024)  # cached lengths at which the two attention forms are timed
+_GROUPED_FROM: dict[tuple, int | None] = {}
+
+
+def pick_one_query_attention(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                             device: torch.device, reps: int = 15) -> int | None:
+    """The number of keys (rows x cached length) from which a one-query pass attends with
+    `grouped_attention` instead of scaled_dot_product_attention, or None (never): timed for one
+    row at ATTENTION_LENGTHS, and chosen from the shortest length at which grouped wins there
+    and at every longer one.
+
+    On CPUs, torch's fused attention for float16/bfloat16 costs about the same per key in every
+    row, where the grouped products cost little more for more rows or keys: on a 2-core AMD
+    EPYC, bfloat16, 9 query and 3 key heads of 64, fused against grouped: 149 against 176 us for
+    one row of 128 keys, 209 against 87 at 256, 1010 against 214 at 1000; 146 against 118 for 2
+    rows of 64, 2608 against 296 for 16 rows of 256 (float16 alike, about half the gap; in
+    float32 the fused kernel wins). So the rows x length at which one row turns over is the
+    threshold. Cached per (shape, dtype, threads); a GPU and float32 keep the fused kernel,
+    unmeasured."""
+    if device.type != "cpu" or dtype == torch.float32:
+        return None
+    key = (heads, kv_heads, head_dim, dtype, torch.get_num_threads())
+    if key in _GROUPED_FROM:
+        return _GROUPED_FROM[key]
+    gqa = {"enable_gqa": True} if kv_heads != heads else {}
+    forms = (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, **gqa),        # noqa: E731
+             lambda q, k, v: grouped_attention(q, k, v, None))
+    wins = []
+    with torch.inference_mode():
+        for length in ATTENTION_LENGTHS:
+            args = (torch.randn(1, heads, 1, head_dim, dtype=dtype),
+                    *(torch.randn(1, kv_heads, length, head_dim, dtype=dtype) for _ in range(2)))
+            fused, grouped = (_median_seconds(fn, args, reps) for fn in forms)
+            wins.append(grouped < fused)
+    start = next((i for i in range(len(wins)) if all(wins[i:])), None)
+    _GROUPED_FROM[key] = None if start is None else ATTENTION_LENGTHS[start]
+    return _GROUPED_FROM[key]
+
+
+def _median_seconds(fn, args: tuple, reps: int) -> float:
+    fn(*args)                                                      # warm-up
+    runs = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn(*args)
+        runs.append(time.perf_counter() - start)
+    return sorted(runs)[reps // 2]

@@ -34,7 +34,8 @@ import torch.nn.functional as F
 
 import dataclasses
 
-from specflow.models.kernels import Kernels, pack, pick
+from specflow.models.kernels import Kernels, grouped_attention, pack, pick, \
+    pick_one_query_attention
 
 SUPPORTED = {"llama", "mistral", "qwen2"}
 
@@ -121,6 +122,11 @@ class LeanLlama:
         self.norm = inner.norm.weight
         self.lm_head = model.lm_head.weight
         self.fused_norm = hasattr(F, "rms_norm")
+        # one-query passes attend with grouped products from this many keys (rows x cached
+        # length; None: always the fused kernel); measured, CPU float16/bfloat16 only (kernels.py)
+        self.grouped_from = pick_one_query_attention(self.num_heads, self.num_kv_heads,
+                                                     self.head_dim, self.embed.dtype,
+                                                     self.embed.device)
         self.kernels = kernels or pick(self._weights())
         self.mm = self.kernels.matmul
         self._packs: list[tuple[int, int, list]] = []     # (layer, field, modules sharing it)
@@ -316,12 +322,21 @@ class LeanLlama:
         q, k = qk.split([H, Hkv], 1)                                                  # one rotation
         v = v.view(B, T, Hkv, D).transpose(1, 2)                                      # [B, Hkv, T, D]
         k_all, v_all = attend(k, v, i)                                                # [B, Hkv, L, D]
+        if T == 1 and self.grouped_from is not None and B * k_all.shape[2] >= self.grouped_from:
+            a = grouped_attention(q, k_all, v_all, mask)                              # [B, H, 1, D]
+            return self._rest(x, a, wo, bo, ln2, wgu, wdown)
         if self.gqa and not self.gqa_in_sdpa:
             k_all = k_all.repeat_interleave(H // Hkv, 1)
             v_all = v_all.repeat_interleave(H // Hkv, 1)
         gqa = {"enable_gqa": True} if self.gqa_in_sdpa else {}
         a = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, **gqa)      # [B, H, T, D]
-        o = mm(a.transpose(1, 2).reshape(B, T, H * D), wo)                            # [B, T, E]
+        return self._rest(x, a, wo, bo, ln2, wgu, wdown)
+
+    def _rest(self, x: torch.Tensor, a: torch.Tensor, wo, bo, ln2, wgu, wdown) -> torch.Tensor:
+        """The layer after attention: x [B, T, E], a [B, H, T, D] -> [B, T, E]."""
+        B, T = x.shape[:2]
+        mm = self.mm
+        o = mm(a.transpose(1, 2).reshape(B, T, -1), wo)                               # [B, T, E]
         x = x + (o if bo is None else o + bo)
         gate, up = mm(self._rms(x, ln2), wgu).chunk(2, -1)                            # [B, T, I] x2
         return x + mm(F.silu(gate) * up, wdown)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from specflow.models.hf import DEMO_DIR, HFBackend, HFModelConfig
-from specflow.models.kernels import FORMS, Kernels, can_pack, pack, packed, pick
+from specflow.models import kernels
+from specflow.models.kernels import FORMS, Kernels, can_pack, grouped_attention, pack, packed, pick
 
 # fp32: the issue's bound; bf16 carries ~3 significant digits, so a different product shape
 # may move a logit by a few units of its last place
@@ -22,7 +23,8 @@ def demo_target(dtype: str = "float32", forward: str = "lean", path=DEMO_DIR / "
                      torch.device("cpu"), slots=2)
 
 
-@pytest.mark.parametrize("layout", ["dense", pytest.param("packed", marks=needs_onednn)])
+@pytest.mark.parametrize("layout", ["dense", pytest.param("packed", marks=needs_onednn),
+                                    "grouped attention"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_position_scored_inside_a_wide_pass_equals_it_scored_alone(dtype, layout):
     if layout == "packed" and not can_pack(getattr(torch, dtype)):
@@ -31,6 +33,9 @@ def test_a_position_scored_inside_a_wide_pass_equals_it_scored_alone(dtype, layo
     backend = demo_target(dtype)
     if layout == "packed":
         backend.lean.pack()
+    # one-query passes attend with grouped products whatever the context (where measured
+    # faster they take them from some number of keys, rows x cached length, on)
+    backend.lean.grouped_from = 1 if layout == "grouped attention" else None
     torch.manual_seed(0)
     prompt = torch.randint(1, 8000, (1, 150))
     fed = torch.randint(1, 8000, (1, 9))          # the last token plus 8 drafts
@@ -183,3 +188,45 @@ def test_a_row_fed_nothing_next_to_a_long_one():
                     logits=False)
     out = backend.forward(torch.tensor([0, 1]), torch.tensor([[5], [-1]]), torch.tensor([1, 0]))
     assert out.shape[:2] == (2, 1) and backend.cache_length(1) == 256
+
+
+@pytest.mark.parametrize("mask", [None, "bool", "additive"])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3)])
+def test_grouped_attention_is_scaled_dot_product_attention_for_one_query(heads, kv_heads, mask):
+    torch.manual_seed(0)
+    B, L, D = 3, 37, 16
+    q = torch.randn(B, heads, 1, D)
+    k, v = torch.randn(B, kv_heads, L, D), torch.randn(B, kv_heads, L, D)
+    allowed = torch.rand(B, 1, 1, L) > 0.3
+    allowed[..., 0] = True
+    m = None if mask is None else allowed if mask == "bool" else \
+        torch.zeros(B, 1, 1, L).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m,
+                                                            enable_gqa=heads != kv_heads)
+    torch.testing.assert_close(grouped_attention(q, k, v, m), want, atol=1e-5, rtol=1e-5)
+
+
+def test_one_query_attention_is_timed_once_and_only_for_cpu_half_precision(monkeypatch):
+    cpu = torch.device("cpu")
+    pick_attention = kernels.pick_one_query_attention
+    assert pick_attention(4, 2, 16, torch.float32, cpu) is None
+    assert pick_attention(4, 2, 16, torch.bfloat16, torch.device("cuda")) is None
+    kernels._GROUPED_FROM.clear()
+    calls = []
+    monkeypatch.setattr(kernels, "_median_seconds",
+                        lambda fn, args, reps: calls.append(fn) or (1.0 if len(calls) % 2 else 0.5))
+    assert pick_attention(4, 2, 16, torch.bfloat16, cpu) == kernels.ATTENTION_LENGTHS[0]
+    assert len(calls) == 2 * len(kernels.ATTENTION_LENGTHS)        # both forms at each length
+    assert pick_attention(4, 2, 16, torch.bfloat16, cpu) == kernels.ATTENTION_LENGTHS[0]
+    assert len(calls) == 2 * len(kernels.ATTENTION_LENGTHS)        # cached: nothing timed again
+    # grouped wins at the longest length only: from there on; at none: never
+    last = 2 * (len(kernels.ATTENTION_LENGTHS) - 1)
+    for grouped_wins, want in ((lambda n: n > last, kernels.ATTENTION_LENGTHS[-1]),
+                               (lambda n: False, None)):
+        calls.clear()
+        kernels._GROUPED_FROM.clear()
+        monkeypatch.setattr(kernels, "_median_seconds",
+                            lambda fn, args, reps, wins=grouped_wins: calls.append(fn) or
+                            (1.0 if len(calls) % 2 else (0.5 if wins(len(calls)) else 2.0)))
+        assert pick_attention(4, 2, 16, torch.float16, cpu) == want
+    kernels._GROUPED_FROM.clear()

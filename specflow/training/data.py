@@ -5,10 +5,12 @@ the head learns from is recorded from the same passes (`StateRecorder`): for eve
 inputs of the layers the head reads ([T, nE]) and the target's final normed state ([T, E]), from
 which the target's next-token distribution is recomputed in training (storing [T, V] logits
 would cost V / E times more memory). A sequence's last token is never fed (decoding stops after
-choosing it), so it is left out.
+choosing it), so it is left out. A long data phase is decoded and saved in parts
+(`continuations_in_parts`), so an interrupted one resumes.
 """
 from __future__ import annotations
 
+import pathlib
 from dataclasses import dataclass
 
 import torch
@@ -84,10 +86,12 @@ class StateRecorder:
             if n:
                 self.chunks[self.slot_request[slot]].append((start, hidden[b, :n]))
 
-    def take(self, request_id: int, positions: int) -> torch.Tensor:
-        """The request's states of its first `positions` positions [positions, (k+1)E],
-        released here; ValueError when they were not all recorded, in order."""
+    def take(self, request_id: int, positions: int) -> torch.Tensor | None:
+        """The request's states of its first `positions` positions [positions, (k+1)E] (None
+        for none), released here; ValueError when they were not all recorded, in order."""
         chunks = self.chunks.pop(request_id, [])
+        if positions == 0:
+            return None
         at = 0
         for start, part in chunks:
             if start != at:
@@ -125,6 +129,41 @@ def continuations(pipe, prompts: list[str], new_tokens: int, advance,
     if recorder is None:
         return sequences, lens
     return sequences, lens, [states for _, _, states in kept]
+
+
+def save_whole(obj, path: pathlib.Path) -> None:
+    """torch.save to `path` whole or not at all (a temporary file renamed over it)."""
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    tmp.replace(path)
+
+
+PART_SEQUENCES = 256      # prompts decoded and saved together in continuations_in_parts
+
+
+def continuations_in_parts(pipe, prompts: list[str], new_tokens: int, advance,
+                           recorder: StateRecorder, folder: pathlib.Path):
+    """continuations() with a recorder, PART_SEQUENCES prompts at a time, each part saved to
+    `folder` (part-NNNN.pt, with its prompts) as soon as it is decoded; a part already there
+    that holds the same prompts is loaded instead of decoded again, so an interrupted data phase
+    (Ctrl-C, a lost machine) resumes where it stopped -> (sequences, lengths, states)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    sequences, lens, states = [], [], []
+    for i, at in enumerate(range(0, len(prompts), PART_SEQUENCES)):
+        chunk = prompts[at:at + PART_SEQUENCES]
+        path = folder / f"part-{i:04d}.pt"
+        part = torch.load(path, weights_only=False) if path.is_file() else None
+        if part is not None and part["prompts"] == chunk:
+            for _ in chunk:
+                advance()
+        else:
+            got = continuations(pipe, chunk, new_tokens, advance, recorder)
+            part = dict(zip(("sequences", "lens", "states"), got), prompts=chunk)
+            save_whole(part, path)
+        sequences += part["sequences"]
+        lens += part["lens"]
+        states += part["states"]
+    return sequences, lens, states
 
 
 def recorded_sequences(sequences: list[list[int]], prompt_lens: list[int],

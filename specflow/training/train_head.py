@@ -2,7 +2,9 @@
 
 1. the target continues the workload's prompts (plain decoding, batched), and, with
    `chat_turns`, answers user turns it wrote itself through its chat template (user_turns.py);
-2. one forward over each whole sequence records the head's inputs and the target's last state;
+2. the same decoding passes record the head's inputs and the target's final normed state
+   (data.StateRecorder), saved in parts as they are decoded (train_data.parts/, and the sampled
+   user turns in user_turns.json), so an interrupted data phase resumes too;
 3. the head trains with training-time test (loop.py), checkpointing as it goes; a rerun with the
    same output folder and settings resumes from the last checkpoint (and reuses the recorded
    data); one with other settings is refused (train_settings.json records them);
@@ -14,7 +16,9 @@
 from __future__ import annotations
 
 import gc
+import json
 import pathlib
+import shutil
 import time
 from dataclasses import dataclass
 
@@ -134,7 +138,10 @@ def _train(cfg, th: TrainHeadConfig, out: pathlib.Path, settings: dict, prompts:
         raise ConfigError(f"train-head needs a transformers target (model=demo or model=hf); "
                           f"model={cfg.model.name} has no hidden states to learn from")
     shape = head_shape_for(target, th, target.vocab_size)
-    cache = out / "train_data.pt"
+    cache, parts = out / "train_data.pt", out / PARTS
+    if not th.resume:                     # start over: what an earlier run decoded goes
+        shutil.rmtree(parts, ignore_errors=True)
+        (out / TURNS).unlink(missing_ok=True)
     if th.resume and cache.is_file():
         seqs = torch.load(cache, weights_only=False)
         check_recorded_width(cache, seqs, shape)
@@ -145,16 +152,17 @@ def _train(cfg, th: TrainHeadConfig, out: pathlib.Path, settings: dict, prompts:
         write_settings(out, {**settings, "train_head.layers": shape.layer_ids})
         if th.chat_turns:                 # the target's own user turns, answered like the rest
             user_turns.pre_query_template(target.tokenizer)    # no chat template: one line, now
-            cut = user_turns.interleave(cut, chat_prompts(run_cfg, th, progress))
+            cut = user_turns.interleave(cut, chat_prompts(run_cfg, th, progress, out / TURNS))
         # the states come from the decoding passes themselves (no second forward)
         recorder = data.StateRecorder(shape.layer_ids, target.num_layers)
         pipe.register(recorder, "train-head.states")
         adv = progress("target writes continuations", len(cut))
-        sequences, lens, states = data.continuations(pipe, cut, th.new_tokens, lambda: adv(1),
-                                                     recorder)
+        sequences, lens, states = data.continuations_in_parts(pipe, cut, th.new_tokens,
+                                                              lambda: adv(1), recorder, parts)
         seqs = data.recorded_sequences(sequences, lens, states, len(shape.layer_ids))
         del states
-        torch.save(seqs, cache)
+        data.save_whole(seqs, cache)
+        shutil.rmtree(parts, ignore_errors=True)          # train_data.pt holds them all now
     if target.lean is not None:      # decoding may have packed the weights the head copies
         target.lean.unpack()
     check_prompts = data.cut_prompts(prompts, target.tokenizer, th.prompt_tokens, 2)
@@ -204,27 +212,35 @@ def _train(cfg, th: TrainHeadConfig, out: pathlib.Path, settings: dict, prompts:
     return summary, check_prompts
 
 
-def chat_prompts(run_cfg, th: TrainHeadConfig, progress) -> list[str]:
+def chat_prompts(run_cfg, th: TrainHeadConfig, progress, saved: pathlib.Path) -> list[str]:
     """th.chat_turns user turns sampled from the target (a sampling pipeline of its own,
-    released before the greedy one decodes), each through the chat template."""
+    released before the greedy one decodes), each through the chat template; kept in `saved`
+    (JSON), which a rerun with the same settings reads instead of sampling again."""
     from specflow.experiments.workloads import apply_chat_template
+    from specflow.io import atomic_write_json
     from specflow.pipeline import Pipeline
     from specflow.training import user_turns
 
+    if saved.is_file():
+        return json.loads(saved.read_text())
     pipe = Pipeline(user_turns.sampling_config(run_cfg))
     try:
         adv = progress("target writes user turns", th.chat_turns)
         turns = user_turns.sample_user_turns(pipe, th.chat_turns, th.seed, adv)
-        return apply_chat_template(turns, pipe.tokenizer, "on")
+        prompts = apply_chat_template(turns, pipe.tokenizer, "on")
     finally:
         del pipe
         gc.collect()
+    atomic_write_json(saved, prompts)
+    return prompts
 
 
 # --- a rerun into the same folder ----------------------------------------------------------------
 
 SETTINGS_FILE = "train_settings.json"
-RESULTS = ("train_data.pt", "checkpoint.pt", "model.safetensors")
+PARTS = "train_data.parts"        # the data phase's decoded parts, until train_data.pt holds them
+TURNS = "user_turns.json"         # the sampled user turns (train_head.chat_turns), as prompts
+RESULTS = ("train_data.pt", "checkpoint.pt", "model.safetensors", PARTS, TURNS)
 # what the recorded data, the head's shape and its training depend on, besides the target, the
 # workload, the logits settings and the layers: a rerun must keep them to resume (steps may
 # grow; checkpoint_every, generate_batch, device and threads may change)
@@ -237,8 +253,6 @@ ADDED_SINCE = {"train_head.chat_turns": 0}     # settings newer than some folder
 def settings_of(cfg, th: TrainHeadConfig, layers: list[int]) -> dict:
     """The settings a folder's results are made with, flat as overrides ("workload.limit": 40),
     as they read back from SETTINGS_FILE; `layers`: the resolved ones ([]: known after load)."""
-    import json
-
     from omegaconf import OmegaConf
 
     flat = {"model.path": str(OmegaConf.select(cfg, "model.path", throw_on_missing=False)),
@@ -258,8 +272,6 @@ def _flat(value, prefix: str) -> dict:
 
 
 def write_settings(out: pathlib.Path, settings: dict) -> None:
-    import json
-
     tmp = out / (SETTINGS_FILE + ".tmp")
     tmp.write_text(json.dumps(settings, indent=2) + "\n")
     tmp.replace(out / SETTINGS_FILE)
@@ -268,12 +280,10 @@ def write_settings(out: pathlib.Path, settings: dict) -> None:
 def check_rerun(out: pathlib.Path, settings: dict) -> None:
     """Refuse to resume in a folder whose data, checkpoint or head were made with other settings
     (other sizes crash on load; other data or a recipe would be mixed into one head)."""
-    import json
-
     from specflow.io import read_json
 
     path = out / SETTINGS_FILE
-    if not path.is_file() or not any((out / name).is_file() for name in RESULTS):
+    if not path.is_file() or not any((out / name).exists() for name in RESULTS):
         return
     fix = (f"pick another train_head.output, delete {out}, or pass train_head.resume=false to "
            f"start it over")

@@ -183,6 +183,17 @@ def test_chat_turns_add_answered_user_turns_spread_among_the_workload_s(deep_tar
     assert all(len(seqs.tokens[i]) > seqs.prompt_lens[i] for i in chat)   # and answered
     recipe = json.loads((out / "config.json").read_text())["specflow"]["recipe"]
     assert recipe["chat_turns"] == 3
+    # the turns are kept: a rerun that records its data again does not sample them again
+    assert json.loads((out / "user_turns.json").read_text()) == sorted(
+        prompts, key=lambda p: [f"question {i}?" in p for i in range(3)].index(True))
+    (out / "train_data.pt").unlink()
+    train_head.run(cfg, read_prompts(cfg), quiet)
+    assert len(asked) == 1
+    # train_head.resume=false starts over: it samples them again
+    train_head.run(compose(TRAIN + [f"model.path={chatty}", f"train_head.output={out}",
+                                    "train_head.chat_turns=3", "train_head.resume=false"],
+                           "train_head"), read_prompts(cfg), quiet)
+    assert len(asked) == 2
 
 
 def test_train_head_format_speculators_writes_a_head_specflow_runs(deep_target, tmp_path):
@@ -240,3 +251,43 @@ def test_the_states_recorded_while_decoding_are_those_of_a_forward_over_each_seq
         torch.testing.assert_close(seqs.states[i].float(), want_aux, atol=3e-3, rtol=3e-3)
         torch.testing.assert_close(seqs.finals[i].float(), hs[-1][0].half().float(), atol=3e-3,
                                    rtol=3e-3)
+
+
+def test_an_interrupted_data_phase_resumes_from_the_parts_it_saved(hf_models, tmp_path,
+                                                                    monkeypatch):
+    """The data phase is decoded and saved in parts: stopped inside its second part (Ctrl-C),
+    a rerun loads the first instead of decoding it again, and ends with the data an
+    uninterrupted run records."""
+    from specflow.training import data
+
+    monkeypatch.setattr(data, "PART_SEQUENCES", 4)            # 12 prompts: 3 parts
+    decode = data.continuations
+    calls = []
+
+    def counted(pipe, prompts, *args, **kw):
+        calls.append(len(prompts))
+        if stop_at == len(calls):
+            raise KeyboardInterrupt
+        return decode(pipe, prompts, *args, **kw)
+    monkeypatch.setattr(data, "continuations", counted)
+
+    def run(out):
+        cfg = compose(TRAIN + [f"model.path={hf_models['llama']}", f"train_head.output={out}"],
+                      "train_head")
+        train_head.run(cfg, read_prompts(cfg), quiet)
+        return torch.load(out / "train_data.pt", weights_only=False)
+
+    stop_at = 2
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path / "a")
+    assert sorted(p.name for p in (tmp_path / "a" / "train_data.parts").iterdir()) == \
+        ["part-0000.pt"]
+    calls.clear()
+    stop_at = 0
+    resumed = run(tmp_path / "a")
+    assert calls == [4, 4]                                    # the first part was loaded
+    assert not (tmp_path / "a" / "train_data.parts").exists()   # train_data.pt holds it all
+    whole = run(tmp_path / "b")
+    assert [t.tolist() for t in resumed.tokens] == [t.tolist() for t in whole.tokens]
+    for a, b in zip(resumed.states + resumed.finals, whole.states + whole.finals):
+        torch.testing.assert_close(a, b)

@@ -62,8 +62,9 @@ def cut_prompts(prompts: list[str], tokenizer, prompt_tokens: int, count: int) -
 class StateRecorder:
     """A pipeline plugin that keeps the target's states of every position it feeds while it
     decodes: the inputs of `layer_ids` and the final normed state (specflow_hidden_layers'
-    index num_layers), per request, as fp16 host chunks. Under proposer=none every fed
-    position is committed, so a request's chunks are its sequence's states in order."""
+    index num_layers), per request, as fp16 chunks where the target runs (moved to the host
+    once per finished request, not in the round loop). Under proposer=none every fed position
+    is committed, so a request's chunks are its sequence's states in order."""
 
     def __init__(self, layer_ids: list[int], num_layers: int):
         self.layers = (*layer_ids, num_layers)           # the final state last
@@ -81,14 +82,15 @@ class StateRecorder:
 
     @hookimpl
     def specflow_target_states(self, states):
-        hidden = states.select(self.layers).half().cpu()                  # [B, T, (k+1)E]
+        hidden = states.select(self.layers).half()                        # [B, T, (k+1)E]
         for b, (slot, start, n) in enumerate(zip(states.slots, states.starts, states.lens)):
             if n:
                 self.chunks[self.slot_request[slot]].append((start, hidden[b, :n]))
 
     def take(self, request_id: int, positions: int) -> torch.Tensor | None:
-        """The request's states of its first `positions` positions [positions, (k+1)E] (None
-        for none), released here; ValueError when they were not all recorded, in order."""
+        """The request's states of its first `positions` positions [positions, (k+1)E] on the
+        host (None for none), released here; ValueError when they were not all recorded, in
+        order."""
         chunks = self.chunks.pop(request_id, [])
         if positions == 0:
             return None
@@ -100,7 +102,7 @@ class StateRecorder:
             at += len(part)
         if at < positions:
             raise ValueError(f"request {request_id}: {at} positions recorded, {positions} needed")
-        return torch.cat([part for _, part in chunks])[:positions]
+        return torch.cat([part for _, part in chunks])[:positions].cpu()
 
 
 def continuations(pipe, prompts: list[str], new_tokens: int, advance,

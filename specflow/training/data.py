@@ -108,12 +108,12 @@ class StateRecorder:
 def continuations(pipe, prompts: list[str], new_tokens: int, advance,
                   recorder: StateRecorder | None = None):
     """(prompt + the target's continuation of each prompt as token ids, the prompt's length in
-    each), in prompt order, leaving out sequences of 3 tokens or fewer (nothing to learn): the
-    lengths stay paired with their sequences whichever are left out.
+    each, the recorded states of each), in prompt order, leaving out sequences of 3 tokens or
+    fewer (nothing to learn): lengths and states stay paired with their sequences whichever are
+    left out.
 
-    With a recorder registered on `pipe`: also each kept sequence's recorded states [T, (k+1)E],
-    the sequence cut to the positions fed (its last token never is) -> (sequences, lengths,
-    states)."""
+    With a recorder registered on `pipe`, each kept sequence's states [T, (k+1)E], the sequence
+    cut to the positions fed (its last token never is); without one, None for each."""
     out: list[tuple[list[int], int, torch.Tensor | None] | None] = [None] * len(prompts)
 
     def done(result):
@@ -127,10 +127,7 @@ def continuations(pipe, prompts: list[str], new_tokens: int, advance,
         advance()
     pipe.generate(prompts, max_new_tokens=new_tokens, on_result=done)
     kept = [row for row in out if row is not None and len(row[0]) > 3]
-    sequences, lens = [ids for ids, _, _ in kept], [n for _, n, _ in kept]
-    if recorder is None:
-        return sequences, lens
-    return sequences, lens, [states for _, _, states in kept]
+    return [ids for ids, _, _ in kept], [n for _, n, _ in kept], [st for _, _, st in kept]
 
 
 def save_whole(obj, path: pathlib.Path) -> None:

@@ -24,7 +24,8 @@ def test_a_sequence_left_out_in_the_middle_keeps_the_others_paired_with_their_le
     prompts = ["abcd", "x", "hello world"]
     pipe = Pipe({"abcd": [1, 2], "x": [3], "hello world": [4, 5, 6]})
     seen = []
-    seqs, lens = data.continuations(pipe, prompts, 8, lambda: seen.append(1))
+    seqs, lens, states = data.continuations(pipe, prompts, 8, lambda: seen.append(1))
     assert len(seen) == 3
     assert seqs == [[97, 98, 99, 100, 1, 2], [*map(ord, "hello world"), 4, 5, 6]]
     assert lens == [4, 11]           # "x" + 1 token is too short: left out with its length
+    assert states == [None, None]    # nothing recorded without a StateRecorder

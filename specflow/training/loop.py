@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from specflow.errors import ConfigError
-from specflow.training.data import Sequences
+from specflow.training.data import Sequences, save_whole
 from specflow.training.ttt import chain_acceptance, chain_states, ttt_loss
 
 
@@ -80,10 +80,8 @@ def lr_at(step: int, s: Settings) -> float:
 
 
 def save_checkpoint(path: pathlib.Path, head, opt, step: int, gen: torch.Generator) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step,
-                "rng": gen.get_state()}, tmp)
-    tmp.replace(path)
+    save_whole({"head": head.state_dict(), "opt": opt.state_dict(), "step": step,
+                "rng": gen.get_state()}, path)
 
 
 def train(head, windows: Windows, s: Settings, checkpoint: pathlib.Path, resume: bool,

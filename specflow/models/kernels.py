@@ -11,6 +11,11 @@ layout, the dtype and the machine:
   for frozen CPU linears) streams well from a few rows up, and gives every row the same bits
   whatever the number of rows beside it.
 
+- specflow's own product (`native`, `specflow.models.native`: a short C loop compiled for the CPU
+  on first use) reads each thread's block of weight rows as one stream and reaches the memory's
+  bandwidth for 1-4 rows where the libraries do not; float32 and bfloat16, and only where a C
+  compiler is found.
+
 So neither the form nor the layout is fixed: `pick()` times the dense forms on the model's own
 weights (all of them, so the reads stream from memory as in a real pass) for one row, a few rows
 and a batch's worth, once per model load, and the lean forward calls the winners. Whether to pack
@@ -35,6 +40,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from specflow.models import native
 
 Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]    # x [M, K], W [N, K] -> [M, N]
 
@@ -80,10 +87,25 @@ def packed(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
 
 
+def native_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """specflow's own product (`specflow.models.native`): one stream of the weight per thread;
+    F.linear where it cannot run (no C compiler, more than native.MAX_ROWS rows). Inside a traced
+    graph (torch.compile) it is called as the operator `specflow::gemv`: the same bits."""
+    if torch.compiler.is_compiling():
+        return native.gemv_op(x, w)
+    return native.gemv(x, w)
+
+
 FORMS: dict[str, Matmul] = {"linear": linear, "weight_left": weight_left,
-                            "weight_left_padded": weight_left_padded}
-ONE_ROW = ("linear", "weight_left_padded")
-FEW_ROWS = ("linear", "weight_left")
+                            "weight_left_padded": weight_left_padded, "native": native_gemv}
+ONE_ROW = ("linear", "weight_left_padded", "native")
+FEW_ROWS = ("linear", "weight_left", "native")
+
+
+def candidates(forms: tuple[str, ...], dtype: torch.dtype, rows: int) -> tuple[str, ...]:
+    """The forms worth timing for `rows` rows of `dtype`: the native product only where it runs."""
+    return tuple(f for f in forms if f != "native" or (native.available(dtype)
+                                                        and rows <= native.MAX_ROWS))
 
 
 @functools.cache
@@ -141,7 +163,7 @@ def pick(weights: list[torch.Tensor], repeats: int = 3, budget_s: float = 2.0) -
     w0 = weights[0]
     if w0.device.type != "cpu":
         return Kernels()
-    key = (str(w0.device), w0.dtype, torch.get_num_threads(),
+    key = (str(w0.device), w0.dtype, torch.get_num_threads(), native.available(w0.dtype),
            tuple(tuple(w.shape) for w in weights))
     if key in _PICKED:
         return _PICKED[key]
@@ -165,9 +187,10 @@ def pick(weights: list[torch.Tensor], repeats: int = 3, budget_s: float = 2.0) -
         timings.append((form, rows, round(best * 1e3, 3)))
         return best
 
-    one = min(ONE_ROW, key=lambda f: cost(f, 1))
-    few = min(FEW_ROWS, key=lambda f: cost(f, 2) + cost(f, 8))
-    many = min(FEW_ROWS, key=lambda f: cost(f, 32))
+    dtype = w0.dtype
+    one = min(candidates(ONE_ROW, dtype, 1), key=lambda f: cost(f, 1))
+    few = min(candidates(FEW_ROWS, dtype, SMALL_ROWS), key=lambda f: cost(f, 2) + cost(f, 8))
+    many = min(candidates(FEW_ROWS, dtype, BATCH_ROWS), key=lambda f: cost(f, 32))
     picked = Kernels(one, few, many, False, tuple(timings))
     _PICKED[key] = picked
     return picked

@@ -1,0 +1,145 @@
+/* Products of a few rows by a wide weight, at the speed of reading the weight (specflow.models.native).
+
+   Y[m, n] = sum_k X[m, k] * W[n, k], W row-major [N, K], X [M, K], Y [M, N]: float32, or
+   bfloat16 or float16 in and out (the weight widened to float32 as it is read, products and sums
+   in float32, each result rounded to the 16-bit type to nearest even, as torch's 16-bit products
+   do). float16 where the compiler has _Float16 (GCC 12+, Clang; specflow_has_f16()).
+
+   A decoding pass multiplies 1 to ~8 rows by every weight matrix once, so its cost is the time to
+   stream the weights from memory. Each thread takes a contiguous block of W's rows and reads them
+   in order, one row at a time (one memory stream per thread: measured faster than interleaving
+   two or four rows of W), against up to MC rows of X at once (X stays in L1). Portable C: GCC/Clang
+   vector extensions, 8 floats wide (AVX2, AVX-512 or NEON pairs under -march=native).
+
+   Every row of Y is computed by the same sequence of operations whatever M and the thread count
+   are, so a row's result does not depend on the rows beside it (as oneDNN's packed product). */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#define MC 4
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+static inline v8 load_f32(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
+
+static inline v8 load_bf16(const uint16_t *p) {    /* bfloat16 is float32's upper half */
+#ifdef __AVX2__                                      /* one widening load (GCC splits the generic one) */
+    __m256i w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+#else
+    u16x8 h; memcpy(&h, p, sizeof h);
+    u32x8 w = __builtin_convertvector(h, u32x8) << 16;
+#endif
+    v8 v; memcpy(&v, &w, sizeof v); return v;
+}
+
+static inline float hsum(v8 v) {
+    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+static inline float bf16_to_f32(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+
+static inline uint16_t f32_to_bf16(float f) {      /* to nearest even; NaN stays NaN */
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* Rows n0..n1 of W against the M rows of X (float32); out(m, n, value) stores a result. */
+#define ROWS_OF_W(NAME, WT, LOADW, WIDEN, STORE)                                                  \
+static void NAME(const WT *W, const float *X, void *Y, int64_t n0, int64_t n1, int64_t N,          \
+                 int64_t K, int64_t M) {                                                         \
+    int64_t k16 = K - K % 16;                                                                    \
+    for (int64_t n = n0; n < n1; n++) {                                                          \
+        const WT *w = W + n * K;                                                                 \
+        for (int64_t m0 = 0; m0 < M; m0 += MC) {                                                 \
+            int64_t mc = M - m0 < MC ? M - m0 : MC;                                              \
+            const float *x = X + m0 * K;                                                         \
+            v8 a[MC][2];                                                                         \
+            for (int j = 0; j < MC; j++) { a[j][0] = (v8){0}; a[j][1] = (v8){0}; }               \
+            for (int64_t k = 0; k < k16; k += 16) {                                              \
+                v8 w0 = LOADW(w + k), w1 = LOADW(w + k + 8);                                     \
+                _Pragma("GCC unroll 4")                                                          \
+                for (int j = 0; j < MC; j++) {                                                   \
+                    if (j < mc) {                                                                \
+                        a[j][0] += w0 * load_f32(x + j * K + k);                                 \
+                        a[j][1] += w1 * load_f32(x + j * K + k + 8);                             \
+                    }                                                                            \
+                }                                                                                \
+            }                                                                                    \
+            for (int j = 0; j < mc; j++) {                                                       \
+                float r = hsum(a[j][0] + a[j][1]);                                               \
+                for (int64_t k = k16; k < K; k++) r += WIDEN(w[k]) * x[j * K + k];              \
+                STORE(Y, (m0 + j) * N + n, r);                                                   \
+            }                                                                                    \
+        }                                                                                        \
+    }                                                                                            \
+}
+
+#define AS_F32(v) (v)
+#define STORE_F32(Y, i, r) (((float *)(Y))[i] = (r))
+#define STORE_BF16(Y, i, r) (((uint16_t *)(Y))[i] = f32_to_bf16(r))
+ROWS_OF_W(rows_f32, float, load_f32, AS_F32, STORE_F32)
+ROWS_OF_W(rows_bf16, uint16_t, load_bf16, bf16_to_f32, STORE_BF16)
+
+#define SPLIT(CALL)                                                                              \
+    _Pragma("omp parallel num_threads(threads)")                                                 \
+    {                                                                                            \
+        int64_t t = omp_get_thread_num(), T = omp_get_num_threads();                             \
+        int64_t per = (N + T - 1) / T;                                                           \
+        int64_t n0 = t * per, n1 = n0 + per < N ? n0 + per : N;                                  \
+        if (n0 < N) CALL;                                                                        \
+    }
+
+void specflow_gemv_f32(const float *W, const float *X, float *Y, int64_t N, int64_t K, int64_t M,
+                       int threads) {
+    SPLIT(rows_f32(W, X, Y, n0, n1, N, K, M))
+}
+
+/* X is widened to float32 once (M x K floats), then every thread reads it */
+int specflow_gemv_bf16(const uint16_t *W, const uint16_t *X, uint16_t *Y, int64_t N, int64_t K,
+                       int64_t M, int threads) {
+    float *x = malloc((size_t)(M * K) * sizeof(float));
+    if (!x) return 1;
+    for (int64_t i = 0; i < M * K; i++) x[i] = bf16_to_f32(X[i]);
+    SPLIT(rows_bf16(W, x, Y, n0, n1, N, K, M))
+    free(x);
+    return 0;
+}
+
+#ifdef __FLT16_MAX__
+typedef _Float16 h8 __attribute__((vector_size(16)));
+static inline v8 load_f16(const _Float16 *p) {
+#ifdef __F16C__                                      /* one conversion (GCC splits the generic one) */
+    __m256 f = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    v8 v; memcpy(&v, &f, sizeof v); return v;
+#else
+    h8 h; memcpy(&h, p, sizeof h); return __builtin_convertvector(h, v8);
+#endif
+}
+#define F16_TO_F32(h) ((float)(h))
+#define STORE_F16(Y, i, r) (((_Float16 *)(Y))[i] = (_Float16)(r))
+ROWS_OF_W(rows_f16, _Float16, load_f16, F16_TO_F32, STORE_F16)
+
+int specflow_has_f16(void) { return 1; }
+
+int specflow_gemv_f16(const _Float16 *W, const _Float16 *X, _Float16 *Y, int64_t N, int64_t K,
+                      int64_t M, int threads) {
+    float *x = malloc((size_t)(M * K) * sizeof(float));
+    if (!x) return 1;
+    for (int64_t i = 0; i < M * K; i++) x[i] = (float)X[i];
+    SPLIT(rows_f16(W, x, Y, n0, n1, N, K, M))
+    free(x);
+    return 0;
+}
+#else
+int specflow_has_f16(void) { return 0; }
+int specflow_gemv_f16(const void *W, const void *X, void *Y, int64_t N, int64_t K, int64_t M,
+                      int threads) { return 2; }
+#endif

@@ -1,0 +1,135 @@
+"""A product of a few rows by a wide float32, bfloat16 or float16 weight that streams the weight at memory speed
+(`gemv.c`), compiled for this CPU on first use.
+
+torch's CPU products for 1-8 rows read a wide weight well below the memory's bandwidth on some
+CPUs (MKL's AVX-512 paths are not taken on AMD; oneDNN's packed product has a fixed cost per call
+and streams one row slower than it could), and a decoding pass is that product, once per weight
+matrix. `gemv.c` is one short loop: each thread reads a contiguous block of the weight's rows in
+order, against up to four rows of the input at once. `kernels.pick()` times it beside torch's
+forms on the model's own weights and takes it where it is faster; nothing else depends on it.
+
+It is compiled with the system's C compiler (`$CC`, else `cc`, `gcc` or `clang`) with
+`-O3 -march=native -fopenmp` into specflow's cache (`$SPECFLOW_CACHE`, default ~/.cache/specflow,
+under `kernels/`, keyed by the source, the flags and the CPU), once per machine, in about a second,
+and loaded after torch so that it shares torch's OpenMP runtime. Without a compiler, or with
+`SPECFLOW_NATIVE=0`, it is simply not offered (`available()` is False) and torch's forms are used.
+
+Every row of the result is computed by the same operations whatever the number of rows beside it
+and the thread count, so a row's logits do not depend on the batch (tests/models/test_native.py).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+
+import torch
+
+SOURCE = pathlib.Path(__file__).with_name("gemv.c")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC")
+ENV = "SPECFLOW_NATIVE"        # 0: never offer the native product
+MAX_ROWS = 16                  # more rows: compute-bound, torch's products are better
+
+
+def _compiler() -> str | None:
+    for name in filter(None, (os.environ.get("CC"), "cc", "gcc", "clang")):
+        if found := shutil.which(name):
+            return found
+    return None
+
+
+def _cpu_key() -> str:
+    """What the compiled code depends on besides its source: the CPU model and its flags."""
+    try:
+        info = pathlib.Path("/proc/cpuinfo").read_text()
+        wanted = [line for line in info.splitlines() if line.startswith(("model name", "flags",
+                                                                         "Features", "CPU part"))]
+        return "\n".join(sorted(set(wanted)))
+    except OSError:
+        return platform.processor() + platform.machine()
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The compiled kernel, built once per machine into the cache; None without a compiler."""
+    if os.environ.get(ENV, "1") == "0" or not SOURCE.exists():
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        return None
+    from specflow.models.gguf import cache_root
+
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join(FLAGS).encode() + _cpu_key().encode()
+                         + compiler.encode()).hexdigest()[:16]
+    target = cache_root() / "kernels" / f"gemv-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = pathlib.Path(tmp) / target.name
+            try:
+                subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], check=True,
+                               capture_output=True, timeout=120)
+            except (OSError, subprocess.SubprocessError):
+                return None                    # no usable compiler or no OpenMP: torch's forms
+            os.replace(built, target)          # atomic: a concurrent build finds a whole file
+    try:
+        lib = ctypes.CDLL(str(target))        # after torch: its libgomp is the one linked
+    except OSError:
+        return None
+    for name, restype in (("specflow_gemv_f32", None), ("specflow_gemv_bf16", ctypes.c_int),
+                          ("specflow_gemv_f16", ctypes.c_int)):
+        fn = getattr(lib, name)
+        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        fn.restype = restype
+    lib.has_f16 = bool(lib.specflow_has_f16())
+    return lib
+
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def available(dtype: torch.dtype = torch.float32) -> bool:
+    """The native product runs here for weights of `dtype` (float32, bfloat16, and float16 where
+    the compiler has _Float16)."""
+    lib = _library()
+    return dtype in DTYPES and lib is not None and (dtype != torch.float16 or lib.has_f16)
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] times W [N, K]^T -> [M, N] on a CPU, both of one dtype in DTYPES (products and
+    sums in float32, 16-bit results rounded to nearest even), M <= MAX_ROWS. Anything else
+    (more rows, other dtypes or devices, a product autograd records): F.linear. A model's
+    parameters require gradients; under no_grad/inference_mode nothing is recorded."""
+    rows, k = x.shape
+    if (rows > MAX_ROWS or not available(w.dtype) or x.dtype != w.dtype
+            or x.device.type != "cpu" or w.device.type != "cpu" or not w.is_contiguous()
+            or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
+        return torch.nn.functional.linear(x, w)
+    x = x.contiguous()
+    out = torch.empty(rows, w.shape[0], dtype=w.dtype)                             # [M, N]
+    lib = _library()
+    args = (w.data_ptr(), x.data_ptr(), out.data_ptr(), w.shape[0], k, rows, torch.get_num_threads())
+    if w.dtype == torch.float32:
+        lib.specflow_gemv_f32(*args)
+    elif (lib.specflow_gemv_bf16 if w.dtype == torch.bfloat16 else lib.specflow_gemv_f16)(*args):
+        raise MemoryError(f"specflow's native product could not allocate {rows} x {k} floats")
+    return out
+
+
+@torch.library.custom_op("specflow::gemv", mutates_args=())
+def gemv_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`gemv` as a torch operator, for traced graphs (torch.compile): a ctypes call is opaque to
+    dynamo, an operator is not. The same computation, so the same bits, as calling `gemv`."""
+    return gemv(x, w)
+
+
+@gemv_op.register_fake
+def _gemv_shape(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[0])                                      # [M, N]

@@ -16,6 +16,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <math.h>
 #include <omp.h>
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -88,31 +89,6 @@ static void NAME(const WT *W, const float *X, void *Y, int64_t n0, int64_t n1, i
 ROWS_OF_W(rows_f32, float, load_f32, AS_F32, STORE_F32)
 ROWS_OF_W(rows_bf16, uint16_t, load_bf16, bf16_to_f32, STORE_BF16)
 
-#define SPLIT(CALL)                                                                              \
-    _Pragma("omp parallel num_threads(threads)")                                                 \
-    {                                                                                            \
-        int64_t t = omp_get_thread_num(), T = omp_get_num_threads();                             \
-        int64_t per = (N + T - 1) / T;                                                           \
-        int64_t n0 = t * per, n1 = n0 + per < N ? n0 + per : N;                                  \
-        if (n0 < N) CALL;                                                                        \
-    }
-
-void specflow_gemv_f32(const float *W, const float *X, float *Y, int64_t N, int64_t K, int64_t M,
-                       int threads) {
-    SPLIT(rows_f32(W, X, Y, n0, n1, N, K, M))
-}
-
-/* X is widened to float32 once (M x K floats), then every thread reads it */
-int specflow_gemv_bf16(const uint16_t *W, const uint16_t *X, uint16_t *Y, int64_t N, int64_t K,
-                       int64_t M, int threads) {
-    float *x = malloc((size_t)(M * K) * sizeof(float));
-    if (!x) return 1;
-    for (int64_t i = 0; i < M * K; i++) x[i] = bf16_to_f32(X[i]);
-    SPLIT(rows_bf16(W, x, Y, n0, n1, N, K, M))
-    free(x);
-    return 0;
-}
-
 #ifdef __FLT16_MAX__
 typedef _Float16 h8 __attribute__((vector_size(16)));
 static inline v8 load_f16(const _Float16 *p) {
@@ -126,20 +102,80 @@ static inline v8 load_f16(const _Float16 *p) {
 #define F16_TO_F32(h) ((float)(h))
 #define STORE_F16(Y, i, r) (((_Float16 *)(Y))[i] = (_Float16)(r))
 ROWS_OF_W(rows_f16, _Float16, load_f16, F16_TO_F32, STORE_F16)
+#endif
 
-int specflow_has_f16(void) { return 1; }
+#define SPLIT(CALL)                                                                              \
+    _Pragma("omp parallel num_threads(threads)")                                                 \
+    {                                                                                            \
+        int64_t t = omp_get_thread_num(), T = omp_get_num_threads();                             \
+        int64_t per = (N + T - 1) / T;                                                           \
+        int64_t n0 = t * per, n1 = n0 + per < N ? n0 + per : N;                                  \
+        if (n0 < N) CALL;                                                                        \
+    }
 
-int specflow_gemv_f16(const _Float16 *W, const _Float16 *X, _Float16 *Y, int64_t N, int64_t K,
-                      int64_t M, int threads) {
+enum { F32 = 0, BF16 = 1, F16 = 2 };
+
+static inline float widen(const void *p, int64_t i, int dtype) {
+    if (dtype == F32) return ((const float *)p)[i];
+    if (dtype == BF16) return bf16_to_f32(((const uint16_t *)p)[i]);
+#ifdef __FLT16_MAX__
+    return (float)((const _Float16 *)p)[i];
+#else
+    return 0.0f;
+#endif
+}
+
+/* X as float32 rows for the products: X itself (float32, no norm), else a copy widened to float32
+   and, with a norm weight G [K], each row RMS-normalised first (as the lean forward's _rms):
+   x / sqrt(mean(x^2) + eps) * G, in float32. NULL: out of memory. */
+static const float *prepare_x(const void *X, const void *G, float eps, int dtype, int64_t M,
+                              int64_t K, float **owned) {
+    *owned = NULL;
+    if (dtype == F32 && !G) return (const float *)X;
     float *x = malloc((size_t)(M * K) * sizeof(float));
+    if (!x) return NULL;
+    for (int64_t m = 0; m < M; m++) {
+        float *row = x + m * K;
+        for (int64_t k = 0; k < K; k++) row[k] = widen(X, m * K + k, dtype);
+        if (G) {
+            float ss = 0.0f;
+            for (int64_t k = 0; k < K; k++) ss += row[k] * row[k];
+            float r = 1.0f / sqrtf(ss / (float)K + eps);
+            for (int64_t k = 0; k < K; k++) row[k] = row[k] * r * widen(G, k, dtype);
+        }
+    }
+    *owned = x;
+    return x;
+}
+
+/* Y = X W^T (G: rms_norm(X) W^T). dtype: 0 float32, 1 bfloat16, 2 float16 (W, X, G, Y alike).
+   Returns 0, 1 out of memory, 2 a dtype this build lacks. */
+int specflow_gemv(const void *W, const void *X, void *Y, int64_t N, int64_t K, int64_t M,
+                  int threads, int dtype, const void *G, float eps) {
+#ifndef __FLT16_MAX__
+    if (dtype == F16) return 2;
+#endif
+    float *owned;
+    const float *x = prepare_x(X, G, eps, dtype, M, K, &owned);
     if (!x) return 1;
-    for (int64_t i = 0; i < M * K; i++) x[i] = (float)X[i];
-    SPLIT(rows_f16(W, x, Y, n0, n1, N, K, M))
-    free(x);
+    if (dtype == F32) {
+        SPLIT(rows_f32((const float *)W, x, Y, n0, n1, N, K, M))
+    } else if (dtype == BF16) {
+        SPLIT(rows_bf16((const uint16_t *)W, x, Y, n0, n1, N, K, M))
+    }
+#ifdef __FLT16_MAX__
+    else {
+        SPLIT(rows_f16((const _Float16 *)W, x, Y, n0, n1, N, K, M))
+    }
+#endif
+    free(owned);
     return 0;
 }
+
+int specflow_has_f16(void) {
+#ifdef __FLT16_MAX__
+    return 1;
 #else
-int specflow_has_f16(void) { return 0; }
-int specflow_gemv_f16(const void *W, const void *X, void *Y, int64_t N, int64_t K, int64_t M,
-                      int threads) { return 2; }
+    return 0;
 #endif
+}

@@ -48,7 +48,7 @@ def static_forward(lean, keys: list[torch.Tensor], values: list[torch.Tensor],
 
     for i, weights in enumerate(layers):
         x = lean.layer(i, weights, x, cos, sin, mask, attend)
-    return lean.mm(lean._rms(x, lean.norm), head)                                    # [B, T, V]
+    return lean._normed_mm(x, lean.norm, head)                                       # [B, T, V]
 
 
 class StaticStep:

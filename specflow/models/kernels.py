@@ -144,6 +144,20 @@ class Kernels:
             return F.linear(x, w)
         return FORMS[name](x.reshape(rows, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
 
+    def normed_matmul(self, x: torch.Tensor, norm: torch.Tensor, eps: float,
+                      w: torch.Tensor) -> torch.Tensor | None:
+        """RMSNorm(x) * norm times W [N, K]^T -> [..., N] in one call, where the product for x's
+        rows is the native one (which norms the rows as it reads them); None elsewhere: the
+        caller norms, then multiplies."""
+        rows = x.numel() // x.shape[-1]
+        if w.is_mkldnn or rows > SMALL_ROWS or \
+                (self.one_row if rows == 1 else self.few_rows) != "native":
+            return None
+        flat = x.reshape(rows, x.shape[-1])                                             # [M, K]
+        out = native.gemv_op(flat, w, norm, eps) if torch.compiler.is_compiling() \
+            else native.gemv(flat, w, norm, eps)
+        return out.reshape(*x.shape[:-1], w.shape[0])
+
     def describe(self) -> str:
         dense = (f"1 row: {self.one_row}, 2-{SMALL_ROWS} rows: {self.few_rows}, "
                  f"{SMALL_ROWS + 1}-{BATCH_ROWS} rows: {self.many_rows}")

@@ -295,6 +295,11 @@ class LeanLlama:
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return w * x32.to(x.dtype)
 
+    def _normed_mm(self, x: torch.Tensor, norm: torch.Tensor, w) -> torch.Tensor:
+        """RMSNorm(x) * norm times W^T: one native call where the product is the native one."""
+        out = self.kernels.normed_matmul(x, norm, self.eps, w)
+        return out if out is not None else self.mm(self._rms(x, norm), w)
+
     def _rope(self, positions: torch.Tensor, dtype, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, 1, T, D] at `positions` [B, T], from a table grown to `needed` rows."""
         if self._cos is None or self._cos.shape[0] < needed or self._cos.dtype != dtype:
@@ -313,8 +318,7 @@ class LeanLlama:
         ln1, wqkv, bqkv, wo, bo, ln2, wgu, wdown = weights
         B, T = x.shape[:2]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        mm = self.mm
-        qkv = mm(self._rms(x, ln1), wqkv)                                             # [B, T, (H+2Hkv)D]
+        qkv = self._normed_mm(x, ln1, wqkv)                                           # [B, T, (H+2Hkv)D]
         if bqkv is not None:
             qkv = qkv + bqkv
         qk, v = qkv.split([(H + Hkv) * D, Hkv * D], -1)
@@ -338,7 +342,7 @@ class LeanLlama:
         mm = self.mm
         o = mm(a.transpose(1, 2).reshape(B, T, -1), wo)                               # [B, T, E]
         x = x + (o if bo is None else o + bo)
-        gate, up = mm(self._rms(x, ln2), wgu).chunk(2, -1)                            # [B, T, I] x2
+        gate, up = self._normed_mm(x, ln2, wgu).chunk(2, -1)                          # [B, T, I] x2
         return x + mm(F.silu(gate) * up, wdown)
 
     @torch.inference_mode()
@@ -362,8 +366,9 @@ class LeanLlama:
         final = len(layers) in capture
         if logits_to_keep and not final:
             x = x[:, -logits_to_keep:]
+        if not final:
+            return self._normed_mm(x, self.norm, head)                                # [B, T, V]
         x = self._rms(x, self.norm)                                                   # [B, T, E]
-        if final:
-            captured.append(x)                                                        # [B, T, E]
-            x = x[:, -logits_to_keep:] if logits_to_keep else x
+        captured.append(x)                                                            # [B, T, E]
+        x = x[:, -logits_to_keep:] if logits_to_keep else x
         return self.mm(x, head)                                                       # [B, T, V]

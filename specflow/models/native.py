@@ -32,7 +32,7 @@ import tempfile
 import torch
 
 SOURCE = pathlib.Path(__file__).with_name("gemv.c")
-FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-lm")
 ENV = "SPECFLOW_NATIVE"        # 0: never offer the native product
 MAX_ROWS = 16                  # more rows: compute-bound, torch's products are better
 
@@ -83,11 +83,9 @@ def _library() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(target))        # after torch: its libgomp is the one linked
     except OSError:
         return None
-    for name, restype in (("specflow_gemv_f32", None), ("specflow_gemv_bf16", ctypes.c_int),
-                          ("specflow_gemv_f16", ctypes.c_int)):
-        fn = getattr(lib, name)
-        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-        fn.restype = restype
+    lib.specflow_gemv.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [
+        ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_float]
+    lib.specflow_gemv.restype = ctypes.c_int
     lib.has_f16 = bool(lib.specflow_has_f16())
     return lib
 
@@ -102,34 +100,50 @@ def available(dtype: torch.dtype = torch.float32) -> bool:
     return dtype in DTYPES and lib is not None and (dtype != torch.float16 or lib.has_f16)
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [M, K] times W [N, K]^T -> [M, N] on a CPU, both of one dtype in DTYPES (products and
-    sums in float32, 16-bit results rounded to nearest even), M <= MAX_ROWS. Anything else
-    (more rows, other dtypes or devices, a product autograd records): F.linear. A model's
-    parameters require gradients; under no_grad/inference_mode nothing is recorded."""
-    rows, k = x.shape
-    if (rows > MAX_ROWS or not available(w.dtype) or x.dtype != w.dtype
-            or x.device.type != "cpu" or w.device.type != "cpu" or not w.is_contiguous()
-            or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
+CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def runs(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """The native product takes x [M, K] and W [N, K]: CPU tensors of one dtype it has, W
+    contiguous, M <= MAX_ROWS, and nothing for autograd to record (a model's parameters require
+    gradients; under no_grad / inference_mode nothing is recorded)."""
+    return (x.shape[0] <= MAX_ROWS and x.dtype == w.dtype and available(w.dtype)
+            and x.device.type == "cpu" and w.device.type == "cpu" and w.is_contiguous()
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = None,
+         eps: float = 0.0) -> torch.Tensor:
+    """x [M, K] times W [N, K]^T -> [M, N], products and sums in float32 (16-bit results rounded
+    to nearest even). With `norm` [K]: RMSNorm(x) (x / sqrt(mean(x^2) + eps) * norm, in float32)
+    times W^T, one call instead of two. Where `runs(x, w)` is False: F.linear (after the norm)."""
+    if not runs(x, w):
+        if norm is not None:
+            x32 = x.float()
+            x = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * norm.float()).to(x.dtype)
         return torch.nn.functional.linear(x, w)
+    rows, k = x.shape
     x = x.contiguous()
     out = torch.empty(rows, w.shape[0], dtype=w.dtype)                             # [M, N]
-    lib = _library()
-    args = (w.data_ptr(), x.data_ptr(), out.data_ptr(), w.shape[0], k, rows, torch.get_num_threads())
-    if w.dtype == torch.float32:
-        lib.specflow_gemv_f32(*args)
-    elif (lib.specflow_gemv_bf16 if w.dtype == torch.bfloat16 else lib.specflow_gemv_f16)(*args):
+    if norm is not None:
+        norm = norm.to(w.dtype).contiguous()
+    failed = _library().specflow_gemv(w.data_ptr(), x.data_ptr(), out.data_ptr(), w.shape[0], k,
+                                      rows, torch.get_num_threads(), CODES[w.dtype],
+                                      None if norm is None else norm.data_ptr(), eps)
+    if failed:
         raise MemoryError(f"specflow's native product could not allocate {rows} x {k} floats")
     return out
 
 
 @torch.library.custom_op("specflow::gemv", mutates_args=())
-def gemv_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def gemv_op(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = None,
+            eps: float = 0.0) -> torch.Tensor:
     """`gemv` as a torch operator, for traced graphs (torch.compile): a ctypes call is opaque to
     dynamo, an operator is not. The same computation, so the same bits, as calling `gemv`."""
-    return gemv(x, w)
+    return gemv(x, w, norm, eps)
 
 
 @gemv_op.register_fake
-def _gemv_shape(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _gemv_shape(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = None,
+                eps: float = 0.0) -> torch.Tensor:
     return x.new_empty(x.shape[0], w.shape[0])                                      # [M, N]

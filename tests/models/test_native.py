@@ -139,3 +139,44 @@ def test_a_traced_graph_calls_it_as_an_operator_with_the_same_bits():
     compiled = torch.compile(kernels.native_gemv, fullgraph=True, dynamic=False, backend="eager")
     with torch.inference_mode():
         assert torch.equal(compiled(x, w), native.gemv(x, w))
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", native.DTYPES)
+def test_the_normed_product_is_rms_norm_then_the_product(dtype):
+    if not native.available(dtype):
+        pytest.skip(f"no native {dtype} product here")
+    torch.manual_seed(4)
+    w, x, g = torch.randn(70, 577).to(dtype), torch.randn(5, 577).to(dtype), torch.rand(577).to(dtype)
+    normed = torch.nn.functional.rms_norm(x.float(), (577,), g.float(), 1e-5)
+    want = torch.nn.functional.linear(normed, w.float())
+    got = native.gemv(x, w, g, 1e-5)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert got.dtype == dtype and torch.allclose(got.float(), want, rtol=tol, atol=tol)
+    for rows in (1, 3):                                  # a row's bits: alone or among others
+        assert torch.equal(native.gemv(x[:rows], w, g, 1e-5), got[:rows])
+    # where it does not run (autograd records), the same through torch
+    xg = x.float().requires_grad_()
+    assert torch.allclose(native.gemv(xg, w.float(), g.float(), 1e-5), want, rtol=1e-4, atol=1e-4)
+
+
+@needs_native
+def test_the_lean_forward_norms_inside_the_native_product(monkeypatch):
+    # a one-row pass with the native form calls rms_norm only where a state is captured
+    from specflow.models.kernels import Kernels
+    from specflow.models.hf import DEMO_DIR, HFBackend, HFModelConfig
+
+    backend = HFBackend(HFModelConfig(path=str(DEMO_DIR / "target")), torch.device("cpu"), slots=1)
+    lean = backend.lean
+    ids = torch.randint(1, 8000, (1, 6))
+    backend.reset(0)
+    backend.forward(torch.tensor([0]), ids[:, :5], torch.tensor([5]))
+    reference = backend.forward(torch.tensor([0]), ids[:, 5:], torch.tensor([1]))[0]
+    lean.kernels = Kernels("native", "native", "linear")
+    lean.mm = lean.kernels.matmul
+    calls = []
+    monkeypatch.setattr(lean, "_rms", lambda x, w: calls.append(1) or x)
+    backend.truncate(torch.tensor([0]), [5])
+    fused = backend.forward(torch.tensor([0]), ids[:, 5:], torch.tensor([1]))[0]
+    assert calls == []
+    assert torch.allclose(fused, reference, atol=1e-4)

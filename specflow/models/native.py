@@ -1,11 +1,12 @@
-"""A product of a few rows by a wide float32, bfloat16 or float16 weight that streams the weight at memory speed
-(`gemv.c`), compiled for this CPU on first use.
+"""A product of a few rows by a wide float32, bfloat16 or float16 weight that streams the
+weight at memory speed (`gemv.c`), compiled for this CPU on first use.
 
 torch's CPU products for 1-8 rows read a wide weight well below the memory's bandwidth on some
 CPUs (MKL's AVX-512 paths are not taken on AMD; oneDNN's packed product has a fixed cost per call
 and streams one row slower than it could), and a decoding pass is that product, once per weight
 matrix. `gemv.c` is one short loop: each thread reads a contiguous block of the weight's rows in
-order, against up to four rows of the input at once. `kernels.pick()` times it beside torch's
+order, against up to four rows of the input at once, and can apply the RMSNorm in front of the
+product as it reads the input (`LeanLlama._normed_mm`). `kernels.pick()` times it beside torch's
 forms on the model's own weights and takes it where it is faster; nothing else depends on it.
 
 It is compiled with the system's C compiler (`$CC`, else `cc`, `gcc` or `clang`) with

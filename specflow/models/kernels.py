@@ -92,7 +92,7 @@ def native_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     F.linear where it cannot run (no C compiler, more than native.MAX_ROWS rows). Inside a traced
     graph (torch.compile) it is called as the operator `specflow::gemv`: the same bits."""
     if torch.compiler.is_compiling():
-        return native.gemv_op(x, w)
+        return F.linear(x, w) if native.gemv_op is None else native.gemv_op(x, w)
     return native.gemv(x, w)
 
 
@@ -154,8 +154,12 @@ class Kernels:
                 (self.one_row if rows == 1 else self.few_rows) != "native":
             return None
         flat = x.reshape(rows, x.shape[-1])                                             # [M, K]
-        out = native.gemv_op(flat, w, norm, eps) if torch.compiler.is_compiling() \
-            else native.gemv(flat, w, norm, eps)
+        if torch.compiler.is_compiling():
+            if native.gemv_op is None:
+                return None
+            out = native.gemv_op(flat, w, norm, eps)
+        else:
+            out = native.gemv(flat, w, norm, eps)
         return out.reshape(*x.shape[:-1], w.shape[0])
 
     def describe(self) -> str:

@@ -136,15 +136,28 @@ def gemv(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = None,
     return out
 
 
-@torch.library.custom_op("specflow::gemv", mutates_args=())
-def gemv_op(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = None,
-            eps: float = 0.0) -> torch.Tensor:
-    """`gemv` as a torch operator, for traced graphs (torch.compile): a ctypes call is opaque to
-    dynamo, an operator is not. The same computation, so the same bits, as calling `gemv`."""
-    return gemv(x, w, norm, eps)
+def _register_operator():
+    """`gemv` as the torch operator specflow::gemv, for traced graphs (torch.compile): a ctypes
+    call is opaque to dynamo, an operator is not; the same computation, so the same bits. None
+    where this torch has no `torch.library.custom_op` (before 2.4): traced graphs then take
+    F.linear. The schema is spelled out (annotations are strings under `from __future__`)."""
+    custom_op = getattr(torch.library, "custom_op", None)
+    if custom_op is None:
+        return None
+
+    def run(x, w, norm=None, eps=0.0):
+        return gemv(x, w, norm, eps)
+
+    def shape(x, w, norm=None, eps=0.0):
+        return x.new_empty(x.shape[0], w.shape[0])                                  # [M, N]
+
+    try:
+        op = custom_op("specflow::gemv", run, mutates_args=(),
+                       schema="(Tensor x, Tensor w, Tensor? norm=None, float eps=0.0) -> Tensor")
+        op.register_fake(shape)
+    except (RuntimeError, TypeError, ValueError):
+        return None
+    return op
 
 
-@gemv_op.register_fake
-def _gemv_shape(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = None,
-                eps: float = 0.0) -> torch.Tensor:
-    return x.new_empty(x.shape[0], w.shape[0])                                      # [M, N]
+gemv_op = _register_operator()

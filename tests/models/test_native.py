@@ -180,3 +180,16 @@ def test_the_lean_forward_norms_inside_the_native_product(monkeypatch):
     fused = backend.forward(torch.tensor([0]), ids[:, 5:], torch.tensor([1]))[0]
     assert calls == []
     assert torch.allclose(fused, reference, atol=1e-4)
+
+
+def test_without_torch_operators_a_traced_graph_takes_torch_products(monkeypatch):
+    # torch before 2.4 has no torch.library.custom_op: no operator, and tracing still works
+    monkeypatch.setattr(native.torch.library, "custom_op", None, raising=False)
+    assert native._register_operator() is None
+    monkeypatch.setattr(native, "gemv_op", None)
+    torch.manual_seed(3)
+    w, x = torch.randn(20, 16), torch.randn(2, 16)
+    compiled = torch.compile(kernels.native_gemv, fullgraph=True, dynamic=False, backend="eager")
+    with torch.inference_mode():
+        assert torch.allclose(compiled(x, w), x @ w.T, atol=1e-5)
+    assert kernels.Kernels("native", "native").normed_matmul(x, torch.ones(16), 1e-5, w) is not None

@@ -10,6 +10,11 @@ from specflow.models import kernels, native
 needs_native = pytest.mark.skipif(not native.available(), reason="no C compiler with OpenMP here")
 
 
+def skip_unless_native(dtype: torch.dtype) -> None:
+    if not native.available(dtype):
+        pytest.skip(f"no native {dtype} product here (float16 needs a compiler with _Float16)")
+
+
 @needs_native
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16])
 @pytest.mark.parametrize("n,k", [(1, 16), (7, 24), (300, 64), (129, 577), (64, 1536)])
@@ -25,8 +30,7 @@ def test_the_native_product_is_f_linear(rows, n, k):
 @pytest.mark.parametrize("n,k", [(7, 24), (129, 577), (64, 1536)])
 @pytest.mark.parametrize("dtype,step", [(torch.bfloat16, 2 ** -8), (torch.float16, 2 ** -11)])
 def test_a_16_bit_product_is_the_float32_one_rounded(rows, n, k, dtype, step):
-    if not native.available(dtype):
-        pytest.skip(f"no native {dtype} product here")
+    skip_unless_native(dtype)
     torch.manual_seed(rows * 1000 + n + k)
     w, x = torch.randn(n, k).to(dtype), torch.randn(rows, k).to(dtype)
     out = native.gemv(x, w)
@@ -52,8 +56,7 @@ def test_bfloat16_rounds_to_nearest_even_and_keeps_nan_and_inf():
 @needs_native
 @pytest.mark.parametrize("dtype", native.DTYPES)
 def test_a_row_does_not_depend_on_the_rows_beside_it_or_the_threads(dtype):
-    if not native.available(dtype):
-        pytest.skip(f"no native {dtype} product here")
+    skip_unless_native(dtype)
     torch.manual_seed(0)
     w, x = torch.randn(1001, 577).to(dtype), torch.randn(16, 577).to(dtype)
     full = native.gemv(x, w)
@@ -144,8 +147,7 @@ def test_a_traced_graph_calls_it_as_an_operator_with_the_same_bits():
 @needs_native
 @pytest.mark.parametrize("dtype", native.DTYPES)
 def test_the_normed_product_is_rms_norm_then_the_product(dtype):
-    if not native.available(dtype):
-        pytest.skip(f"no native {dtype} product here")
+    skip_unless_native(dtype)
     torch.manual_seed(4)
     w, x, g = torch.randn(70, 577).to(dtype), torch.randn(5, 577).to(dtype), torch.rand(577).to(dtype)
     normed = torch.nn.functional.rms_norm(x.float(), (577,), g.float(), 1e-5)

@@ -131,8 +131,11 @@ def gemv(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = None,
     failed = _library().specflow_gemv(w.data_ptr(), x.data_ptr(), out.data_ptr(), w.shape[0], k,
                                       rows, torch.get_num_threads(), CODES[w.dtype],
                                       None if norm is None else norm.data_ptr(), eps)
-    if failed:
+    if failed == 1:
         raise MemoryError(f"specflow's native product could not allocate {rows} x {k} floats")
+    if failed:
+        raise RuntimeError(f"specflow's native product was built without {w.dtype}: rebuild it "
+                           f"with a compiler that has it, or set {ENV}=0")
     return out
 
 

@@ -132,6 +132,10 @@ class Kernels:
     pack: bool = False
     timings_ms: tuple[tuple[str, int, float], ...] = ()     # (form, rows, ms over all weights)
 
+    def form(self, rows: int) -> str:
+        """The dense form picked for a product of `rows` rows (up to BATCH_ROWS)."""
+        return self.one_row if rows == 1 else self.few_rows if rows <= SMALL_ROWS else self.many_rows
+
     def matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x [..., K] times W [N, K]^T -> [..., N]."""
         if w.is_mkldnn:
@@ -139,7 +143,7 @@ class Kernels:
         rows = x.numel() // x.shape[-1]
         if rows > BATCH_ROWS:
             return F.linear(x, w)
-        name = self.one_row if rows == 1 else self.few_rows if rows <= SMALL_ROWS else self.many_rows
+        name = self.form(rows)
         if name == "linear":
             return F.linear(x, w)
         return FORMS[name](x.reshape(rows, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
@@ -150,16 +154,17 @@ class Kernels:
         rows is the native one (which norms the rows as it reads them); None elsewhere: the
         caller norms, then multiplies."""
         rows = x.numel() // x.shape[-1]
-        if w.is_mkldnn or rows > SMALL_ROWS or \
-                (self.one_row if rows == 1 else self.few_rows) != "native":
+        if w.is_mkldnn or rows > SMALL_ROWS or self.form(rows) != "native":
             return None
         flat = x.reshape(rows, x.shape[-1])                                             # [M, K]
         if torch.compiler.is_compiling():
             if native.gemv_op is None:
                 return None
             out = native.gemv_op(flat, w, norm, eps)
-        else:
+        elif native.runs(flat, w):
             out = native.gemv(flat, w, norm, eps)
+        else:
+            return None                        # the caller's own norm (LeanLlama._rms), then F.linear
         return out.reshape(*x.shape[:-1], w.shape[0])
 
     def describe(self) -> str:

@@ -179,3 +179,132 @@ int specflow_has_f16(void) {
     return 0;
 #endif
 }
+
+/* ---- A whole causal pass through the decoder layers, float32 (specflow_layers) -------------------
+
+   The lean forward's per-layer sequence (RMSNorm, q/k/v product, rotary, cache write, attention,
+   o product, residual, RMSNorm, gate/up product, SiLU x up, down product, residual) as one call
+   for a pass of R <= 16 queries that attend causally: query r of cache slot slot[r] sits at
+   position pos[r] (its rotary position and its cache column) and sees its slot's keys 0..pos[r].
+   Every query's keys and values are written before any query attends, so a row's later
+   positions see its earlier ones. Python's cost per operation (a few microseconds each, about 35
+   per layer) is most of a small model's pass; here it is one call per pass.
+
+   A query's result does not depend on the other queries of the pass or on the thread count:
+   each product row is computed as in specflow_gemv, each (query, head) attention by one thread
+   in a fixed order. */
+
+static void product_f32(const float *W, const float *X, float *Y, int64_t N, int64_t K, int64_t M,
+                        int threads) {
+    SPLIT(rows_f32(W, X, Y, n0, n1, N, K, M))
+}
+
+static void rms_rows(const float *X, const float *G, float eps, int64_t M, int64_t K, float *out) {
+    for (int64_t m = 0; m < M; m++) {              /* as prepare_x: the same bits */
+        const float *row = X + m * K;
+        float *o = out + m * K;
+        float ss = 0.0f;
+        for (int64_t k = 0; k < K; k++) ss += row[k] * row[k];
+        float r = 1.0f / sqrtf(ss / (float)K + eps);
+        for (int64_t k = 0; k < K; k++) o[k] = row[k] * r * G[k];
+    }
+}
+
+static void rotary(float *v, const float *cos, const float *sin, int64_t D) {
+    int64_t half = D / 2;
+    for (int64_t i = 0; i < half; i++) {
+        float a = v[i], b = v[i + half];
+        v[i] = a * cos[i] - b * sin[i];
+        v[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+}
+
+static inline float dot(const float *a, const float *b, int64_t D) {
+    int64_t d8 = D - D % 8;
+    v8 acc = (v8){0};
+    for (int64_t d = 0; d < d8; d += 8) acc += load_f32(a + d) * load_f32(b + d);
+    float s = hsum(acc);
+    for (int64_t d = d8; d < D; d++) s += a[d] * b[d];
+    return s;
+}
+
+/* out[D] = softmax(q . K[0..n) * scale) V[0..n); scores: n floats of scratch */
+static void attend_one(const float *q, const float *K, const float *V, int64_t n, int64_t D,
+                       float scale, float *scores, float *out) {
+    float top = -INFINITY;
+    for (int64_t j = 0; j < n; j++) {
+        scores[j] = dot(q, K + j * D, D) * scale;
+        if (scores[j] > top) top = scores[j];
+    }
+    float total = 0.0f;
+    for (int64_t j = 0; j < n; j++) { scores[j] = expf(scores[j] - top); total += scores[j]; }
+    for (int64_t d = 0; d < D; d++) out[d] = 0.0f;
+    for (int64_t j = 0; j < n; j++) {
+        const float *v = V + j * D;
+        float p = scores[j];
+        for (int64_t d = 0; d < D; d++) out[d] += p * v[d];
+    }
+    float inv = 1.0f / total;
+    for (int64_t d = 0; d < D; d++) out[d] *= inv;
+}
+
+/* x [R, E] (in/out): the residual stream entering layer 0, left as it leaves layer L-1.
+   W: 4 weights per layer (q/k/v stacked [(H+2Hkv)D, E], o [E, HD], gate/up stacked [2I, E],
+   down [E, I]); G: 2 norm weights per layer [E]; keys/values: each layer's cache [S, Hkv, C, D];
+   slot, pos [R]; cos, sin [R, D] (each query's rotary rows); capture [L]: -1, or j to copy the
+   input of that layer into caps[j] [R, E]. Returns 0, 1 out of memory, 3 a position outside the
+   cache. */
+int specflow_layers(float *x, int64_t R, int64_t E, int64_t H, int64_t Hkv, int64_t D, int64_t I,
+                    int64_t L, const float *const *W, const float *const *G, float eps,
+                    float *const *keys, float *const *values, int64_t C, const int64_t *slot,
+                    const int64_t *pos, const float *cos, const float *sin,
+                    const int64_t *capture, float *caps, int threads) {
+    for (int64_t r = 0; r < R; r++)
+        if (pos[r] < 0 || pos[r] >= C) return 3;
+    int64_t QKV = (H + 2 * Hkv) * D, widest = QKV > 2 * I ? QKV : 2 * I;
+    int nt = threads > 0 ? threads : 1;
+    float *xn = malloc((size_t)(R * (E > H * D ? E : H * D)) * sizeof(float));
+    float *wide = malloc((size_t)(R * widest) * sizeof(float));
+    float *att = malloc((size_t)(R * H * D) * sizeof(float));
+    float *act = malloc((size_t)(R * (I > E ? I : E)) * sizeof(float));
+    float *scores = malloc((size_t)(nt * C) * sizeof(float));
+    int failed = !xn || !wide || !att || !act || !scores;
+    float scale = 1.0f / sqrtf((float)D);
+    int64_t group = H / Hkv;
+    for (int64_t l = 0; l < L && !failed; l++) {
+        const float *wqkv = W[4 * l], *wo = W[4 * l + 1], *wgu = W[4 * l + 2], *wdown = W[4 * l + 3];
+        float *kc = keys[l], *vc = values[l];
+        if (capture[l] >= 0) memcpy(caps + capture[l] * R * E, x, (size_t)(R * E) * sizeof(float));
+        rms_rows(x, G[2 * l], eps, R, E, xn);
+        product_f32(wqkv, xn, wide, QKV, E, R, threads);                     /* [R, (H+2Hkv)D] */
+        for (int64_t r = 0; r < R; r++) {
+            float *q = wide + r * QKV;
+            for (int64_t h = 0; h < H + Hkv; h++) rotary(q + h * D, cos + r * D, sin + r * D, D);
+            for (int64_t g = 0; g < Hkv; g++) {
+                int64_t at = ((slot[r] * Hkv + g) * C + pos[r]) * D;
+                memcpy(kc + at, q + (H + g) * D, (size_t)D * sizeof(float));
+                memcpy(vc + at, q + (H + Hkv + g) * D, (size_t)D * sizeof(float));
+            }
+        }
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")
+        for (int64_t rh = 0; rh < R * H; rh++) {
+            int64_t r = rh / H, h = rh % H, g = h / group;
+            int64_t base = (slot[r] * Hkv + g) * C * D;
+            attend_one(wide + r * QKV + h * D, kc + base, vc + base, pos[r] + 1, D, scale,
+                       scores + (int64_t)omp_get_thread_num() * C, att + (r * H + h) * D);
+        }
+        product_f32(wo, att, act, E, H * D, R, threads);                     /* [R, E] */
+        for (int64_t i = 0; i < R * E; i++) x[i] += act[i];
+        rms_rows(x, G[2 * l + 1], eps, R, E, xn);
+        product_f32(wgu, xn, wide, 2 * I, E, R, threads);                    /* [R, 2I] */
+        for (int64_t r = 0; r < R; r++) {
+            const float *gate = wide + r * 2 * I, *up = gate + I;
+            float *a = act + r * I;
+            for (int64_t i = 0; i < I; i++) a[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+        }
+        product_f32(wdown, act, xn, E, I, R, threads);                       /* [R, E] */
+        for (int64_t i = 0; i < R * E; i++) x[i] += xn[i];
+    }
+    free(xn); free(wide); free(att); free(act); free(scores);
+    return failed;
+}

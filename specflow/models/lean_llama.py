@@ -34,8 +34,10 @@ import torch.nn.functional as F
 
 import dataclasses
 
+from specflow.models import native
 from specflow.models.kernels import Kernels, grouped_attention, pack, pick, \
     pick_one_query_attention
+from specflow.models.native_pass import NativePass
 
 SUPPORTED = {"llama", "mistral", "qwen2"}
 
@@ -135,6 +137,8 @@ class LeanLlama:
         # passes of at least `dual_from` product rows (B x T); smaller ones keep the dense forms
         self._dual: tuple[list[tuple], torch.Tensor] | None = None
         self.dual_from = 1
+        self._native_pass = None          # NativePass over self.layers (built on first use)
+        self.native_layers = True         # False: causal passes run the eager layers too
 
     # the fields of a layer tuple that are product weights, and the modules each one feeds
     _PRODUCTS = {1: ("self_attn", ("q_proj", "k_proj", "v_proj")), 3: ("self_attn", ("o_proj",)),
@@ -345,21 +349,35 @@ class LeanLlama:
         gate, up = self._normed_mm(x, ln2, wgu).chunk(2, -1)                          # [B, T, I] x2
         return x + mm(F.silu(gate) * up, wdown)
 
+    def _native_layers(self, rows: int):
+        """The NativePass that runs a causal pass of `rows` queries, or None (the eager layers)."""
+        if not self.native_layers or rows > native.MAX_ROWS or self.kernels.form(rows) != "native" \
+                or torch.compiler.is_compiling():
+            return None
+        if self._native_pass is None or self._native_pass.stale(self):
+            self._native_pass = NativePass(self)
+        return self._native_pass if self._native_pass.runs else None
+
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
                  cache, logits_to_keep: int = 0, capture: tuple[int, ...] = (),
-                 captured: list | None = None) -> torch.Tensor:
+                 captured: list | None = None, causal: bool = False) -> torch.Tensor:
         """Logits [B, T or logits_to_keep, V]. `capture`: layer indices whose *input* (the
         residual stream entering layer i, as transformers' hidden_states[i]) is appended to
         `captured` [B, T, E] each, for draft heads that read the target's hidden states; index
-        num_layers: the final normed state (transformers' last hidden_states entry)."""
+        num_layers: the final normed state (transformers' last hidden_states entry).
+        `causal`: the mask is the plain causal one by position over `cache.plan`'s rows (no
+        tree, window or ragged rows), so a pass of a few queries may run as one native call
+        (models/native_pass.py)."""
         B, T = input_ids.shape
         x = F.embedding(input_ids, self.embed)                                        # [B, T, E]
         # a row fed nothing sits at its length, which may equal kv_len: one row more
         cos, sin = self._rope(positions, x.dtype, cache.get_seq_length() + 1)         # [B, 1, T, D]
-        layers, head = self._dual if self._dual is not None and B * T >= self.dual_from \
-            else (self.layers, self.lm_head)
-        for i, weights in enumerate(layers):
+        dual = self._dual is not None and B * T >= self.dual_from
+        layers, head = self._dual if dual else (self.layers, self.lm_head)
+        whole = self._native_layers(B * T) if causal and not dual else None
+        done = whole is not None and whole(x, cache, cos, sin, capture, captured) is not None
+        for i, weights in enumerate(() if done else layers):
             if i in capture:
                 captured.append(x)                                                    # [B, T, E]
             x = self.layer(i, weights, x, cos, sin, mask, cache.update)

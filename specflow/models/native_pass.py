@@ -1,0 +1,111 @@
+"""A causal pass of a few queries through every decoder layer as one native call (`gemv.c`).
+
+The lean forward spends about 35 torch operations per decoder layer on a pass of one to a few
+positions (norms, rotary, cache writes, attention, residuals, SiLU), each a few microseconds of
+Python and dispatch: on SmolLM2-135M (30 layers) about 10 ms of a 35-45 ms pass whose products
+stream 538 MB in about 28 ms. `specflow_layers` runs the same sequence in C for up to
+`native.MAX_ROWS` float32 queries: the products are the native product's rows, attention reads
+each query's keys 0..position straight from the cache rows (no mask tensor), and the keys and
+values of the pass are written into the cache before any query attends.
+
+It takes a pass only where the result is the causal one the eager layers compute: no token tree,
+no sliding window, no ragged batch (the backend says so with `causal=True`), float32 dense
+weights without biases, a SlotKVCache whose buffers exist, and a row count for which
+`kernels.pick()` chose the native product. A query's result does not depend on the other
+queries of the pass or on the thread count, as the native product's rows (tests/models/
+test_native_pass.py); it equals the eager layers' up to float rounding.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from specflow.models import native
+
+
+def _pointers(tensors: list[torch.Tensor]) -> ctypes.Array:
+    return (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
+
+
+class NativePass:
+    """Pointer tables of one LeanLlama's weights (built once; `stale()` after a re-layout) and of
+    the caches it has run on."""
+
+    def __init__(self, lean):
+        self.lean = lean
+        self.layers = list(lean.layers)               # the tuples the tables were built from
+        self.runs = self.supported(lean)
+        if self.runs:
+            self.weights = _pointers([layer[f] for layer in lean.layers for f in (1, 3, 6, 7)])
+            self.norms = _pointers([layer[f] for layer in lean.layers for f in (0, 5)])
+        self._cache_key = None
+        self._cache_tables = None
+
+    @staticmethod
+    def supported(lean) -> bool:
+        """The model's layers are ones specflow_layers computes: float32, dense, contiguous, no
+        biases, heads that group evenly."""
+        if not native.available(torch.float32) or lean.num_heads % lean.num_kv_heads:
+            return False
+        for ln1, wqkv, bqkv, wo, bo, ln2, wgu, wdown in lean.layers:
+            if bqkv is not None or bo is not None:
+                return False
+            for w in (ln1, wqkv, wo, ln2, wgu, wdown):
+                if w.is_mkldnn or w.dtype != torch.float32 or w.device.type != "cpu" \
+                        or not w.is_contiguous():
+                    return False
+        return True
+
+    def stale(self, lean) -> bool:
+        """The lean forward's weights moved since the tables were built (pack(), unpack()
+        replace layer tuples in place)."""
+        return len(lean.layers) != len(self.layers) or any(
+            now is not then for now, then in zip(lean.layers, self.layers))
+
+    def _caches(self, cache) -> tuple[ctypes.Array, ctypes.Array] | None:
+        keys, values = cache.keys, cache.values
+        if any(k is None for k in keys) or any(v is None for v in values):
+            return None
+        key = (id(cache), keys[0].data_ptr(), values[-1].data_ptr())
+        if key != self._cache_key:
+            if not all(t.dtype == torch.float32 and t.is_contiguous() for t in (*keys, *values)):
+                return None
+            self._cache_key, self._cache_tables = key, (_pointers(keys), _pointers(values))
+        return self._cache_tables
+
+    def __call__(self, x: torch.Tensor, cache, cos: torch.Tensor, sin: torch.Tensor,
+                 capture: tuple[int, ...], captured: list | None) -> torch.Tensor | None:
+        """x [B, T, E] float32 (the embedded inputs, overwritten) -> the residual stream after
+        the last layer [B, T, E]; None where the cache cannot be read this way (the eager
+        layers run instead). cos, sin [B, 1, T, D]: the queries' rotary rows."""
+        tables = self._caches(cache)
+        if tables is None:
+            return None
+        lean, plan = self.lean, cache.plan
+        B, T, E = x.shape
+        R, L, D = B * T, len(lean.layers), lean.head_dim
+        slots = plan.slots[:, None].expand(B, T).contiguous()                        # [B, T]
+        positions = plan.positions.contiguous()                                      # [B, T]
+        cos = cos.reshape(R, D).contiguous()                                         # [R, D]
+        sin = sin.reshape(R, D).contiguous()
+        wanted = [i for i in sorted(capture) if i < L]
+        at = torch.full((L,), -1, dtype=torch.long)                                  # [L]
+        for j, i in enumerate(wanted):
+            at[i] = j
+        caps = torch.empty(len(wanted), B, T, E) if wanted else None                 # [n, B, T, E]
+        intermediate = lean.layers[0][6].shape[0] // 2                      # gate/up stacked
+        failed = native._library().specflow_layers(
+            x.data_ptr(), R, E, lean.num_heads, lean.num_kv_heads, D, intermediate, L,
+            self.weights, self.norms, lean.eps, tables[0], tables[1], cache.max_capacity,
+            slots.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            at.data_ptr(), None if caps is None else caps.data_ptr(), torch.get_num_threads())
+        if failed == 1:
+            raise MemoryError(f"specflow's native pass could not allocate its buffers for {R} "
+                              f"queries")
+        if failed:
+            raise ValueError(f"a position in {plan.positions.tolist()} lies outside the KV cache "
+                             f"({cache.max_capacity} columns)")
+        if caps is not None:
+            captured.extend(caps.unbind(0))                                           # [B, T, E] each
+        return x

@@ -1,0 +1,185 @@
+"""A causal pass of a few queries as one native call (models/native_pass.py, gemv.c's
+specflow_layers): the eager layers' results up to rounding, a query's bits independent of its
+pass and of the threads, and every pass that is not plain causal left to the eager layers."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from specflow.models import native
+from specflow.models.base import TreeAttention
+from specflow.models.hf import DEMO_DIR, HFBackend, HFModelConfig
+from specflow.models.kernels import Kernels, can_pack
+from specflow.models.native_pass import NativePass
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler with OpenMP here")
+
+
+def backend_for(path, slots: int = 3) -> HFBackend:
+    backend = HFBackend(HFModelConfig(path=str(path)), torch.device("cpu"), slots=slots)
+    backend.lean.kernels = Kernels("native", "native", "linear")      # what pick() takes on x86
+    backend.lean.mm = backend.lean.kernels.matmul
+    return backend
+
+
+def tiny_llama(tmp_path, name: str = "llama", **config) -> str:
+    """A 3-layer Llama with grouped heads (6 query heads, 2 key/value heads) and the demo
+    tokenizer; `config` overrides (a sliding window, biases)."""
+    import transformers as tf
+
+    torch.manual_seed(11)
+    cls = {"llama": tf.LlamaConfig, "mistral": tf.MistralConfig, "qwen2": tf.Qwen2Config}[name]
+    cfg = cls(vocab_size=8192, hidden_size=96, intermediate_size=160, num_hidden_layers=3,
+              num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256, **config)
+    path = tmp_path / name
+    tf.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEMO_DIR / "target" / f, path / f)
+    return str(path)
+
+
+class Spy:
+    """Counts the passes the native call took."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        real = NativePass.__call__
+
+        def counted(pass_, *args, **kwargs):
+            out = real(pass_, *args, **kwargs)
+            self.calls += out is not None
+            return out
+
+        monkeypatch.setattr(NativePass, "__call__", counted)
+
+
+def prefill(backend, lengths: list[int], seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for slot, n in enumerate(lengths):
+        backend.reset(slot)
+        backend.forward(torch.tensor([slot]), torch.randint(1, 8000, (1, n), generator=g),
+                        torch.tensor([n]), logits=False)
+
+
+def run(backend, lengths, fed, native_layers: bool, hidden=(), spy=None):
+    """Logits (and captured states) of feeding `fed` [B, T] after prompts of `lengths`, and
+    the keys the pass wrote; `spy` counts this pass only (a short prompt may take it too)."""
+    prefill(backend, lengths)
+    backend.lean.native_layers = native_layers
+    if spy is not None:
+        spy.calls = 0
+    B, T = fed.shape
+    out = backend.forward(torch.arange(B), fed, torch.full((B,), T), hidden_layers=hidden)
+    written = [backend.cache.keys[i][b, :, n:n + T].clone()
+               for i in range(len(backend.lean.layers)) for b, n in enumerate(lengths)]
+    return out, written
+
+
+@pytest.mark.parametrize("model", ["demo", "tiny llama"])
+@pytest.mark.parametrize("rows,width", [(1, 1), (1, 5), (3, 1), (3, 5), (2, 8)])
+def test_the_native_pass_computes_the_eager_layers(tmp_path, monkeypatch, model, rows, width):
+    path = DEMO_DIR / "target" if model == "demo" else tiny_llama(tmp_path)
+    backend = backend_for(path)
+    spy = Spy(monkeypatch)
+    lengths = [37, 5, 120][:rows]
+    fed = torch.randint(1, 8000, (rows, width), generator=torch.Generator().manual_seed(1))
+    layers = len(backend.lean.layers)
+    hidden = (0, layers - 1, layers)         # the first, the last layer's input, the final state
+    (logits, states), keys = run(backend, lengths, fed, True, hidden, spy)
+    assert spy.calls == 1
+    (want, want_states), want_keys = run(backend, lengths, fed, False, hidden, spy)
+    assert spy.calls == 0                               # the eager layers, this time
+    torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(states, want_states, atol=1e-4, rtol=1e-4)
+    for got, ref in zip(keys, want_keys):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_a_query_does_not_depend_on_its_pass_or_the_threads(tmp_path):
+    backend = backend_for(tiny_llama(tmp_path))
+    fed = torch.randint(1, 8000, (3, 4), generator=torch.Generator().manual_seed(2))
+    lengths = [20, 9, 64]
+    together, _ = run(backend, lengths, fed, True)                                  # [3, 4, V]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        for b in range(len(lengths)):
+            for t in range(4):          # row b's query t alone, after the t tokens before it
+                prefill(backend, lengths)
+                slot = torch.tensor([b])
+                if t:
+                    backend.forward(slot, fed[b:b + 1, :t], torch.tensor([t]), logits=False)
+                alone = backend.forward(slot, fed[b:b + 1, t:t + 1], torch.tensor([1]))[0, 0]
+                assert torch.equal(alone, together[b, t]), (b, t)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_repacking_the_weights_rebuilds_the_native_tables(monkeypatch):
+    # pack() and unpack() replace the layer tuples in place: tables built on the old ones would
+    # read freed weights
+    backend = backend_for(DEMO_DIR / "target")
+    spy = Spy(monkeypatch)
+    fed = torch.randint(1, 8000, (1, 3), generator=torch.Generator().manual_seed(3))
+    first, _ = run(backend, [30], fed, True, spy=spy)
+    assert spy.calls == 1
+    if can_pack(torch.float32):
+        backend.lean.pack()
+        packed, _ = run(backend, [30], fed, True, spy=spy)   # packed weights: the eager layers
+        assert spy.calls == 0
+        torch.testing.assert_close(packed, first, atol=1e-4, rtol=1e-4)
+        backend.lean.unpack()
+    backend.lean.kernels = Kernels("native", "native", "linear")
+    again, _ = run(backend, [30], fed, True, spy=spy)
+    assert spy.calls == 1
+    assert torch.equal(again, first)
+
+
+def test_passes_that_are_not_plain_causal_run_the_eager_layers(tmp_path, monkeypatch):
+    spy = Spy(monkeypatch)
+    backend = backend_for(DEMO_DIR / "target")
+    prefill(backend, [40, 40])          # longer than the native pass takes
+    # a ragged batch (rows fed different numbers of tokens)
+    backend.forward(torch.tensor([0, 1]), torch.tensor([[5, 6], [7, -1]]), torch.tensor([2, 1]))
+    # a token tree: two siblings after the committed prefix
+    prefill(backend, [40])
+    tree = TreeAttention(positions=torch.tensor([[40, 40]]), visible_below=[40],
+                         see=torch.tensor([[[True, False], [False, True]]]))
+    backend.forward(torch.tensor([0]), torch.tensor([[5, 6]]), torch.tensor([2]), tree=tree)
+    # more queries than the native product takes
+    prefill(backend, [40])
+    backend.forward(torch.tensor([0]), torch.ones(1, native.MAX_ROWS + 1, dtype=torch.long),
+                    torch.tensor([native.MAX_ROWS + 1]))
+    # a product form other than the native one
+    backend.lean.kernels = Kernels("linear", "linear", "linear")
+    prefill(backend, [40])
+    backend.forward(torch.tensor([0]), torch.tensor([[5]]), torch.tensor([1]))
+    assert spy.calls == 0
+    # Mistral's window, once the context is longer than it; inside it the pass is plain causal
+    mistral = backend_for(tiny_llama(tmp_path, "mistral", sliding_window=8), slots=1)
+    prefill(mistral, [20])
+    spy.calls = 0
+    mistral.forward(torch.tensor([0]), torch.tensor([[5]]), torch.tensor([1]))
+    assert spy.calls == 0
+    prefill(mistral, [5])
+    spy.calls = 0
+    mistral.forward(torch.tensor([0]), torch.tensor([[5]]), torch.tensor([1]))
+    assert spy.calls == 1
+    # biases (Qwen2's q/k/v) are not in the native layers
+    qwen = backend_for(tiny_llama(tmp_path, "qwen2"), slots=1)
+    assert not NativePass.supported(qwen.lean)
+    prefill(qwen, [5])
+    qwen.forward(torch.tensor([0]), torch.tensor([[5]]), torch.tensor([1]))
+    assert spy.calls == 1
+
+
+def test_a_16_bit_model_runs_the_eager_layers(monkeypatch):
+    spy = Spy(monkeypatch)
+    backend = HFBackend(HFModelConfig(path=str(DEMO_DIR / "target"), dtype="bfloat16"),
+                        torch.device("cpu"), slots=1)
+    assert not NativePass.supported(backend.lean)
+    prefill(backend, [8])
+    backend.forward(torch.tensor([0]), torch.tensor([[5]]), torch.tensor([1]))
+    assert spy.calls == 0

@@ -180,19 +180,22 @@ int specflow_has_f16(void) {
 #endif
 }
 
-/* ---- A whole causal pass through the decoder layers, float32 (specflow_layers) -------------------
+/* ---- A whole pass through the decoder layers, float32 (specflow_layers) -----------------------
 
    The lean forward's per-layer sequence (RMSNorm, q/k/v product, rotary, cache write, attention,
    o product, residual, RMSNorm, gate/up product, SiLU x up, down product, residual) as one call
-   for a pass of R <= 16 queries that attend causally: query r of cache slot slot[r] sits at
-   position pos[r] (its rotary position and its cache column) and sees its slot's keys 0..pos[r].
+   for a pass of R <= 16 queries. Query r of cache slot slot[r] (rotated by its rows of cos and
+   sin) is written at cache column col[r], and sees its slot's keys 0..below[r]-1 and, with a tree
+   (see != NULL), key below[r] + i where see[r, i] (i < S): a causal row sees 0..col[r]
+   (below = col + 1, no tree); a token tree's node sees the committed prefix and its ancestors.
    Every query's keys and values are written before any query attends, so a row's later
    positions see its earlier ones. Python's cost per operation (a few microseconds each, about 35
    per layer) is most of a small model's pass; here it is one call per pass.
 
    A query's result does not depend on the other queries of the pass or on the thread count:
    each product row is computed as in specflow_gemv, each (query, head) attention by one thread
-   in a fixed order. */
+   over its visible keys in column order (a tree node's ancestors come in the same order as the
+   same tokens' keys in a chain, so it scores as the chain does). */
 
 static void product_f32(const float *W, const float *X, float *Y, int64_t N, int64_t K, int64_t M,
                         int threads) {
@@ -228,18 +231,25 @@ static inline float dot(const float *a, const float *b, int64_t D) {
     return s;
 }
 
-/* out[D] = softmax(q . K[0..n) * scale) V[0..n); scores: n floats of scratch */
-static void attend_one(const float *q, const float *K, const float *V, int64_t n, int64_t D,
-                       float scale, float *scores, float *out) {
+/* out[D] = softmax(q . K[j] * scale) V[j] over the keys j < n that are visible: j < below, or
+   see[j - below] (see: NULL, nothing past below). scores: n floats of scratch. */
+static void attend_one(const float *q, const float *K, const float *V, int64_t n, int64_t below,
+                       const uint8_t *see, int64_t D, float scale, float *scores, float *out) {
     float top = -INFINITY;
     for (int64_t j = 0; j < n; j++) {
+        if (j >= below && !see[j - below]) continue;
         scores[j] = dot(q, K + j * D, D) * scale;
         if (scores[j] > top) top = scores[j];
     }
     float total = 0.0f;
-    for (int64_t j = 0; j < n; j++) { scores[j] = expf(scores[j] - top); total += scores[j]; }
+    for (int64_t j = 0; j < n; j++) {
+        if (j >= below && !see[j - below]) continue;
+        scores[j] = expf(scores[j] - top);
+        total += scores[j];
+    }
     for (int64_t d = 0; d < D; d++) out[d] = 0.0f;
     for (int64_t j = 0; j < n; j++) {
+        if (j >= below && !see[j - below]) continue;
         const float *v = V + j * D;
         float p = scores[j];
         for (int64_t d = 0; d < D; d++) out[d] += p * v[d];
@@ -251,16 +261,19 @@ static void attend_one(const float *q, const float *K, const float *V, int64_t n
 /* x [R, E] (in/out): the residual stream entering layer 0, left as it leaves layer L-1.
    W: 4 weights per layer (q/k/v stacked [(H+2Hkv)D, E], o [E, HD], gate/up stacked [2I, E],
    down [E, I]); G: 2 norm weights per layer [E]; keys/values: each layer's cache [S, Hkv, C, D];
-   slot, pos [R]; cos, sin [R, D] (each query's rotary rows); capture [L]: -1, or j to copy the
-   input of that layer into caps[j] [R, E]. Returns 0, 1 out of memory, 3 a position outside the
-   cache. */
+   slot, col, below [R]; see [R, S] or NULL; cos, sin [R, D] (each query's rotary rows, at its
+   position);
+   capture [L]: -1, or j to copy the input of that layer into caps[j] [R, E]. Returns 0, 1 out of
+   memory, 3 a column or visible key outside the cache. */
 int specflow_layers(float *x, int64_t R, int64_t E, int64_t H, int64_t Hkv, int64_t D, int64_t I,
                     int64_t L, const float *const *W, const float *const *G, float eps,
                     float *const *keys, float *const *values, int64_t C, const int64_t *slot,
-                    const int64_t *pos, const float *cos, const float *sin,
+                    const int64_t *col, const int64_t *below,
+                    const uint8_t *see, int64_t S, const float *cos, const float *sin,
                     const int64_t *capture, float *caps, int threads) {
+    if (!see) S = 0;
     for (int64_t r = 0; r < R; r++)
-        if (pos[r] < 0 || pos[r] >= C) return 3;
+        if (col[r] < 0 || col[r] >= C || below[r] < 0 || below[r] + S > C) return 3;
     int64_t QKV = (H + 2 * Hkv) * D, widest = QKV > 2 * I ? QKV : 2 * I;
     int nt = threads > 0 ? threads : 1;
     float *xn = malloc((size_t)(R * (E > H * D ? E : H * D)) * sizeof(float));
@@ -281,7 +294,7 @@ int specflow_layers(float *x, int64_t R, int64_t E, int64_t H, int64_t Hkv, int6
             float *q = wide + r * QKV;
             for (int64_t h = 0; h < H + Hkv; h++) rotary(q + h * D, cos + r * D, sin + r * D, D);
             for (int64_t g = 0; g < Hkv; g++) {
-                int64_t at = ((slot[r] * Hkv + g) * C + pos[r]) * D;
+                int64_t at = ((slot[r] * Hkv + g) * C + col[r]) * D;
                 memcpy(kc + at, q + (H + g) * D, (size_t)D * sizeof(float));
                 memcpy(vc + at, q + (H + Hkv + g) * D, (size_t)D * sizeof(float));
             }
@@ -290,7 +303,8 @@ int specflow_layers(float *x, int64_t R, int64_t E, int64_t H, int64_t Hkv, int6
         for (int64_t rh = 0; rh < R * H; rh++) {
             int64_t r = rh / H, h = rh % H, g = h / group;
             int64_t base = (slot[r] * Hkv + g) * C * D;
-            attend_one(wide + r * QKV + h * D, kc + base, vc + base, pos[r] + 1, D, scale,
+            attend_one(wide + r * QKV + h * D, kc + base, vc + base, below[r] + S, below[r],
+                       see ? see + r * S : NULL, D, scale,
                        scores + (int64_t)omp_get_thread_num() * C, att + (r * H + h) * D);
         }
         product_f32(wo, att, act, E, H * D, R, threads);                     /* [R, E] */

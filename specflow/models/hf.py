@@ -408,11 +408,11 @@ class HFBackend(Backend):
         layers = tuple(sorted(hidden_layers))
         if self.lean is not None:
             captured: list[torch.Tensor] = []
-            # the plain causal mask: no tree, window, ragged rows or padding
-            causal = plan.tree is None and plan.ragged is None and plan.shape == (B, T) and (
+            # the mask is the plan's own (causal, or its tree's): no window, ragged rows, padding
+            plan_mask = plan.ragged is None and plan.shape == (B, T) and (
                 self.window is None or plan.kv_len <= self.window)
             out = self.lean(ids, positions, mask, self.cache, logits_to_keep=0 if logits else 1,
-                            capture=layers, captured=captured, causal=causal)
+                            capture=layers, captured=captured, plan_mask=plan_mask)
             self.cache.commit(plan.slot_list, plan.lens)
             out = out[:B, :T].float() if logits else None                            # [B, T, V]
             # the lean forward hands them out in layer order (the contract's ascending order)

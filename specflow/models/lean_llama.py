@@ -350,7 +350,7 @@ class LeanLlama:
         return x + mm(F.silu(gate) * up, wdown)
 
     def _native_layers(self, rows: int):
-        """The NativePass that runs a causal pass of `rows` queries, or None (the eager layers)."""
+        """The NativePass that runs a pass of `rows` queries, or None (the eager layers)."""
         if not self.native_layers or rows > native.MAX_ROWS or self.kernels.form(rows) != "native" \
                 or torch.compiler.is_compiling():
             return None
@@ -361,21 +361,21 @@ class LeanLlama:
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
                  cache, logits_to_keep: int = 0, capture: tuple[int, ...] = (),
-                 captured: list | None = None, causal: bool = False) -> torch.Tensor:
+                 captured: list | None = None, plan_mask: bool = False) -> torch.Tensor:
         """Logits [B, T or logits_to_keep, V]. `capture`: layer indices whose *input* (the
         residual stream entering layer i, as transformers' hidden_states[i]) is appended to
         `captured` [B, T, E] each, for draft heads that read the target's hidden states; index
         num_layers: the final normed state (transformers' last hidden_states entry).
-        `causal`: the mask is the plain causal one by position over `cache.plan`'s rows (no
-        tree, window or ragged rows), so a pass of a few queries may run as one native call
-        (models/native_pass.py)."""
+        `plan_mask`: the mask is the one `cache.plan` describes (causal by position, or its
+        token tree's; no sliding window past its width, ragged rows or padding), so a pass of a
+        few queries may run as one native call (models/native_pass.py)."""
         B, T = input_ids.shape
         x = F.embedding(input_ids, self.embed)                                        # [B, T, E]
         # a row fed nothing sits at its length, which may equal kv_len: one row more
         cos, sin = self._rope(positions, x.dtype, cache.get_seq_length() + 1)         # [B, 1, T, D]
         dual = self._dual is not None and B * T >= self.dual_from
         layers, head = self._dual if dual else (self.layers, self.lm_head)
-        whole = self._native_layers(B * T) if causal and not dual else None
+        whole = self._native_layers(B * T) if plan_mask and not dual else None
         done = whole is not None and whole(x, cache, cos, sin, capture, captured) is not None
         for i, weights in enumerate(() if done else layers):
             if i in capture:

@@ -89,7 +89,7 @@ def _library() -> ctypes.CDLL | None:
     lib.specflow_gemv.restype = ctypes.c_int
     P, I64 = ctypes.c_void_p, ctypes.c_int64
     lib.specflow_layers.argtypes = [P] + [I64] * 7 + [P, P, ctypes.c_float, P, P, I64, P, P, P, P,
-                                                      P, P, ctypes.c_int]
+                                                      I64, P, P, P, P, ctypes.c_int]
     lib.specflow_layers.restype = ctypes.c_int
     lib.has_f16 = bool(lib.specflow_has_f16())
     return lib

@@ -1,19 +1,21 @@
-"""A causal pass of a few queries through every decoder layer as one native call (`gemv.c`).
+"""A pass of a few queries through every decoder layer as one native call (`gemv.c`).
 
 The lean forward spends about 35 torch operations per decoder layer on a pass of one to a few
 positions (norms, rotary, cache writes, attention, residuals, SiLU), each a few microseconds of
 Python and dispatch: on SmolLM2-135M (30 layers) about 10 ms of a 35-45 ms pass whose products
 stream 538 MB in about 28 ms. `specflow_layers` runs the same sequence in C for up to
 `native.MAX_ROWS` float32 queries: the products are the native product's rows, attention reads
-each query's keys 0..position straight from the cache rows (no mask tensor), and the keys and
-values of the pass are written into the cache before any query attends.
+each query's visible keys straight from the cache rows (no mask tensor: a causal row sees its
+keys up to its own column, a token tree's node the committed prefix and its ancestors), and the
+keys and values of the pass are written into the cache before any query attends.
 
-It takes a pass only where the result is the causal one the eager layers compute: no token tree,
-no sliding window, no ragged batch (the backend says so with `causal=True`), float32 dense
-weights without biases, a SlotKVCache whose buffers exist, and a row count for which
+It takes a pass only where its mask is the plan's own (the backend says so with
+`plan_mask=True`: no sliding window past its width, no ragged rows or padding), for float32
+dense weights without biases, a SlotKVCache whose buffers exist, and a row count for which
 `kernels.pick()` chose the native product. A query's result does not depend on the other
-queries of the pass or on the thread count, as the native product's rows (tests/models/
-test_native_pass.py); it equals the eager layers' up to float rounding.
+queries of the pass or on the thread count, as the native product's rows, and a tree node
+scores as the same tokens in a chain (tests/models/test_native_pass.py); it equals the eager
+layers' up to float rounding.
 """
 from __future__ import annotations
 
@@ -39,8 +41,6 @@ class NativePass:
         if self.runs:
             self.weights = _pointers([layer[f] for layer in lean.layers for f in (1, 3, 6, 7)])
             self.norms = _pointers([layer[f] for layer in lean.layers for f in (0, 5)])
-        self._cache_key = None
-        self._cache_tables = None
 
     @staticmethod
     def supported(lean) -> bool:
@@ -63,16 +63,19 @@ class NativePass:
         return len(lean.layers) != len(self.layers) or any(
             now is not then for now, then in zip(lean.layers, self.layers))
 
-    def _caches(self, cache) -> tuple[ctypes.Array, ctypes.Array] | None:
+    @staticmethod
+    def _caches(cache) -> tuple[ctypes.Array, ctypes.Array] | None:
+        """The cache's per-layer key and value buffers as pointer tables, kept on the cache: a
+        SlotKVCache allocates each buffer once, on its layer's first write, and never moves it."""
+        tables = getattr(cache, "_native_tables", None)
+        if tables is not None:
+            return tables
         keys, values = cache.keys, cache.values
-        if any(k is None for k in keys) or any(v is None for v in values):
+        if any(t is None or t.dtype != torch.float32 or not t.is_contiguous()
+               for t in (*keys, *values)):
             return None
-        key = (id(cache), keys[0].data_ptr(), values[-1].data_ptr())
-        if key != self._cache_key:
-            if not all(t.dtype == torch.float32 and t.is_contiguous() for t in (*keys, *values)):
-                return None
-            self._cache_key, self._cache_tables = key, (_pointers(keys), _pointers(values))
-        return self._cache_tables
+        cache._native_tables = (_pointers(keys), _pointers(values))
+        return cache._native_tables
 
     def __call__(self, x: torch.Tensor, cache, cos: torch.Tensor, sin: torch.Tensor,
                  capture: tuple[int, ...], captured: list | None) -> torch.Tensor | None:
@@ -86,7 +89,14 @@ class NativePass:
         B, T, E = x.shape
         R, L, D = B * T, len(lean.layers), lean.head_dim
         slots = plan.slots[:, None].expand(B, T).contiguous()                        # [B, T]
-        positions = plan.positions.contiguous()                                      # [B, T]
+        columns = plan.write_positions.contiguous()                                  # [B, T]
+        tree = plan.tree
+        if tree is None:                         # causal: a query sees keys 0..its column
+            below, see, width = columns + 1, None, 0                                 # [B, T]
+        else:          # the committed prefix, and the tree keys its row of `see` marks
+            below = torch.tensor(tree.visible_below)[:, None].expand(B, T).contiguous()
+            see = tree.see.to(torch.uint8).contiguous()                              # [B, T, W]
+            width = see.shape[2]
         cos = cos.reshape(R, D).contiguous()                                         # [R, D]
         sin = sin.reshape(R, D).contiguous()
         wanted = [i for i in sorted(capture) if i < L]
@@ -98,14 +108,15 @@ class NativePass:
         failed = native._library().specflow_layers(
             x.data_ptr(), R, E, lean.num_heads, lean.num_kv_heads, D, intermediate, L,
             self.weights, self.norms, lean.eps, tables[0], tables[1], cache.max_capacity,
-            slots.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            slots.data_ptr(), columns.data_ptr(), below.data_ptr(),
+            None if see is None else see.data_ptr(), width, cos.data_ptr(), sin.data_ptr(),
             at.data_ptr(), None if caps is None else caps.data_ptr(), torch.get_num_threads())
         if failed == 1:
             raise MemoryError(f"specflow's native pass could not allocate its buffers for {R} "
                               f"queries")
         if failed:
-            raise ValueError(f"a position in {plan.positions.tolist()} lies outside the KV cache "
-                             f"({cache.max_capacity} columns)")
+            raise ValueError(f"a cache column in {columns.tolist()} or a visible key lies outside "
+                             f"the KV cache ({cache.max_capacity} columns)")
         if caps is not None:
             captured.extend(caps.unbind(0))                                           # [B, T, E] each
         return x

@@ -1,6 +1,7 @@
-"""A causal pass of a few queries as one native call (models/native_pass.py, gemv.c's
+"""A pass of a few queries as one native call (models/native_pass.py, gemv.c's
 specflow_layers): the eager layers' results up to rounding, a query's bits independent of its
-pass and of the threads, and every pass that is not plain causal left to the eager layers."""
+pass and of the threads, a tree node's bits those of the same tokens in a chain, and every pass
+whose mask is not the plan's own left to the eager layers."""
 from __future__ import annotations
 
 import shutil
@@ -137,17 +138,12 @@ def test_repacking_the_weights_rebuilds_the_native_tables(monkeypatch):
     assert torch.equal(again, first)
 
 
-def test_passes_that_are_not_plain_causal_run_the_eager_layers(tmp_path, monkeypatch):
+def test_passes_whose_mask_is_not_the_plans_run_the_eager_layers(tmp_path, monkeypatch):
     spy = Spy(monkeypatch)
     backend = backend_for(DEMO_DIR / "target")
     prefill(backend, [40, 40])          # longer than the native pass takes
     # a ragged batch (rows fed different numbers of tokens)
     backend.forward(torch.tensor([0, 1]), torch.tensor([[5, 6], [7, -1]]), torch.tensor([2, 1]))
-    # a token tree: two siblings after the committed prefix
-    prefill(backend, [40])
-    tree = TreeAttention(positions=torch.tensor([[40, 40]]), visible_below=[40],
-                         see=torch.tensor([[[True, False], [False, True]]]))
-    backend.forward(torch.tensor([0]), torch.tensor([[5, 6]]), torch.tensor([2]), tree=tree)
     # more queries than the native product takes
     prefill(backend, [40])
     backend.forward(torch.tensor([0]), torch.ones(1, native.MAX_ROWS + 1, dtype=torch.long),
@@ -183,3 +179,45 @@ def test_a_16_bit_model_runs_the_eager_layers(monkeypatch):
     prefill(backend, [8])
     backend.forward(torch.tensor([0]), torch.tensor([[5]]), torch.tensor([1]))
     assert spy.calls == 0
+
+
+def tree_pass(backend, start: int, tokens: list[int], parents: list[int], native_layers: bool):
+    """Logits [T, V] of one row's token tree after `start` cached tokens: node t holds tokens[t]
+    and hangs under node parents[t] (-1: the committed prefix)."""
+    T = len(tokens)
+    see = torch.zeros(1, T, T, dtype=torch.bool)
+    depth = []
+    for t, p in enumerate(parents):
+        see[0, t, t] = True
+        if p >= 0:
+            see[0, t] |= see[0, p]
+        depth.append(0 if p < 0 else depth[p] + 1)
+    tree = TreeAttention(positions=torch.tensor([[start + d for d in depth]]),
+                         visible_below=[start], see=see)
+    backend.truncate(torch.tensor([0]), [start])
+    backend.lean.native_layers = native_layers
+    return backend.forward(torch.tensor([0]), torch.tensor([tokens]), torch.tensor([T]),
+                           tree=tree)[0]
+
+
+@pytest.mark.parametrize("model", ["demo", "tiny llama"])
+def test_a_tree_node_scores_as_its_tokens_in_a_chain(tmp_path, monkeypatch, model):
+    path = DEMO_DIR / "target" if model == "demo" else tiny_llama(tmp_path)
+    backend = backend_for(path, slots=1)
+    spy = Spy(monkeypatch)
+    prefill(backend, [30])
+    #            a   b   c   d   e       b, c under a; d under b; e under c
+    tokens = [101, 202, 303, 404, 505]
+    parents = [-1, 0, 0, 1, 2]
+    spy.calls = 0
+    tree = tree_pass(backend, 30, tokens, parents, True)                          # [5, V]
+    assert spy.calls == 1
+    eager = tree_pass(backend, 30, tokens, parents, False)
+    assert spy.calls == 1
+    torch.testing.assert_close(tree, eager, atol=1e-4, rtol=1e-4)
+    for node, chain in ((3, [101, 202, 404]), (4, [101, 303, 505]), (2, [101, 303])):
+        backend.truncate(torch.tensor([0]), [30])
+        backend.lean.native_layers = True
+        scored = backend.forward(torch.tensor([0]), torch.tensor([chain]),
+                                 torch.tensor([len(chain)]))[0, -1]                  # [V]
+        assert torch.equal(scored, tree[node]), node

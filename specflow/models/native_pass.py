@@ -94,9 +94,11 @@ class NativePass:
         if tree is None:                         # causal: a query sees keys 0..its column
             below, see, width = columns + 1, None, 0                                 # [B, T]
         else:          # the committed prefix, and the tree keys its row of `see` marks
+            width = tree.see.shape[2]
+            if max(tree.visible_below) + width > cache.max_capacity:
+                return None         # tree columns past the cache: the eager mask ignores them
             below = torch.tensor(tree.visible_below)[:, None].expand(B, T).contiguous()
             see = tree.see.to(torch.uint8).contiguous()                              # [B, T, W]
-            width = see.shape[2]
         cos = cos.reshape(R, D).contiguous()                                         # [R, D]
         sin = sin.reshape(R, D).contiguous()
         wanted = [i for i in sorted(capture) if i < L]

@@ -144,6 +144,12 @@ def test_passes_whose_mask_is_not_the_plans_run_the_eager_layers(tmp_path, monke
     prefill(backend, [40, 40])          # longer than the native pass takes
     # a ragged batch (rows fed different numbers of tokens)
     backend.forward(torch.tensor([0, 1]), torch.tensor([[5, 6], [7, -1]]), torch.tensor([2, 1]))
+    # a tree whose marks reach past the cache's columns (the eager mask stops at kv_len)
+    prefill(backend, [backend.cache.max_capacity - 2])
+    start = backend.cache.max_capacity - 2
+    wide = TreeAttention(positions=torch.tensor([[start]]), visible_below=[start],
+                         see=torch.ones(1, 1, 4, dtype=torch.bool))
+    backend.forward(torch.tensor([0]), torch.tensor([[5]]), torch.tensor([1]), tree=wide)
     # more queries than the native product takes
     prefill(backend, [40])
     backend.forward(torch.tensor([0]), torch.ones(1, native.MAX_ROWS + 1, dtype=torch.long),

@@ -355,12 +355,15 @@ class HFBackend(Backend):
 
     def describe(self) -> dict:
         """forward (lean | hf), threads (tune's choice for the target; otherwise torch's CPU
-        threads now), packed (tune's choice) and kernels (the product forms the lean forward
-        timed and chose; None without it)."""
+        threads now), packed (tune's choice), kernels (the product forms the lean forward
+        timed and chose; None without it) and native_pass (the pass sizes that run all decoder
+        layers in one native call, models/native_pass.py; None where none do)."""
         threads = self.threads if self.threads is not None else torch.get_num_threads()
         out = {"forward": "lean" if self.lean is not None else "hf",
                "threads": threads, "packed": bool(self.packed),
                "kernels": self.lean.kernels.describe() if self.lean is not None else None}
+        if self.lean is not None:
+            out["native_pass"] = self.lean.native_pass_rows()
         if self.lean is not None and self.lean.grouped_from is not None:
             out["attention"] = (f"one query: grouped products from {self.lean.grouped_from} "
                                 f"keys, rows x cached length (kernels.pick_one_query_attention)")

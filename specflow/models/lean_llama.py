@@ -358,6 +358,14 @@ class LeanLlama:
             self._native_pass = NativePass(self)
         return self._native_pass if self._native_pass.runs else None
 
+    def native_pass_rows(self) -> str | None:
+        """The pass sizes (queries, B x T) that run as one native call, for metrics.json: "1-16
+        queries", or None where none do (no compiler, packed or 16-bit weights, ...)."""
+        rows = [r for r in range(1, native.MAX_ROWS + 1) if self._native_layers(r) is not None]
+        if not rows:
+            return None
+        return f"{rows[0]} query" if rows == [1] else f"{rows[0]}-{rows[-1]} queries"
+
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
                  cache, logits_to_keep: int = 0, capture: tuple[int, ...] = (),

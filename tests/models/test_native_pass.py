@@ -227,3 +227,12 @@ def test_a_tree_node_scores_as_its_tokens_in_a_chain(tmp_path, monkeypatch, mode
         scored = backend.forward(torch.tensor([0]), torch.tensor([chain]),
                                  torch.tensor([len(chain)]))[0, -1]                  # [V]
         assert torch.equal(scored, tree[node]), node
+
+
+def test_metrics_say_which_passes_run_natively():
+    backend = backend_for(DEMO_DIR / "target", slots=1)
+    assert backend.describe()["native_pass"] == f"1-{native.MAX_ROWS} queries"
+    backend.lean.kernels = Kernels("native", "linear", "linear")
+    assert backend.describe()["native_pass"] == "1 query"
+    backend.lean.native_layers = False
+    assert backend.describe()["native_pass"] is None

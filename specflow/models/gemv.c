@@ -128,6 +128,15 @@ static inline float widen(const void *p, int64_t i, int dtype) {
 /* X as float32 rows for the products: X itself (float32, no norm), else a copy widened to float32
    and, with a norm weight G [K], each row RMS-normalised first (as the lean forward's _rms):
    x / sqrt(mean(x^2) + eps) * G, in float32. NULL: out of memory. */
+/* row [K] (float32, in place) RMS-normalised and scaled by G [K] of `dtype`, in float32: the one
+   norm of the native product and of the native pass. */
+static void rms_in_place(float *row, const void *G, float eps, int dtype, int64_t K) {
+    float ss = 0.0f;
+    for (int64_t k = 0; k < K; k++) ss += row[k] * row[k];
+    float r = 1.0f / sqrtf(ss / (float)K + eps);
+    for (int64_t k = 0; k < K; k++) row[k] = row[k] * r * widen(G, k, dtype);
+}
+
 static const float *prepare_x(const void *X, const void *G, float eps, int dtype, int64_t M,
                               int64_t K, float **owned) {
     *owned = NULL;
@@ -137,12 +146,7 @@ static const float *prepare_x(const void *X, const void *G, float eps, int dtype
     for (int64_t m = 0; m < M; m++) {
         float *row = x + m * K;
         for (int64_t k = 0; k < K; k++) row[k] = widen(X, m * K + k, dtype);
-        if (G) {
-            float ss = 0.0f;
-            for (int64_t k = 0; k < K; k++) ss += row[k] * row[k];
-            float r = 1.0f / sqrtf(ss / (float)K + eps);
-            for (int64_t k = 0; k < K; k++) row[k] = row[k] * r * widen(G, k, dtype);
-        }
+        if (G) rms_in_place(row, G, eps, dtype, K);
     }
     *owned = x;
     return x;
@@ -203,14 +207,8 @@ static void product_f32(const float *W, const float *X, float *Y, int64_t N, int
 }
 
 static void rms_rows(const float *X, const float *G, float eps, int64_t M, int64_t K, float *out) {
-    for (int64_t m = 0; m < M; m++) {              /* as prepare_x: the same bits */
-        const float *row = X + m * K;
-        float *o = out + m * K;
-        float ss = 0.0f;
-        for (int64_t k = 0; k < K; k++) ss += row[k] * row[k];
-        float r = 1.0f / sqrtf(ss / (float)K + eps);
-        for (int64_t k = 0; k < K; k++) o[k] = row[k] * r * G[k];
-    }
+    memcpy(out, X, (size_t)(M * K) * sizeof(float));
+    for (int64_t m = 0; m < M; m++) rms_in_place(out + m * K, G, eps, F32, K);
 }
 
 static void rotary(float *v, const float *cos, const float *sin, int64_t D) {

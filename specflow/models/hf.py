@@ -412,8 +412,7 @@ class HFBackend(Backend):
         if self.lean is not None:
             captured: list[torch.Tensor] = []
             # the mask is the plan's own (causal, or its tree's): no window, ragged rows, padding
-            plan_mask = plan.ragged is None and plan.shape == (B, T) and (
-                self.window is None or plan.kv_len <= self.window)
+            plan_mask = plan.ragged is None and plan.shape == (B, T) and not self._windowed(plan)
             out = self.lean(ids, positions, mask, self.cache, logits_to_keep=0 if logits else 1,
                             capture=layers, captured=captured, plan_mask=plan_mask)
             self.cache.commit(plan.slot_list, plan.lens)
@@ -431,12 +430,16 @@ class HFBackend(Backend):
             return scores, torch.cat([out.hidden_states[i] for i in layers], -1)[:B, :T]
         return scores
 
+    def _windowed(self, plan: ForwardPlan) -> bool:
+        """Mistral's sliding window cuts keys from this plan's queries (its keys outnumber it)."""
+        return self.window is not None and plan.kv_len > self.window
+
     def _mask(self, plan: ForwardPlan) -> torch.Tensor | None:
         """The attention mask of a plan, [Bp, 1, Tp, kv_len] (bool, or additive for eager
         attention), or None where one query attends to its whole cached row."""
         tree, kv_len = plan.tree, plan.kv_len
         Bp, Tp = plan.shape
-        windowed = self.window is not None and kv_len > self.window
+        windowed = self._windowed(plan)
         # one query attending to the whole cached row (a tree node whose row holds only its
         # ancestors: a priced tree that is a chain so far) needs no mask
         if Bp == 1 and Tp == 1 and not windowed and (tree is None or (

@@ -65,17 +65,16 @@ class NativePass:
 
     @staticmethod
     def _caches(cache) -> tuple[ctypes.Array, ctypes.Array] | None:
-        """The cache's per-layer key and value buffers as pointer tables, kept on the cache: a
-        SlotKVCache allocates each buffer once, on its layer's first write, and never moves it."""
-        tables = getattr(cache, "_native_tables", None)
-        if tables is not None:
-            return tables
+        """The cache's per-layer key and value buffers as pointer tables, kept on the cache
+        (SlotKVCache.native_tables: its buffers never move once allocated)."""
+        if cache.native_tables is not None:
+            return cache.native_tables
         keys, values = cache.keys, cache.values
         if any(t is None or t.dtype != torch.float32 or not t.is_contiguous()
                for t in (*keys, *values)):
             return None
-        cache._native_tables = (_pointers(keys), _pointers(values))
-        return cache._native_tables
+        cache.native_tables = (_pointers(keys), _pointers(values))
+        return cache.native_tables
 
     def __call__(self, x: torch.Tensor, cache, cos: torch.Tensor, sin: torch.Tensor,
                  capture: tuple[int, ...], captured: list | None) -> torch.Tensor | None:

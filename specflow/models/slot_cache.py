@@ -33,6 +33,9 @@ class SlotKVCache(Cache):
         self.values: list[torch.Tensor | None] = [None] * num_layers
         self.lengths = [0] * slots          # tokens cached per slot (host-side, no syncs)
         self.plan = None                    # the ForwardPlan of the forward about to run
+        # the buffers' addresses for the native pass (models/native_pass.py), taken once all
+        # exist: a buffer is allocated once, on its layer's first write, and never moves
+        self.native_tables = None
 
     # --- per-forward bookkeeping ---------------------------------------------------------------
 

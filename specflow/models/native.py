@@ -5,18 +5,20 @@ torch's CPU products for 1-8 rows read a wide weight well below the memory's ban
 CPUs (MKL's AVX-512 paths are not taken on AMD; oneDNN's packed product has a fixed cost per call
 and streams one row slower than it could), and a decoding pass is that product, once per weight
 matrix. `gemv.c` is one short loop: each thread reads a contiguous block of the weight's rows in
-order, against up to four rows of the input at once, and can apply the RMSNorm in front of the
+order, against up to six rows of the input at once, and can apply the RMSNorm in front of the
 product as it reads the input (`LeanLlama._normed_mm`). `kernels.pick()` times it beside torch's
 forms on the model's own weights and takes it where it is faster; nothing else depends on it.
 
 It is compiled with the system's C compiler (`$CC`, else `cc`, `gcc` or `clang`) with
-`-O3 -march=native -fopenmp` into specflow's cache (`$SPECFLOW_CACHE`, default ~/.cache/specflow,
+`-O3 -march=native -ffp-contract=off -fopenmp` into specflow's cache (`$SPECFLOW_CACHE`, default ~/.cache/specflow,
 under `kernels/`, keyed by the source, the flags and the CPU), once per machine, in about a second,
 and loaded after torch so that it shares torch's OpenMP runtime. Without a compiler, or with
 `SPECFLOW_NATIVE=0`, it is simply not offered (`available()` is False) and torch's forms are used.
 
 Every row of the result is computed by the same operations whatever the number of rows beside it
-and the thread count, so a row's logits do not depend on the batch (tests/models/test_native.py).
+and the thread count, so a row's logits do not depend on the batch (tests/models/test_native.py):
+every multiply-add in `gemv.c` is written out (fused where the CPU has an FMA), and the compiler
+is told not to fuse any on its own, which it would otherwise do in some loops and not in others.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ import tempfile
 import torch
 
 SOURCE = pathlib.Path(__file__).with_name("gemv.c")
-FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-lm")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-lm")
 ENV = "SPECFLOW_NATIVE"        # 0: never offer the native product
 MAX_ROWS = 16                  # more rows: compute-bound, torch's products are better
 

@@ -278,32 +278,38 @@ static inline float dot(const float *a, const float *b, int64_t D) {
     return s;
 }
 
+/* s[i] = dot(a, b + i * D, D) for four consecutive rows of b: each by dot()'s operations, the four
+   sums in flight together instead of one chain of dependent multiply-adds. */
+static inline void dot4(const float *a, const float *b, int64_t D, float s[4]) {
+    int64_t d8 = D - D % 8;
+    v8 acc[4] = {(v8){0}, (v8){0}, (v8){0}, (v8){0}};
+    for (int64_t d = 0; d < d8; d += 8) {
+        v8 x = load_f32(a + d);
+        for (int i = 0; i < 4; i++) acc[i] = madd(acc[i], x, load_f32(b + i * D + d));
+    }
+    for (int i = 0; i < 4; i++) {
+        s[i] = hsum(acc[i]);
+        for (int64_t d = d8; d < D; d++) s[i] = fmadd(s[i], a[d], b[i * D + d]);
+    }
+}
+
 /* out[D] = softmax(q . K[j] * scale) V[j] over the keys j < n that are visible: j < below, or
    see[j - below] (see: NULL, nothing past below). scores: n floats of scratch.
 
    Each score is dot()'s sequence of operations and each output element sums its keys in column
    order, whatever the other keys are; the loops are only arranged for the core: the keys below
-   `below` (all visible) are scored four at a time (four independent sums in flight instead of one
-   chain of dependent multiply-adds), and with D a multiple of 8 up to 128 the output is summed in
-   registers (not through memory, which the compiler must assume V may alias). */
+   `below` (all visible) are scored four at a time (dot4), and with D a multiple of 8 up to 128
+   the output is summed in registers (not through memory, which the compiler must assume V may
+   alias). */
 static inline __attribute__((always_inline)) void attend_d(
         const float *q, const float *K, const float *V, int64_t n, int64_t below,
         const uint8_t *see, const int64_t D, float scale, float *scores, float *out) {
     float top = -INFINITY;
-    int64_t d8 = D - D % 8, b4 = below - below % 4, j = 0;
+    int64_t b4 = below - below % 4, j = 0;
     for (; j < b4; j += 4) {
-        const float *k0 = K + j * D;
-        v8 a0 = (v8){0}, a1 = (v8){0}, a2 = (v8){0}, a3 = (v8){0};
-        for (int64_t d = 0; d < d8; d += 8) {
-            v8 x = load_f32(q + d);
-            a0 = madd(a0, x, load_f32(k0 + d));
-            a1 = madd(a1, x, load_f32(k0 + D + d));
-            a2 = madd(a2, x, load_f32(k0 + 2 * D + d));
-            a3 = madd(a3, x, load_f32(k0 + 3 * D + d));
-        }
-        float s[4] = {hsum(a0), hsum(a1), hsum(a2), hsum(a3)};
+        float s[4];
+        dot4(q, K + j * D, D, s);
         for (int i = 0; i < 4; i++) {
-            for (int64_t d = d8; d < D; d++) s[i] = fmadd(s[i], q[d], k0[i * D + d]);
             scores[j + i] = s[i] * scale;
             if (scores[j + i] > top) top = scores[j + i];
         }
@@ -353,20 +359,24 @@ static void attend_one(const float *q, const float *K, const float *V, int64_t n
     else attend_d(q, K, V, n, below, see, D, scale, scores, out);
 }
 
-/* act[r, i] = SiLU(gu[r, i]) x gu[r, I + i] for the R rows of gu [R, 2I] (gate, then up), the
-   elements split evenly among the threads. */
-static void silu_up(const float *gu, float *act, int64_t R, int64_t I, int threads) {
-    _Pragma("omp parallel num_threads(threads)")
-    {
-        int64_t t = omp_get_thread_num(), T = omp_get_num_threads(), per = (R * I + T - 1) / T;
-        int64_t lo = t * per, hi = lo + per < R * I ? lo + per : R * I;
-        for (int64_t r = lo / I; r * I < hi; r++) {
-            const float *gate = gu + r * 2 * I, *up = gate + I;
-            float *a = act + r * I;
-            int64_t i0 = lo > r * I ? lo - r * I : 0, i1 = hi - r * I < I ? hi - r * I : I;
-            for (int64_t i = i0; i < i1; i++) a[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
-        }
+/* act[e] = SiLU(gate) x up for the flat elements lo <= e < hi of act [R, I], where row r of gu
+   [R, 2I] is row r's gate, then its up. */
+static void silu_range(const float *gu, float *act, int64_t I, int64_t lo, int64_t hi) {
+    for (int64_t r = lo / I; r * I < hi; r++) {
+        const float *gate = gu + r * 2 * I, *up = gate + I;
+        float *a = act + r * I;
+        int64_t i0 = lo > r * I ? lo - r * I : 0, i1 = hi - r * I < I ? hi - r * I : I;
+        for (int64_t i = i0; i < i1; i++) a[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
     }
+}
+
+/* SiLU x up over [R, I], split among the threads from SILU_SPLIT elements (fewer: one thread, a
+   parallel region costs more than it saves; 5 x 1536 measured faster alone). */
+#define SILU_SPLIT 8192
+static void silu_up(const float *gu, float *act, int64_t R, int64_t I, int threads) {
+    int64_t N = R * I;
+    if (N < SILU_SPLIT) threads = 1;
+    SPLIT(silu_range(gu, act, I, n0, n1))
 }
 
 /* x [R, E] (in/out): the residual stream entering layer 0, left as it leaves layer L-1.
@@ -422,7 +432,7 @@ int specflow_layers(float *x, int64_t R, int64_t E, int64_t H, int64_t Hkv, int6
         for (int64_t i = 0; i < R * E; i++) x[i] += act[i];
         rms_rows(x, G[2 * l + 1], eps, R, E, xn);
         product_f32(wgu, xn, wide, 2 * I, E, R, threads);                    /* [R, 2I] */
-        silu_up(wide, act, R, I, R * I >= 8192 ? threads : 1);              /* [R, I] */
+        silu_up(wide, act, R, I, threads);                                   /* [R, I] */
         product_f32(wdown, act, xn, E, I, R, threads);                       /* [R, E] */
         for (int64_t i = 0; i < R * E; i++) x[i] += xn[i];
     }

@@ -237,7 +237,7 @@ int specflow_has_f16(void) {
 
    The lean forward's per-layer sequence (RMSNorm, q/k/v product, rotary, cache write, attention,
    o product, residual, RMSNorm, gate/up product, SiLU x up, down product, residual) as one call
-   for a pass of R <= 16 queries. Query r of cache slot slot[r] (rotated by its rows of cos and
+   for a pass of a few queries (native.MAX_ROWS). Query r of cache slot slot[r] (rotated by its rows of cos and
    sin) is written at cache column col[r], and sees its slot's keys 0..below[r]-1 and, with a tree
    (see != NULL), key below[r] + i where see[r, i] (i < S): a causal row sees 0..col[r]
    (below = col + 1, no tree); a token tree's node sees the committed prefix and its ancestors.

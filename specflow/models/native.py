@@ -37,7 +37,9 @@ import torch
 SOURCE = pathlib.Path(__file__).with_name("gemv.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-lm")
 ENV = "SPECFLOW_NATIVE"        # 0: never offer the native product
-MAX_ROWS = 16                  # more rows: compute-bound, torch's products are better
+MAX_ROWS = 18                  # three walks of each weight row (gemv.c's groups of up to six rows):
+                               # a 17-position token tree; more rows are compute-bound, and torch's
+                               # products are better (docs/decisions.md)
 
 
 def _compiler() -> str | None:

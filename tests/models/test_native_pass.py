@@ -79,7 +79,9 @@ def run(backend, lengths, fed, native_layers: bool, hidden=(), spy=None):
 
 
 @pytest.mark.parametrize("model", ["demo", "tiny llama"])
-@pytest.mark.parametrize("rows,width", [(1, 1), (1, 5), (3, 1), (3, 5), (2, 8)])
+# (1, 17): a 16-draft token tree's verify pass; (2, 9): native.MAX_ROWS queries, three walks
+# of each weight row
+@pytest.mark.parametrize("rows,width", [(1, 1), (1, 5), (3, 1), (3, 5), (2, 8), (1, 17), (2, 9)])
 def test_the_native_pass_computes_the_eager_layers(tmp_path, monkeypatch, model, rows, width):
     path = DEMO_DIR / "target" if model == "demo" else tiny_llama(tmp_path)
     backend = backend_for(path)
@@ -223,6 +225,29 @@ def test_a_tree_node_scores_as_its_tokens_in_a_chain(tmp_path, monkeypatch, mode
     torch.testing.assert_close(tree, eager, atol=1e-4, rtol=1e-4)
     for node, chain in ((3, [101, 202, 404]), (4, [101, 303, 505]), (2, [101, 303])):
         backend.truncate(torch.tensor([0]), [30])
+        backend.lean.native_layers = True
+        scored = backend.forward(torch.tensor([0]), torch.tensor([chain]),
+                                 torch.tensor([len(chain)]))[0, -1]                  # [V]
+        assert torch.equal(scored, tree[node]), node
+
+
+def test_a_sixteen_draft_tree_runs_natively_and_scores_as_its_chains(tmp_path, monkeypatch):
+    backend = backend_for(tiny_llama(tmp_path), slots=1)
+    spy = Spy(monkeypatch)
+    prefill(backend, [40])
+    parents = [-1] + [(t - 1) // 2 for t in range(1, 17)]       # a binary tree of 17 nodes
+    tokens = [100 + 37 * t for t in range(17)]
+    spy.calls = 0
+    tree = tree_pass(backend, 40, tokens, parents, True)                          # [17, V]
+    assert spy.calls == 1
+    torch.testing.assert_close(tree, tree_pass(backend, 40, tokens, parents, False),
+                               atol=1e-4, rtol=1e-4)
+    for node in (16, 9, 6):
+        chain, at = [], node
+        while at >= 0:
+            chain.insert(0, tokens[at])
+            at = parents[at]
+        backend.truncate(torch.tensor([0]), [40])
         backend.lean.native_layers = True
         scored = backend.forward(torch.tensor([0]), torch.tensor([chain]),
                                  torch.tensor([len(chain)]))[0, -1]                  # [V]

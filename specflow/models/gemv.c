@@ -78,21 +78,35 @@ static inline uint16_t f32_to_bf16(float f) {      /* to nearest even; NaN stays
 }
 
 /* One row w of W (row n) against MCK rows of X from row m0 (a compile-time count, so the 2 x MCK
-   accumulators stay in registers: 12 of AVX2's 16 at MCK = 6). pf: prefetch the weight PF
-   elements ahead (the first walk of a row, which reads it from memory). */
+   accumulators stay in registers: 12 of AVX2's 16 at MCK = 6), over the columns k0..k1 (multiples
+   of 16, k1 <= k16 = K - K % 16). A walk that does not start at column 0 takes its sums from acc
+   [MCK][2], one that ends before k16 leaves them there; the walk that reaches k16 adds the tail
+   columns and stores the results. Walked in consecutive column chunks or all at once, a result is
+   the same sequence of operations. pf: prefetch the weight PF elements ahead (a walk that reads
+   the row from memory). Not inlined: inside the caller, the six input-row pointers no longer fit
+   the general registers and were reloaded from the stack in the loop (6 rows 12% slower). */
 #define PF 256
 #define GROUP(NAME, WT, LOADW, WIDEN, STORE, MCK)                                                 \
-static inline void NAME##_##MCK(const WT *w, const float *x, void *Y, int64_t n, int64_t m0,       \
-                                int64_t N, int64_t K, int64_t k16, int pf) {                     \
+__attribute__((noinline)) static void NAME##_##MCK(const WT *w, const float *x, void *Y, int64_t n, \
+                                int64_t m0,                                                      \
+                                int64_t N, int64_t K, int64_t k0, int64_t k1, int64_t k16,       \
+                                v8 *acc, int pf) {                                               \
     v8 a[MCK][2];                                                                                \
-    for (int j = 0; j < MCK; j++) { a[j][0] = (v8){0}; a[j][1] = (v8){0}; }                      \
-    for (int64_t k = 0; k < k16; k += 16) {                                                      \
+    for (int j = 0; j < MCK; j++) {                                                              \
+        a[j][0] = k0 ? acc[2 * j] : (v8){0};                                                     \
+        a[j][1] = k0 ? acc[2 * j + 1] : (v8){0};                                                 \
+    }                                                                                            \
+    for (int64_t k = k0; k < k1; k += 16) {                                                      \
         v8 w0 = LOADW(w + k), w1 = LOADW(w + k + 8);                                             \
         if (pf) __builtin_prefetch(w + k + PF);                                                  \
         for (int j = 0; j < MCK; j++) {                                                          \
             a[j][0] = madd(a[j][0], w0, load_f32(x + j * K + k));                                \
             a[j][1] = madd(a[j][1], w1, load_f32(x + j * K + k + 8));                            \
         }                                                                                        \
+    }                                                                                            \
+    if (k1 < k16) {                                                                              \
+        for (int j = 0; j < MCK; j++) { acc[2 * j] = a[j][0]; acc[2 * j + 1] = a[j][1]; }        \
+        return;                                                                                  \
     }                                                                                            \
     for (int j = 0; j < MCK; j++) {                                                              \
         float r = hsum(a[j][0] + a[j][1]);                                                       \
@@ -101,11 +115,34 @@ static inline void NAME##_##MCK(const WT *w, const float *x, void *Y, int64_t n,
     }                                                                                            \
 }
 
+/* The walk of row n of W over columns k0..k1 against the group of mc rows of X from row m0. */
+#define WALK(NAME, k0, k1, acc, pf)                                                              \
+    switch (mc) {                                                                                \
+    case 1: NAME##_1(W + n * K, X + m0 * K, Y, n, m0, N, K, k0, k1, k16, acc, pf); break;         \
+    case 2: NAME##_2(W + n * K, X + m0 * K, Y, n, m0, N, K, k0, k1, k16, acc, pf); break;         \
+    case 3: NAME##_3(W + n * K, X + m0 * K, Y, n, m0, N, K, k0, k1, k16, acc, pf); break;         \
+    case 4: NAME##_4(W + n * K, X + m0 * K, Y, n, m0, N, K, k0, k1, k16, acc, pf); break;         \
+    case 5: NAME##_5(W + n * K, X + m0 * K, Y, n, m0, N, K, k0, k1, k16, acc, pf); break;         \
+    default: NAME##_6(W + n * K, X + m0 * K, Y, n, m0, N, K, k0, k1, k16, acc, pf); break;        \
+    }
+
 /* Rows n0..n1 of W against the M rows of X (float32); STORE(Y, index, value) stores a result. The
-   M rows are split into ceil(M / MC) groups of near-equal size; the first group's walk streams
-   the weight row from memory, the others read it again from L1. One group of up to MC rows costs
-   about one row's time (the weight read), so 5 or 6 rows are one walk, not a walk of 4 and a
-   second, latency-bound walk of 1 or 2 (1.4-1.5x a row's time before; 1.1x now). */
+   M rows are split into ceil(M / MC) groups of near-equal size.
+
+   One group (up to MC rows), or rows of X that fit in L1 together (M x K <= X_IN_L1 floats,
+   24 KB): the first group's walk of a weight row streams it from memory, the others walk it
+   again from L1. 5 or 6 rows are thus one walk, about one row's time (the weight read), not a
+   walk of 4 and a second, latency-bound walk of 1 or 2 (1.4-1.5x a row's time before; 1.1x).
+
+   More rows of X than L1 holds (compute-bound): the weight rows go in blocks of NB. The first
+   group's walks stream a block from memory; each other group then walks the block again from
+   L2, in column chunks of KC, so that its rows of X (at most MC x KC floats) stay in L1 through
+   the block, each sum carried between chunks in acc. Walking every group along each weight row
+   in turn cycled all the rows of X through L1 for every weight row: 16-18 rows of SmolLM2's
+   matrices took 1.2x as long. */
+#define X_IN_L1 6144
+#define NB 16
+#define KC 768
 #define ROWS_OF_W(NAME, WT, LOADW, WIDEN, STORE)                                                  \
 GROUP(NAME, WT, LOADW, WIDEN, STORE, 1) GROUP(NAME, WT, LOADW, WIDEN, STORE, 2)                   \
 GROUP(NAME, WT, LOADW, WIDEN, STORE, 3) GROUP(NAME, WT, LOADW, WIDEN, STORE, 4)                   \
@@ -114,18 +151,23 @@ static void NAME(const WT *W, const float *X, void *Y, int64_t n0, int64_t n1, i
                  int64_t K, int64_t M) {                                                         \
     int64_t k16 = K - K % 16;                                                                    \
     int64_t groups = (M + MC - 1) / MC, size = M / groups, larger = M % groups;                  \
-    for (int64_t n = n0; n < n1; n++) {                                                          \
-        const WT *w = W + n * K;                                                                 \
+    v8 acc[NB][2 * MC];                                                                          \
+    if (groups == 1 || M * K <= X_IN_L1) {                                                       \
+        for (int64_t n = n0; n < n1; n++)                                                        \
+            for (int64_t g = 0, m0 = 0, mc; g < groups; g++, m0 += mc) {                         \
+                mc = size + (g < larger);                                                        \
+                WALK(NAME, 0, k16, acc[0], g == 0)                                               \
+            }                                                                                    \
+        return;                                                                                  \
+    }                                                                                            \
+    for (int64_t b0 = n0; b0 < n1; b0 += NB) {                                                   \
+        int64_t b1 = b0 + NB < n1 ? b0 + NB : n1;                                                \
         for (int64_t g = 0, m0 = 0; g < groups; g++) {                                           \
-            int64_t mc = size + (g < larger);                                                    \
-            const float *x = X + m0 * K;                                                         \
-            switch (mc) {                                                                        \
-            case 1: NAME##_1(w, x, Y, n, m0, N, K, k16, g == 0); break;                          \
-            case 2: NAME##_2(w, x, Y, n, m0, N, K, k16, g == 0); break;                          \
-            case 3: NAME##_3(w, x, Y, n, m0, N, K, k16, g == 0); break;                          \
-            case 4: NAME##_4(w, x, Y, n, m0, N, K, k16, g == 0); break;                          \
-            case 5: NAME##_5(w, x, Y, n, m0, N, K, k16, g == 0); break;                          \
-            default: NAME##_6(w, x, Y, n, m0, N, K, k16, g == 0); break;                         \
+            int64_t mc = size + (g < larger), chunk = g == 0 ? k16 : KC;                         \
+            for (int64_t c0 = 0;; c0 += chunk) {                                                 \
+                int64_t c1 = c0 + chunk < k16 ? c0 + chunk : k16;                                \
+                for (int64_t n = b0; n < b1; n++) WALK(NAME, c0, c1, acc[n - b0], g == 0)        \
+                if (c1 == k16) break;                                                            \
             }                                                                                    \
             m0 += mc;                                                                            \
         }                                                                                        \

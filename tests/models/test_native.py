@@ -16,8 +16,8 @@ def skip_unless_native(dtype: torch.dtype) -> None:
 
 
 @needs_native
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16])
-@pytest.mark.parametrize("n,k", [(1, 16), (7, 24), (300, 64), (129, 577), (64, 1536)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16, 18])
+@pytest.mark.parametrize("n,k", [(1, 16), (7, 24), (300, 64), (129, 577), (64, 1536), (37, 1601)])
 def test_the_native_product_is_f_linear(rows, n, k):
     torch.manual_seed(rows * 1000 + n + k)
     w, x = torch.randn(n, k), torch.randn(rows, k)
@@ -26,7 +26,7 @@ def test_the_native_product_is_f_linear(rows, n, k):
     assert torch.allclose(out, torch.nn.functional.linear(x, w), atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 5, 16])
+@pytest.mark.parametrize("rows", [1, 3, 5, 16, 18])
 @pytest.mark.parametrize("n,k", [(7, 24), (129, 577), (64, 1536)])
 @pytest.mark.parametrize("dtype,step", [(torch.bfloat16, 2 ** -8), (torch.float16, 2 ** -11)])
 def test_a_16_bit_product_is_the_float32_one_rounded(rows, n, k, dtype, step):
@@ -55,12 +55,15 @@ def test_bfloat16_rounds_to_nearest_even_and_keeps_nan_and_inf():
 
 @needs_native
 @pytest.mark.parametrize("dtype", native.DTYPES)
-def test_a_row_does_not_depend_on_the_rows_beside_it_or_the_threads(dtype):
+@pytest.mark.parametrize("k", [577, 1601])
+def test_a_row_does_not_depend_on_the_rows_beside_it_or_the_threads(dtype, k):
     skip_unless_native(dtype)
     torch.manual_seed(0)
-    w, x = torch.randn(1001, 577).to(dtype), torch.randn(16, 577).to(dtype)
+    # 1001 weight rows: blocks of 16 and a partial one; k = 1601: with more rows of x than L1
+    # holds, later groups walk the weight in column chunks (768, 768, 64, and one tail column)
+    w, x = torch.randn(1001, k).to(dtype), torch.randn(native.MAX_ROWS, k).to(dtype)
     full = native.gemv(x, w)
-    for rows in (1, 2, 3, 4, 5, 6, 7, 9, 12, 13):      # one group of up to 6 rows, or several
+    for rows in (1, 2, 3, 4, 5, 6, 7, 9, 12, 13, 17):  # one group of up to 6 rows, or several
         assert torch.equal(native.gemv(x[:rows], w), full[:rows]), rows
         assert torch.equal(native.gemv(x[rows:rows + 1], w), full[rows:rows + 1]), rows
     threads = torch.get_num_threads()

@@ -63,12 +63,17 @@ class NativePass:
         return len(lean.layers) != len(self.layers) or any(
             now is not then for now, then in zip(lean.layers, self.layers))
 
-    @staticmethod
-    def _caches(cache) -> tuple[ctypes.Array, ctypes.Array] | None:
+    def _caches(self, cache) -> tuple[ctypes.Array, ctypes.Array] | None:
         """The cache's per-layer key and value buffers as pointer tables, kept on the cache
-        (SlotKVCache.native_tables: its buffers never move once allocated)."""
+        (SlotKVCache.native_tables: its buffers never move once allocated). A fresh cache's
+        buffers are allocated here: left to the eager layers' first write, a backend's first
+        pass would take the eager layers and a later one of the same tokens the native call,
+        and the two differ by float rounding (the same prompt scored differently on a fresh
+        backend and on a used one)."""
         if cache.native_tables is not None:
             return cache.native_tables
+        if any(t is None for t in (*cache.keys, *cache.values)):
+            cache.allocate(torch.empty(1, self.lean.num_kv_heads, 1, self.lean.head_dim))
         keys, values = cache.keys, cache.values
         if any(t is None or t.dtype != torch.float32 or not t.is_contiguous()
                for t in (*keys, *values)):

@@ -72,6 +72,13 @@ class SlotKVCache(Cache):
 
     # --- what attention layers call ------------------------------------------------------------
 
+    def allocate(self, like: torch.Tensor) -> None:
+        """Every layer's buffers, as its first write would make them from `like` [*, H_kv, *, D]
+        (its dtype and device): for a pass that writes the cache itself (the native pass), so
+        that the first pass of a fresh cache runs as every later one does."""
+        for layer in range(self.num_layers):
+            self._ensure(layer, like)
+
     def _ensure(self, layer: int, like: torch.Tensor) -> None:
         """The layer's buffers, allocated once at full capacity on its first write (its dtype
         and device are known then): a pass never reallocates, and its shapes do not change."""

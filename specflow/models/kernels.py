@@ -1,6 +1,6 @@
 """Matrix products for the shapes decoding has (a few rows, wide weights), picked by measurement.
 
-A decoding pass multiplies 1 to ~18 rows by every weight matrix once, so it should cost about the
+A decoding pass multiplies 1 to ~32 rows by every weight matrix once, so it should cost about the
 time to read the weights. How close a library gets depends on the form of the call, the weight
 layout, the dtype and the machine:
 
@@ -14,8 +14,7 @@ layout, the dtype and the machine:
 - specflow's own product (`native`, `specflow.models.native`: a short C loop compiled for the CPU
   on first use) reads each thread's block of weight rows as one stream and reaches the memory's
   bandwidth for 1-4 rows where the libraries do not; float32, bfloat16 and float16, only where
-  a C compiler is found, and slower than oneDNN from ~8 rows (compute-bound): up to 18 rows, where a pass of all decoder
-  layers in one native call still wins (`native_pass.py`).
+  a C compiler is found, and compute-bound from ~8 rows, where oneDNN's packed layout is about as fast: up to 32 rows.
 
 So neither the form nor the layout is fixed: `pick()` times the dense forms on the model's own
 weights (all of them, so the reads stream from memory as in a real pass) for one row, a few rows
@@ -47,7 +46,7 @@ from specflow.models import native
 Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]    # x [M, K], W [N, K] -> [M, N]
 
 SMALL_ROWS = native.MAX_ROWS   # 2..SMALL_ROWS rows: a decoding step of a few rows, k+1 positions
-                               # or a token tree of up to 17 drafts
+                               # or a token tree of up to 31 drafts
 BATCH_ROWS = 128         # SMALL_ROWS+1..BATCH_ROWS: a batch's decoding step; above: prefill
 PACK_HINT = 16           # the row count oneDNN's packed layout is tuned for (1-33 rows measured)
 PACK_MIN_ROWS = 4        # packed products of fewer rows are padded to this many

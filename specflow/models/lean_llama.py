@@ -359,7 +359,7 @@ class LeanLlama:
         return self._native_pass if self._native_pass.runs else None
 
     def native_pass_rows(self) -> str | None:
-        """The pass sizes (queries, B x T) that run as one native call, for metrics.json: "1-18
+        """The pass sizes (queries, B x T) that run as one native call, for metrics.json: "1-32
         queries", or None where none do (no compiler, packed or 16-bit weights, ...)."""
         rows = [r for r in range(1, native.MAX_ROWS + 1) if self._native_layers(r) is not None]
         if not rows:

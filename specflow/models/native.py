@@ -37,9 +37,9 @@ import torch
 SOURCE = pathlib.Path(__file__).with_name("gemv.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-lm")
 ENV = "SPECFLOW_NATIVE"        # 0: never offer the native product
-MAX_ROWS = 18                  # three walks of each weight row (gemv.c's groups of up to six rows):
-                               # a 17-position token tree; more rows are compute-bound, and torch's
-                               # products are better (docs/decisions.md)
+MAX_ROWS = 32                  # a 31-draft token tree, or a batch's k+1 positions; up to here the
+                               # native product is still the fastest dense form for SmolLM2 on a
+                               # 2-core EPYC (docs/decisions.md); beyond, prefill-sized products
 
 
 def _compiler() -> str | None:

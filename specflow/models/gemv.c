@@ -279,10 +279,11 @@ int specflow_has_f16(void) {
 
    The lean forward's per-layer sequence (RMSNorm, q/k/v product, rotary, cache write, attention,
    o product, residual, RMSNorm, gate/up product, SiLU x up, down product, residual) as one call
-   for a pass of a few queries (native.MAX_ROWS). Query r of cache slot slot[r] (rotated by its rows of cos and
-   sin) is written at cache column col[r], and sees its slot's keys 0..below[r]-1 and, with a tree
-   (see != NULL), key below[r] + i where see[r, i] (i < S): a causal row sees 0..col[r]
-   (below = col + 1, no tree); a token tree's node sees the committed prefix and its ancestors.
+   for a pass of a few queries (up to native.MAX_ROWS). Query r of cache slot slot[r] (rotated by
+   its rows of cos and sin) is written at cache column col[r], and sees its slot's keys
+   0..below[r]-1 and, with a tree (see != NULL), key below[r] + i where see[r, i] (i < S): a
+   causal row sees 0..col[r] (below = col + 1, no tree); a token tree's node sees the committed
+   prefix and its ancestors.
    Every query's keys and values are written before any query attends, so a row's later
    positions see its earlier ones. Python's cost per operation (a few microseconds each, about 35
    per layer) is most of a small model's pass; here it is one call per pass.

@@ -14,7 +14,8 @@ layout, the dtype and the machine:
 - specflow's own product (`native`, `specflow.models.native`: a short C loop compiled for the CPU
   on first use) reads each thread's block of weight rows as one stream and reaches the memory's
   bandwidth for 1-4 rows where the libraries do not; float32, bfloat16 and float16, only where
-  a C compiler is found, and compute-bound from ~8 rows, where oneDNN's packed layout is about as fast: up to 32 rows.
+  a C compiler is found; compute-bound from ~8 rows, where oneDNN's packed layout is about as
+  fast: up to 32 rows.
 
 So neither the form nor the layout is fixed: `pick()` times the dense forms on the model's own
 weights (all of them, so the reads stream from memory as in a real pass) for one row, a few rows

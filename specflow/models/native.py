@@ -39,7 +39,7 @@ FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-f
 ENV = "SPECFLOW_NATIVE"        # 0: never offer the native product
 MAX_ROWS = 32                  # a 31-draft token tree, or a batch's k+1 positions; up to here the
                                # native product is still the fastest dense form for SmolLM2 on a
-                               # 2-core EPYC (docs/decisions.md); beyond, prefill-sized products
+                               # 2-core EPYC (docs/decisions.md); more rows take torch's products
 
 
 def _compiler() -> str | None:

@@ -37,7 +37,8 @@ def test_a_position_scored_inside_a_wide_pass_equals_it_scored_alone(dtype, layo
     # one-query passes attend with grouped products whatever the context (where measured
     # faster they take them from some number of keys, rows x cached length, on)
     backend.lean.grouped_from = 1 if layout == "grouped attention" else None
-    # causal passes of up to native.MAX_ROWS queries run as one native call (test_native_pass.py) unless told
+    # causal passes of up to native.MAX_ROWS queries run as one native call
+    # (test_native_pass.py) unless told
     backend.lean.native_layers = layout != "grouped attention"
     torch.manual_seed(0)
     prompt = torch.randint(1, 8000, (1, 150))

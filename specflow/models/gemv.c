@@ -156,7 +156,7 @@ static void NAME(const WT *W, const float *X, void *Y, int64_t n0, int64_t n1, i
         for (int64_t n = n0; n < n1; n++)                                                        \
             for (int64_t g = 0, m0 = 0, mc; g < groups; g++, m0 += mc) {                         \
                 mc = size + (g < larger);                                                        \
-                WALK(NAME, 0, k16, acc[0], g == 0)                                               \
+                WALK(NAME, 0, k16, acc[0], g == 0)     /* whole rows: acc is not touched */     \
             }                                                                                    \
         return;                                                                                  \
     }                                                                                            \

@@ -220,6 +220,15 @@ def tree_pass(backend, start: int, tokens: list[int], parents: list[int], native
                            tree=tree)[0]
 
 
+def last_of_chain(backend, start: int, chain: list[int]) -> torch.Tensor:
+    """Logits [V] of the last of `chain`'s tokens fed as one causal pass after `start` cached
+    tokens (natively)."""
+    backend.truncate(torch.tensor([0]), [start])
+    backend.lean.native_layers = True
+    return backend.forward(torch.tensor([0]), torch.tensor([chain]),
+                           torch.tensor([len(chain)]))[0, -1]
+
+
 @pytest.mark.parametrize("model", ["demo", "tiny llama"])
 def test_a_tree_node_scores_as_its_tokens_in_a_chain(tmp_path, monkeypatch, model):
     path = DEMO_DIR / "target" if model == "demo" else tiny_llama(tmp_path)
@@ -236,11 +245,7 @@ def test_a_tree_node_scores_as_its_tokens_in_a_chain(tmp_path, monkeypatch, mode
     assert spy.calls == 1
     torch.testing.assert_close(tree, eager, atol=1e-4, rtol=1e-4)
     for node, chain in ((3, [101, 202, 404]), (4, [101, 303, 505]), (2, [101, 303])):
-        backend.truncate(torch.tensor([0]), [30])
-        backend.lean.native_layers = True
-        scored = backend.forward(torch.tensor([0]), torch.tensor([chain]),
-                                 torch.tensor([len(chain)]))[0, -1]                  # [V]
-        assert torch.equal(scored, tree[node]), node
+        assert torch.equal(last_of_chain(backend, 30, chain), tree[node]), node
 
 
 def test_a_sixteen_draft_tree_runs_natively_and_scores_as_its_chains(tmp_path, monkeypatch):
@@ -259,11 +264,7 @@ def test_a_sixteen_draft_tree_runs_natively_and_scores_as_its_chains(tmp_path, m
         while at >= 0:
             chain.insert(0, tokens[at])
             at = parents[at]
-        backend.truncate(torch.tensor([0]), [40])
-        backend.lean.native_layers = True
-        scored = backend.forward(torch.tensor([0]), torch.tensor([chain]),
-                                 torch.tensor([len(chain)]))[0, -1]                  # [V]
-        assert torch.equal(scored, tree[node]), node
+        assert torch.equal(last_of_chain(backend, 40, chain), tree[node]), node
 
 
 def test_metrics_say_which_passes_run_natively():

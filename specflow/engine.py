@@ -70,10 +70,12 @@ class _Stream:
 
 class Engine:
     """A pipeline's running batch, stepped one round at a time. Build with `pipe.engine()`; one
-    engine per pipeline at a time (they share the cache slots)."""
+    engine per pipeline at a time (they share the cache slots). `deltas=False`: step() reports
+    requests only once they finish (no text is decoded for a running one)."""
 
     def __init__(self, pipe: "Pipeline", max_batch_size: int | None = None,
-                 recorder: MetricsRecorder | None = None, start_hooks: bool = True):
+                 recorder: MetricsRecorder | None = None, start_hooks: bool = True,
+                 deltas: bool = True):
         capacity = whole_number(pipe.cfg.max_batch_size if max_batch_size is None
                                 else max_batch_size, "max_batch_size", 1, None,
                                 "give how many sequences run at once, e.g. 8", InputError)
@@ -98,6 +100,10 @@ class Engine:
         self.closed = False
         self.on_finish: Callable[[GenerationResult], None] | None = None   # before request_end
         self.config_stop = list(pipe.cfg.stop.get("strings") or []) if pipe.cfg.get("stop") else []
+        # a running request's text deltas, decoded each step; a client that reads only the
+        # finished results (Pipeline.generate) turns them off: every step would decode its
+        # rows' whole text for nothing
+        self.deltas = deltas
         if start_hooks:
             pipe.hook.specflow_run_start(pipeline=pipe, requests=[])
 
@@ -203,7 +209,7 @@ class Engine:
             rid = row.request.request_id
             reason = result.finish_reasons[b]
             if reason is None:
-                out = self._delta(row, final=False)
+                out = self._delta(row, final=False) if self.deltas else None
                 if out is not None:
                     outputs.append(out)
                 continue

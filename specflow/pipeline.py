@@ -479,7 +479,7 @@ class Pipeline:
         """
         requests = self.make_requests(prompts, max_new_tokens, stop, seed, logprobs, indices,
                                   sampling, grammar)
-        engine = Engine(self, max_batch_size, start_hooks=False)
+        engine = Engine(self, max_batch_size, start_hooks=False, deltas=False)
         bar = _progress(len(requests)) if progress else None
         results: dict[int, GenerationResult] = {}
 

@@ -117,6 +117,21 @@ def test_one_engine_per_pipeline(make_pipeline):
     assert pipe.generate("a", max_new_tokens=2)
 
 
+def test_generate_decodes_each_result_once_not_every_round(make_pipeline):
+    """generate() reads only finished results: a running row's text is not decoded each round
+    (the engine's text deltas are for streaming clients), which cost a decode of the whole text
+    so far per row and round."""
+    pipe = make_pipeline("proposer=none", "max_new_tokens=24")
+    decode, calls = pipe.tokenizer.decode, []
+    pipe.tokenizer.decode = lambda ids, *a, **k: calls.append(len(ids)) or decode(ids, *a, **k)
+    try:
+        results = pipe.generate(PROMPTS[:2])
+    finally:
+        pipe.tokenizer.decode = decode
+    assert all(len(r.token_ids) == 24 for r in results)
+    assert len(calls) <= 2 * len(results), f"{len(calls)} decodes for {len(results)} results"
+
+
 def test_stream_joins_to_generate_s_text_and_holds_back_a_forming_stop_string(make_pipeline):
     pipe = make_pipeline("proposer=ngram", "max_new_tokens=40")
     plain = pipe.generate("def fib(n):")[0]

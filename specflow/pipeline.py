@@ -545,13 +545,14 @@ class Pipeline:
 
     def _cap_k(self, k: torch.Tensor, batch: DecodeBatch) -> tuple[torch.Tensor, list[str | None]]:
         """No more drafts than the tokens a row may still commit, minus the recovered/bonus one."""
-        ks = k.tolist()
+        asked = k.tolist()
+        ks = list(asked)
         reasons: list[str | None] = []
         for b in range(batch.size):
             left = batch.max_new_tokens[b] - batch.num_generated(b) - 1
             if ks[b] > left:
                 ks[b] = max(left, 0)
-            reasons.append(None if ks[b] > 0 else ("policy" if k[b] == 0 else "length cap"))
+            reasons.append(None if ks[b] > 0 else ("policy" if asked[b] == 0 else "length cap"))
         if not self.speculates:
             reasons = [self.no_speculation_reason] * batch.size
         return torch.tensor(ks, dtype=torch.long), reasons

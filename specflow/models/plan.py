@@ -68,33 +68,36 @@ def make_plan(slots: list[int], starts: list[int], input_ids: torch.Tensor, lens
         slots = slots + [slots[0]] * (Bp - B)
         starts = starts + [starts[0]] * (Bp - B)
         lens = lens + [0] * (Bp - B)
-    host_slots = torch.tensor(slots, dtype=torch.long)                                   # [Bp]
-    start = torch.tensor(starts, dtype=torch.long)                                       # [Bp]
-    n = torch.tensor(lens, dtype=torch.long)                                             # [Bp]
-    t = torch.arange(Tp)[None, :]                                                        # [1, Tp]
+    # the numbers are built as host lists and sent with the token ids in one copy: a decode
+    # step's plan is a handful of ints, where tensor ops would cost more than the numbers
+    on_host = input_ids.device.type == "cpu"     # a draft step's own tokens may be on the device
+    ids = input_ids.clamp(min=0)                                                    # [Bp, Tp]
     # where each input is cached: padding positions repeat the row's last real one (never
     # written; inside the context, e.g. for absolute position embeddings)
-    write = start[:, None] + torch.minimum(t, (n - 1).clamp(min=0)[:, None])             # [Bp, Tp]
-    on_host = input_ids.device.type == "cpu"     # a draft step's own tokens may be on the device
-    ids = input_ids.clamp(min=0)
-    parts = [host_slots, ids.flatten() if on_host else ids.new_zeros(0).cpu(), write.flatten(),
-             start]
+    write = [s + min(j, max(m - 1, 0)) for s, m in zip(starts, lens) for j in range(Tp)]
+    numbers = [slots, write, starts]
+    if min(lens) != Tp:    # ragged: which (slot, position, flat index) each real token goes to
+        real = [(b, j) for b in range(Bp) for j in range(lens[b])]                      # [N]
+        numbers += [[slots[b] for b, _ in real], [write[b * Tp + j] for b, j in real],
+                    [b * Tp + j for b, j in real]]
+    parts = [torch.tensor([v for part in numbers for v in part], dtype=torch.long)]
     if tree is not None:   # tree queries sit at their depth's position, not where they are cached
         rotary = tree.positions.new_zeros(Bp, Tp)
         rotary[:B, :T] = tree.positions
         parts.append(rotary.flatten())
-    if min(lens) != Tp:    # ragged: which (slot, position) each real token goes to
-        b, j = (t < n[:, None]).nonzero(as_tuple=True)                                   # [N] x2
-        parts += [host_slots[b], write[b, j], b * Tp + j]
-    sent = torch.cat(parts).to(device).split([p.numel() for p in parts])
-    at = 5 if tree is not None else 4
+    if on_host:
+        parts.append(ids.flatten())
+    sent = torch.cat(parts).to(device).split([len(part) for part in numbers] +
+                                             [p.numel() for p in parts[1:]])
+    n = len(numbers)
+    rotary = sent[n].view(Bp, Tp) if tree is not None else None
+    ids = sent[-1].view(Bp, Tp) if on_host else ids
     contiguous = slots[:B] == list(range(slots[0], slots[0] + B)) and Bp == B
     return ForwardPlan(
-        slots=sent[0], input_ids=sent[1].view(Bp, Tp) if on_host else ids,
-        write_positions=sent[2].view(Bp, Tp),
-        positions=sent[4].view(Bp, Tp) if tree is not None else sent[2].view(Bp, Tp),
-        starts=sent[3], slot_list=list(slots), lens=list(lens), start_list=list(starts),
+        slots=sent[0], input_ids=ids, write_positions=sent[1].view(Bp, Tp),
+        positions=rotary if tree is not None else sent[1].view(Bp, Tp),
+        starts=sent[2], slot_list=list(slots), lens=list(lens), start_list=list(starts),
         rows=B, width=T, kv_len=max(s + m for s, m in zip(starts, lens)),
         first_slot=slots[0] if contiguous else -1,
         single_start=starts[0] if Bp == 1 and lens[0] == Tp else -1,
-        ragged=tuple(sent[at:]) if len(sent) > at else None, tree=tree)
+        ragged=tuple(sent[3:n]) if n > 3 else None, tree=tree)

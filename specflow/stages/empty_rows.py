@@ -89,7 +89,7 @@ class EmptyRowLog:
         this round. The calls' `unusable` flags are on the host by now (Pipeline._to_host read
         them with the verifier's output), so this reads nothing from the device.
         """
-        if not self.calls:
+        if not any(bool(call.unusable.any()) for call in self.calls):     # the common case
             return None
         where = {rid: b for b, rid in enumerate(request_ids)}
         counted = []

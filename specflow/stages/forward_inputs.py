@@ -26,18 +26,25 @@ def uncached_inputs(token_ids: list[list[int]], cached: list[int],
     # a cache is never ahead of the committed tokens; one that was never rolled back (the fault
     # the tests inject) still has to be fed the last committed token
     pending = [ids[min(n, len(ids) - 1):] for ids, n in zip(token_ids, cached)]
-    n_pending = torch.tensor([len(p) for p in pending], dtype=torch.long)            # [B]
     K = 0 if drafts is None else drafts.shape[1]
+    if all(len(p) == 1 for p in pending):   # the steady state: only the last token each
+        if K and counts is not None:    # counted drafts, maybe on the device: not read
+            first = torch.tensor([p[0] for p in pending], dtype=torch.long)[:, None]  # [B, 1]
+            inputs = torch.cat([first.to(drafts.device), drafts], 1)                  # [B, 1+K]
+        else:                           # host lists: one tensor, no cat
+            drafted = drafts.tolist() if K else [[]] * len(pending)                  # [B][K]
+            counts = [sum(t != PAD for t in d) for d in drafted]
+            inputs = torch.tensor([[p[0]] + d for p, d in zip(pending, drafted)],
+                                  dtype=torch.long).view(len(pending), 1 + K)         # [B, 1+K]
+        lens = torch.tensor([n + 1 for n in counts], dtype=torch.long)                # [B]
+        return inputs, lens, torch.zeros(len(pending), dtype=torch.long)
+    n_pending = torch.tensor([len(p) for p in pending], dtype=torch.long)            # [B]
     if drafts is None:
         k = torch.zeros_like(n_pending)                                              # [B]
     elif counts is not None:
         k = torch.tensor(counts, dtype=torch.long)                                   # [B]
     else:
         k = (drafts != PAD).sum(-1)                                                  # [B] host
-    if all(len(p) == 1 for p in pending):   # the steady state: only the last token each
-        first = torch.tensor([p[0] for p in pending], dtype=torch.long)[:, None]    # [B, 1]
-        inputs = first if drafts is None else torch.cat([first.to(drafts.device), drafts], 1)
-        return inputs, k + 1, torch.zeros_like(k)                                   # [B, 1+K]
     inputs = torch.full((len(pending), int(n_pending.max()) + K), PAD, dtype=torch.long)
     for b, p in enumerate(pending):
         inputs[b, :len(p)] = torch.tensor(p, dtype=torch.long)

@@ -69,6 +69,12 @@ def check_proposal(proposal: Proposal, batch, ks: list[int], target):
     number of drafts or nodes per row, and what is wrong with it or None). Checks: drafts packed
     at the front of each row (PAD only after them), inside the vocabulary, at most k per row
     (a tree: depth at most k, parents before children, nodes within the context left)."""
+    counts, B = proposal.draft_counts, len(batch.token_ids)
+    if proposal.draft_token_ids.shape == (B, 0) and proposal.parents is None and \
+            (counts is None or list(counts) == [0] * B):
+        # no drafts at all (plain decoding, or nothing to propose): nothing to check or read
+        proposal.layout = ChainLayout([0] * B)
+        return proposal, proposal.layout, [0] * B, None
     if proposal.draft_counts is not None and proposal.parents is None:
         return _check_counted(proposal, ks, target.vocab_size)
     return _check_on_host(proposal, batch, ks, target)

@@ -116,6 +116,9 @@ class Pipeline:
             (cfg.get("verifier") or {}).get("rule") == "coupled"
         self.clock = SimClock()
         self.empty_rows = EmptyRowLog()     # this round's shape() calls, checked after verify
+        # the round's outputs reach the host in one copy, except on a CPU, where they are host
+        # tensors already; True: copied there too (a device's path, for the host-read tests)
+        self.copy_outputs_to_host = False
         self.sampling_settings: list[str] = []   # what a request may set for itself (sampling=)
         self.running_engine: Engine | None = None  # the Engine using the cache slots (one at a time)
         self.hidden_layers: tuple[int, ...] = ()   # target layers whose states stages read
@@ -314,7 +317,7 @@ class Pipeline:
         shaping = ShapingBatch(logits.float(), token_ids, draft_token_ids, first_draft_index,
                                request_ids, source, sampling)
         if source == "target":     # the model's own verdict, before a stage may edit in place
-            raw_unusable = ~torch.isfinite(shaping.logits.amax(-1))                   # [B, P]
+            raw_max = shaping.logits.amax(-1)                                         # [B, P]
         self.hook.specflow_mask_logits(shaping=shaping)
         self.hook.specflow_process_logits(shaping=shaping)
         # the stages made a new tensor (or the input was converted): edit it without a copy
@@ -324,7 +327,7 @@ class Pipeline:
             # a draft row is never an error by itself: its stand-in q is exact (the draft is
             # sampled from it), and the target's row at the same prefix decides
             self.empty_rows.add(ShapeCall(source, list(request_ids), token_ids, draft_token_ids,
-                                          first_draft_index, unusable, raw_unusable, paths))
+                                          first_draft_index, unusable, raw_max, paths))
         return shaped
 
     def _shaping_stages(self) -> list[tuple[str, Callable]]:
@@ -669,14 +672,22 @@ class Pipeline:
 
         Everything after verification (stop checks, the empty-row check, commits, cache sync,
         policies) is host logic over a handful of ints per row; reading them together makes the
-        round's last host sync (and its only one when the drafts stayed on the device).
+        round's last host sync (and its only one when the drafts stayed on the device). On a
+        CPU they are host tensors already, taken as they are. A shape call whose rows were all
+        usable (unusable None) has nothing to read.
         """
-        calls = self.empty_rows.calls
+        calls = [c for c in self.empty_rows.calls if c.unusable is not None]
         checks = proposal._unchecked[0] if proposal._unchecked is not None else None
         outputs = [verified.out_token_ids, verified.num_accepted, verified.accepted_nodes]
+        device = verified.out_token_ids.device
+        if device.type == "cpu" and not self.copy_outputs_to_host:   # cpu only: host already
+            host = [None if p is None else p.long().cpu() for p in outputs]     # cpu only
+            for call in calls:
+                call.unusable = call.unusable.bool().cpu()                      # cpu only
+            flagged = None if checks is None else checks.bool().cpu().tolist()  # cpu only
+            return VerifyOutput(*host), flagged
         parts = [p for p in outputs if p is not None] + [c.unusable for c in calls] + \
             ([checks] if checks is not None else [])
-        device = verified.out_token_ids.device
         flat = torch.cat([p.to(device).long().flatten() for p in parts]).cpu()         # [N]
         pieces = iter(piece.view(p.shape) for piece, p in
                       zip(flat.split([p.numel() for p in parts]), parts))

@@ -95,6 +95,7 @@ class HostReadProbe(TorchFunctionMode):
 def reads_per_round(overrides, prompts, max_new_tokens=12, max_batch_size=3, plugins=()):
     """Host reads of would-be device tensors in each round of one generate() call."""
     pipe = Pipeline.from_config(["model=demo", "draft=demo", "show_progress=false", *overrides])
+    pipe.copy_outputs_to_host = True      # the round's one copy, as on a device
     for plugin in plugins:
         pipe.register(plugin)
     probe = HostReadProbe()

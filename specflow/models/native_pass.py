@@ -38,6 +38,7 @@ class NativePass:
         self.lean = lean
         self.layers = list(lean.layers)               # the tuples the tables were built from
         self.runs = self.supported(lean)
+        self._at: dict[tuple[int, ...], torch.Tensor] = {}   # capture set -> _capture_slots
         if self.runs:
             self.weights = _pointers([layer[f] for layer in lean.layers for f in (1, 3, 6, 7)])
             self.norms = _pointers([layer[f] for layer in lean.layers for f in (0, 5)])
@@ -81,6 +82,16 @@ class NativePass:
         cache.native_tables = (_pointers(keys), _pointers(values))
         return cache.native_tables
 
+    def _capture_slots(self, layers: int, wanted: tuple[int, ...]) -> torch.Tensor:
+        """[layers] long: where layer i's input goes among the captured states, -1 for none
+        (kept per capture set: a pass reads it, never writes it)."""
+        at = self._at.get(wanted)
+        if at is None:
+            at = self._at[wanted] = torch.full((layers,), -1, dtype=torch.long)
+            for j, i in enumerate(wanted):
+                at[i] = j
+        return at
+
     def __call__(self, x: torch.Tensor, cache, cos: torch.Tensor, sin: torch.Tensor,
                  capture: tuple[int, ...], captured: list | None) -> torch.Tensor | None:
         """x [B, T, E] float32 (the embedded inputs, overwritten) -> the residual stream after
@@ -92,7 +103,7 @@ class NativePass:
         lean, plan = self.lean, cache.plan
         B, T, E = x.shape
         R, L, D = B * T, len(lean.layers), lean.head_dim
-        slots = plan.slots[:, None].expand(B, T).contiguous()                        # [B, T]
+        slots = plan.slots if T == 1 else plan.slots[:, None].expand(B, T).contiguous()  # [B, T]
         columns = plan.write_positions.contiguous()                                  # [B, T]
         tree = plan.tree
         if tree is None:                         # causal: a query sees keys 0..its column
@@ -106,9 +117,7 @@ class NativePass:
         cos = cos.reshape(R, D).contiguous()                                         # [R, D]
         sin = sin.reshape(R, D).contiguous()
         wanted = [i for i in sorted(capture) if i < L]
-        at = torch.full((L,), -1, dtype=torch.long)                                  # [L]
-        for j, i in enumerate(wanted):
-            at[i] = j
+        at = self._capture_slots(L, tuple(wanted))                                   # [L]
         caps = torch.empty(len(wanted), B, T, E) if wanted else None                 # [n, B, T, E]
         intermediate = lean.layers[0][6].shape[0] // 2                      # gate/up stacked
         failed = native._library().specflow_layers(

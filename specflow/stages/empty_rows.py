@@ -35,14 +35,17 @@ class EmptyDistributionError(InputError):
     """A request reached a position where no token can be chosen (or the logits were NaN)."""
 
 
-def mark_empty(logits: torch.Tensor, inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def mark_empty(logits: torch.Tensor, inplace: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logits with unusable rows set to 0, unusable [B, P] bool) for logits [B, P, V]; with
-    inplace, `logits` itself is edited (when the caller owns it)."""
+    inplace, `logits` itself is edited (when the caller owns it). On a CPU, where reading the
+    flags costs nothing, unusable is None when every row is usable (the common case)."""
     # one reduction: the max of a row is -inf when all are, +inf or NaN when any is (max
     # propagates NaN)
-    unusable = ~torch.isfinite(logits.amax(-1))                                # [B, P]
-    if logits.device.type == "cpu" and not bool(unusable.any()):   # cpu only: no sync
-        return logits, unusable     # the common case; on a CPU reading the flag costs nothing
+    maxima = logits.amax(-1)                                                   # [B, P]
+    if logits.device.type == "cpu" and bool(torch.isfinite(maxima).all()):   # cpu only: no sync
+        return logits, None
+    unusable = ~torch.isfinite(maxima)                                         # [B, P]
     fill = logits.masked_fill_ if inplace else logits.masked_fill
     return fill(unusable[..., None], 0.0), unusable
 
@@ -56,9 +59,10 @@ class ShapeCall:
     token_ids: list[list[int]]       # [B'][L] committed tokens (live lists, checked before trim)
     draft_token_ids: torch.Tensor    # [B', D]
     first_draft_index: int
-    unusable: torch.Tensor           # [B', P] bool, after shaping
-    raw_unusable: torch.Tensor | None = None   # [B', P] bool, the model's own logits (before
-                                     # shaping: a stage may edit them in place afterwards)
+    unusable: torch.Tensor | None    # [B', P] bool, after shaping (None: every row usable)
+    raw_max: torch.Tensor | None = None   # [B', P] the model's own logits' maxima, taken before
+                                     # shaping (a stage may edit them in place afterwards): not
+                                     # finite where the model itself left no usable token
     paths: list[list[int]] | None = None   # [B'] a tree's rows: the node path each row shapes
 
     def one_row(self, logits: torch.Tensor, row: int) -> ShapingBatch:
@@ -89,11 +93,12 @@ class EmptyRowLog:
         this round. The calls' `unusable` flags are on the host by now (Pipeline._to_host read
         them with the verifier's output), so this reads nothing from the device.
         """
-        if not any(bool(call.unusable.any()) for call in self.calls):     # the common case
+        calls = [c for c in self.calls if c.unusable is not None]
+        if not any(bool(call.unusable.any()) for call in calls):            # the common case
             return None
         where = {rid: b for b, rid in enumerate(request_ids)}
         counted = []
-        for call in self.calls:
+        for call in calls:
             unusable = call.unusable.cpu()
             limits = [consumed[where[r]] for r in call.request_ids]
             if call.paths is not None and accepted is not None:
@@ -108,11 +113,11 @@ class EmptyRowLog:
         flags = torch.stack([c.any() for c in counted])                       # [calls]
         if not bool(flags.any()):
             return None
-        for i in range(len(self.calls)):
+        for i in range(len(calls)):
             hits = counted[i].nonzero()
             if len(hits):
                 b, p = hits[0].tolist()
-                return self.calls[i], b, p
+                return calls[i], b, p
         return None
 
 
@@ -131,7 +136,7 @@ def diagnose(call: ShapeCall, row: int, position: int, stages: list[StageFn],
              vocab_size: int) -> str:
     """Replay the shaping stages on one row and say which one left no token (or made NaN)."""
     P = call.unusable.shape[1]
-    if call.raw_unusable is not None and bool(call.raw_unusable[row, position]):
+    if call.raw_max is not None and not bool(torch.isfinite(call.raw_max[row, position])):
         return (f"the {call.source} model's logits are NaN, infinite or all -inf here (a "
                 f"numerical fault in the model or its weights; dtype=float32 avoids "
                 f"half-precision overflow)")

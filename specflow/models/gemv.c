@@ -44,6 +44,23 @@ static inline float hsum(v8 v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
+/* out[j] = hsum(v[j]) for j < n (n <= 4): the same sums in the same order, with AVX as vectors
+   (each row's halves added, then two pairwise adds) instead of each row's lanes one by one. */
+static inline __attribute__((always_inline)) void hsum4(const v8 *v, int n, float *out) {
+#ifdef __AVX__
+    __m128 q[4];
+    for (int i = 0; i < 4; i++) {
+        __m256 x = (__m256)v[i < n ? i : 0];
+        q[i] = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    }
+    float s[4];
+    _mm_storeu_ps(s, _mm_hadd_ps(_mm_hadd_ps(q[0], q[1]), _mm_hadd_ps(q[2], q[3])));
+    for (int i = 0; i < n; i++) out[i] = s[i];
+#else
+    for (int i = 0; i < n; i++) out[i] = hsum(v[i]);
+#endif
+}
+
 /* a + b * c. Every multiply-add of this file is one of these two, fused (one rounding) where the
    CPU has a fused multiply-add, else a product and a sum: the same operation on every path. The
    file is built with -ffp-contract=off, so the compiler fuses nothing by itself: left to choose,
@@ -68,6 +85,51 @@ static inline float fmadd(float a, float b, float c) {
     return a + b * c;
 #endif
 }
+
+typedef int32_t i8v __attribute__((vector_size(32)));
+
+/* each lane of `yes` where the lane of `mask` (a comparison's) is set, else of `no` */
+static inline v8 pick(i8v mask, v8 yes, v8 no) {
+    i8v y, o; memcpy(&y, &yes, sizeof y); memcpy(&o, &no, sizeof o);
+    i8v r = (y & mask) | (o & ~mask);
+    v8 out; memcpy(&out, &r, sizeof out); return out;
+}
+
+/* e^x in each lane, as one function of the lane's value alone (the same bits wherever a score
+   sits and whichever loop computes it; exp1 is the same function on one value): x = n ln 2 + r,
+   |r| <= ln 2 / 2, e^r by Cephes' polynomial, times 2^n: within 1 ulp of glibc's expf on a
+   million values from -87.3 to 89. 0 below -87.3 (where expf turns subnormal: no weight beside
+   the row's largest score, 1), +inf past 88.72, NaN stays NaN. Eight lanes in ~20 vector
+   operations, where expf took ~15 cycles a value, a third of a key's attention. */
+static inline v8 exp8(v8 x) {
+    v8 big = (v8){0} + 88.72283f, small = (v8){0} + -87.3f;
+    v8 c = pick(x > big, big, x);                                       /* NaN: compares false */
+    c = pick(c < small, small, c);
+    v8 n = c * 1.44269504088896341f;
+#ifdef __AVX__
+    n = (v8)_mm256_round_ps((__m256)n, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+    for (int i = 0; i < 8; i++) n[i] = __builtin_nearbyintf(n[i]);
+#endif
+    v8 r = madd(c, n, (v8){0} + -0.693359375f);                         /* c - n ln 2, in two */
+    r = madd(r, n, (v8){0} + 2.12194440e-4f);
+    v8 p = (v8){0} + 1.9875691500e-4f;
+    p = madd((v8){0} + 1.3981999507e-3f, p, r);
+    p = madd((v8){0} + 8.3334519073e-3f, p, r);
+    p = madd((v8){0} + 4.1665795894e-2f, p, r);
+    p = madd((v8){0} + 1.6666665459e-1f, p, r);
+    p = madd((v8){0} + 5.0000001201e-1f, p, r);
+    p = madd(r + 1.0f, p, r * r);                                       /* 1 + r + r^2 p */
+    v8 top = pick(n > 127.0f, (v8){0} + 1.0f, (v8){0});               /* n = 128: 2 x 2^127 */
+    i8v e = (__builtin_convertvector(n - top, i8v) + 127) << 23;       /* 2^n, n in -126..127 */
+    v8 two_n; memcpy(&two_n, &e, sizeof two_n);
+    v8 out = p * (top + 1.0f) * two_n;
+    out = pick(x > big, (v8){0} + INFINITY, out);
+    out = pick(x < small, (v8){0}, out);
+    return pick(x != x, x, out);
+}
+
+static inline float exp1(float x) { return exp8((v8){0} + x)[0]; }
 
 static inline float bf16_to_f32(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
 
@@ -365,7 +427,7 @@ static inline __attribute__((always_inline)) void attend_d(
     float total = 0.0f;
     for (j = 0; j < n; j++) {
         if (j >= below && !see[j - below]) continue;
-        scores[j] = expf(scores[j] - top);
+        scores[j] = exp1(scores[j] - top);
         total += scores[j];
     }
     float inv = 1.0f / total;
@@ -400,6 +462,105 @@ static void attend_one(const float *q, const float *K, const float *V, int64_t n
     if (D == 64) attend_d(q, K, V, n, below, see, 64, scale, scores, out);
     else if (D == 128) attend_d(q, K, V, n, below, see, 128, scale, scores, out);
     else attend_d(q, K, V, n, below, see, D, scale, scores, out);
+}
+
+/* Attention of NH (<= GH) query heads q [NH, D] that read one key/value head, each exactly as
+   attend_d computes it alone (each score dot()'s operations, exp1, the same column-order sums),
+   into out [NH, D]; scores: GH x n floats of scratch. Only the loops differ: the keys go in
+   blocks of four through every head (a block is read from memory once, then from L1: a head
+   walked alone read all n keys per head, from L2 or further at a long context), the scores'
+   lanes are summed four keys at a time (hsum4), e^x is taken eight scores at a time (exp8), and
+   the values are summed 32 columns at a time for every head (12 accumulators and 4 values in
+   registers). D: a multiple of 32. */
+#define GH 3
+static inline __attribute__((always_inline)) void attend_heads(
+        const float *q, const int NH, const float *K, const float *V, int64_t n, int64_t below,
+        const uint8_t *see, const int64_t D, float scale, float *scores, float *out) {
+    float top[GH], total[GH];
+    for (int h = 0; h < NH; h++) top[h] = -INFINITY;
+    int64_t b4 = below - below % 4, j = 0;
+    for (; j < b4; j += 4) {
+        const float *k = K + j * D;
+        for (int h = 0; h < NH; h++) {
+            const float *qh = q + h * D;
+            v8 acc[4] = {(v8){0}, (v8){0}, (v8){0}, (v8){0}};
+            for (int64_t d = 0; d < D; d += 8) {
+                v8 x = load_f32(qh + d);
+                for (int i = 0; i < 4; i++) acc[i] = madd(acc[i], x, load_f32(k + i * D + d));
+            }
+            float s[4];
+            hsum4(acc, 4, s);
+            float *sh = scores + h * n + j;
+            for (int i = 0; i < 4; i++) {
+                sh[i] = s[i] * scale;
+                if (sh[i] > top[h]) top[h] = sh[i];
+            }
+        }
+    }
+    for (; j < n; j++) {
+        if (j >= below && !see[j - below]) continue;
+        for (int h = 0; h < NH; h++) {
+            float sc = dot(q + h * D, K + j * D, D) * scale;
+            scores[h * n + j] = sc;
+            if (sc > top[h]) top[h] = sc;
+        }
+    }
+    int64_t b8 = below - below % 8;
+    for (int h = 0; h < NH; h++) {
+        float *sh = scores + h * n;
+        v8 m = (v8){0} + top[h];
+        for (j = 0; j < b8; j += 8) {
+            v8 e = exp8(load_f32(sh + j) - m);
+            memcpy(sh + j, &e, sizeof e);
+        }
+        for (; j < n; j++) {
+            if (j >= below && !see[j - below]) continue;
+            sh[j] = exp1(sh[j] - top[h]);
+        }
+        total[h] = 0.0f;
+    }
+    for (j = 0; j < n; j++) {              /* each head's sum in column order, the heads' sums */
+        if (j >= below && !see[j - below]) continue;          /* side by side (NH chains) */
+        for (int h = 0; h < NH; h++) total[h] += scores[h * n + j];
+    }
+    for (int h = 0; h < NH; h++) total[h] = 1.0f / total[h];
+    for (int64_t c = 0; c < D; c += 32) {
+        v8 o[GH][4];
+        for (int h = 0; h < NH; h++)
+            for (int i = 0; i < 4; i++) o[h][i] = (v8){0};
+        for (j = 0; j < n; j++) {
+            if (j >= below && !see[j - below]) continue;
+            const float *v = V + j * D + c;
+            v8 vv[4] = {load_f32(v), load_f32(v + 8), load_f32(v + 16), load_f32(v + 24)};
+            for (int h = 0; h < NH; h++) {
+                v8 p = (v8){0} + scores[h * n + j];
+                for (int i = 0; i < 4; i++) o[h][i] = madd(o[h][i], p, vv[i]);
+            }
+        }
+        for (int h = 0; h < NH; h++)
+            for (int i = 0; i < 4; i++) {
+                v8 r = o[h][i] * total[h];
+                memcpy(out + h * D + c + 8 * i, &r, sizeof r);
+            }
+    }
+}
+
+/* nh (1..GH) heads of one key/value head: attend_heads with the counts as constants (D 64 and
+   128: the loops unroll and the sums stay in registers); another D: attend_one for each head. */
+static void attend_group(const float *q, int nh, const float *K, const float *V, int64_t n,
+                         int64_t below, const uint8_t *see, int64_t D, float scale,
+                         float *scores, float *out) {
+#define HEADS(DD)                                                                                \
+    switch (nh) {                                                                                \
+    case 1: attend_heads(q, 1, K, V, n, below, see, DD, scale, scores, out); return;             \
+    case 2: attend_heads(q, 2, K, V, n, below, see, DD, scale, scores, out); return;             \
+    default: attend_heads(q, 3, K, V, n, below, see, DD, scale, scores, out); return;            \
+    }
+    if (D == 64) { HEADS(64) }
+    if (D == 128) { HEADS(128) }
+#undef HEADS
+    for (int h = 0; h < nh; h++)
+        attend_one(q + h * D, K, V, n, below, see, D, scale, scores, out + h * D);
 }
 
 /* act[e] = SiLU(gate) x up for the flat elements lo <= e < hi of act [R, I], where row r of gu
@@ -444,10 +605,15 @@ int specflow_layers(float *x, int64_t R, int64_t E, int64_t H, int64_t Hkv, int6
     float *wide = malloc((size_t)(R * widest) * sizeof(float));
     float *att = malloc((size_t)(R * H * D) * sizeof(float));
     float *act = malloc((size_t)(R * (I > E ? I : E)) * sizeof(float));
-    float *scores = malloc((size_t)(nt * C) * sizeof(float));
+    float *scores = malloc((size_t)(nt * GH * C) * sizeof(float));
     int failed = !xn || !wide || !att || !act || !scores;
     float scale = 1.0f / sqrtf((float)D);
     int64_t group = H / Hkv;
+    /* attention units: a query's key/value head with up to GH of its query heads, the groups
+       split further while there are fewer units than twice the threads (one query of 3 key heads
+       on 2 threads: 6 units of 1-2 heads, not 3 of 3) */
+    int64_t parts = (group + GH - 1) / GH;
+    while (parts < group && R * Hkv * parts < 2 * nt) parts++;
     for (int64_t l = 0; l < L && !failed; l++) {
         const float *wqkv = W[4 * l], *wo = W[4 * l + 1], *wgu = W[4 * l + 2], *wdown = W[4 * l + 3];
         float *kc = keys[l], *vc = values[l];
@@ -464,12 +630,13 @@ int specflow_layers(float *x, int64_t R, int64_t E, int64_t H, int64_t Hkv, int6
             }
         }
         _Pragma("omp parallel for num_threads(threads) schedule(static)")
-        for (int64_t rh = 0; rh < R * H; rh++) {
-            int64_t r = rh / H, h = rh % H, g = h / group;
+        for (int64_t u = 0; u < R * Hkv * parts; u++) {
+            int64_t r = u / (Hkv * parts), g = u / parts % Hkv, part = u % parts;
+            int64_t h0 = g * group + part * group / parts, h1 = g * group + (part + 1) * group / parts;
             int64_t base = (slot[r] * Hkv + g) * C * D;
-            attend_one(wide + r * QKV + h * D, kc + base, vc + base, below[r] + S, below[r],
-                       see ? see + r * S : NULL, D, scale,
-                       scores + (int64_t)omp_get_thread_num() * C, att + (r * H + h) * D);
+            attend_group(wide + r * QKV + h0 * D, (int)(h1 - h0), kc + base, vc + base,
+                         below[r] + S, below[r], see ? see + r * S : NULL, D, scale,
+                         scores + (int64_t)omp_get_thread_num() * GH * C, att + (r * H + h0) * D);
         }
         product_f32(wo, att, act, E, H * D, R, threads);                     /* [R, E] */
         for (int64_t i = 0; i < R * E; i++) x[i] += act[i];

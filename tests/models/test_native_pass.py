@@ -41,6 +41,18 @@ def tiny_llama(tmp_path, name: str = "llama", **config) -> str:
     return str(path)
 
 
+MODELS = ["demo", "tiny llama", "tiny llama, 64-wide heads"]
+
+
+def model_path(tmp_path, model: str) -> str:
+    """The demo target (8 heads of 64, one query head per key head), the tiny Llama (heads of 16:
+    the native attention's any-width loop), or the tiny Llama with heads of 64 (its grouped
+    loop: 3 query heads read each key head, 1-3 at a time)."""
+    if model == "demo":
+        return DEMO_DIR / "target"
+    return tiny_llama(tmp_path, head_dim=64) if "64" in model else tiny_llama(tmp_path)
+
+
 class Spy:
     """Counts the passes the native call took."""
 
@@ -78,11 +90,11 @@ def run(backend, lengths, fed, native_layers: bool, hidden=(), spy=None):
     return out, written
 
 
-@pytest.mark.parametrize("model", ["demo", "tiny llama"])
+@pytest.mark.parametrize("model", MODELS)
 # (1, 17): a 16-draft token tree's verify pass; (2, 16): native.MAX_ROWS queries
 @pytest.mark.parametrize("rows,width", [(1, 1), (1, 5), (3, 1), (3, 5), (2, 8), (1, 17), (2, 16)])
 def test_the_native_pass_computes_the_eager_layers(tmp_path, monkeypatch, model, rows, width):
-    path = DEMO_DIR / "target" if model == "demo" else tiny_llama(tmp_path)
+    path = model_path(tmp_path, model)
     backend = backend_for(path)
     spy = Spy(monkeypatch)
     lengths = [37, 5, 120][:rows]
@@ -112,22 +124,26 @@ def test_a_fresh_caches_first_pass_runs_natively_as_every_later_one(tmp_path, mo
     assert all(torch.equal(a, k[0, :, :20]) for a, k in zip(first, backend.cache.keys))
 
 
-def test_a_query_does_not_depend_on_its_pass_or_the_threads(tmp_path):
-    backend = backend_for(tiny_llama(tmp_path))
+@pytest.mark.parametrize("model", MODELS[1:])
+def test_a_query_does_not_depend_on_its_pass_or_the_threads(tmp_path, model):
+    # alone on 2 threads, a query's 3 query heads of a key head are split in two attention
+    # units (1 and 2 heads); in the pass of 12 queries, or on 1 thread, they are one
+    backend = backend_for(model_path(tmp_path, model))
     fed = torch.randint(1, 8000, (3, 4), generator=torch.Generator().manual_seed(2))
     lengths = [20, 9, 64]
     together, _ = run(backend, lengths, fed, True)                                  # [3, 4, V]
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        for b in range(len(lengths)):
-            for t in range(4):          # row b's query t alone, after the t tokens before it
-                prefill(backend, lengths)
-                slot = torch.tensor([b])
-                if t:
-                    backend.forward(slot, fed[b:b + 1, :t], torch.tensor([t]), logits=False)
-                alone = backend.forward(slot, fed[b:b + 1, t:t + 1], torch.tensor([1]))[0, 0]
-                assert torch.equal(alone, together[b, t]), (b, t)
+        for alone_threads in (1, 2):
+            torch.set_num_threads(alone_threads)
+            for b in range(len(lengths)):
+                for t in range(4):      # row b's query t alone, after the t tokens before it
+                    prefill(backend, lengths)
+                    slot = torch.tensor([b])
+                    if t:
+                        backend.forward(slot, fed[b:b + 1, :t], torch.tensor([t]), logits=False)
+                    alone = backend.forward(slot, fed[b:b + 1, t:t + 1], torch.tensor([1]))[0, 0]
+                    assert torch.equal(alone, together[b, t]), (alone_threads, b, t)
     finally:
         torch.set_num_threads(threads)
 
@@ -229,9 +245,9 @@ def last_of_chain(backend, start: int, chain: list[int]) -> torch.Tensor:
                            torch.tensor([len(chain)]))[0, -1]
 
 
-@pytest.mark.parametrize("model", ["demo", "tiny llama"])
+@pytest.mark.parametrize("model", MODELS)
 def test_a_tree_node_scores_as_its_tokens_in_a_chain(tmp_path, monkeypatch, model):
-    path = DEMO_DIR / "target" if model == "demo" else tiny_llama(tmp_path)
+    path = model_path(tmp_path, model)
     backend = backend_for(path, slots=1)
     spy = Spy(monkeypatch)
     prefill(backend, [30])

@@ -411,8 +411,8 @@ class HFBackend(Backend):
         layers = tuple(sorted(hidden_layers))
         if self.lean is not None:
             captured: list[torch.Tensor] = []
-            # the mask is the plan's own (causal, or its tree's): no window, ragged rows, padding
-            plan_mask = plan.ragged is None and plan.shape == (B, T) and not self._windowed(plan)
+            # the mask is the plan's own (causal, or its tree's): no window, no bucket padding
+            plan_mask = plan.shape == (B, T) and not self._windowed(plan)
             out = self.lean(ids, positions, mask, self.cache, logits_to_keep=0 if logits else 1,
                             capture=layers, captured=captured, plan_mask=plan_mask)
             self.cache.commit(plan.slot_list, plan.lens)

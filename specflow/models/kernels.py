@@ -1,6 +1,6 @@
 """Matrix products for the shapes decoding has (a few rows, wide weights), picked by measurement.
 
-A decoding pass multiplies 1 to ~32 rows by every weight matrix once, so it should cost about the
+A decoding pass multiplies 1 to ~64 rows by every weight matrix once, so it should cost about the
 time to read the weights. How close a library gets depends on the form of the call, the weight
 layout, the dtype and the machine:
 
@@ -15,7 +15,7 @@ layout, the dtype and the machine:
   on first use) reads each thread's block of weight rows as one stream and reaches the memory's
   bandwidth for 1-4 rows where the libraries do not; float32, bfloat16 and float16, only where
   a C compiler is found; compute-bound from ~8 rows, where oneDNN's packed layout is about as
-  fast: up to 32 rows.
+  fast: up to 64 rows.
 
 So neither the form nor the layout is fixed: `pick()` times the dense forms on the model's own
 weights (all of them, so the reads stream from memory as in a real pass) for one row, a few rows

@@ -375,15 +375,17 @@ class LeanLlama:
         `captured` [B, T, E] each, for draft heads that read the target's hidden states; index
         num_layers: the final normed state (transformers' last hidden_states entry).
         `plan_mask`: the mask is the one `cache.plan` describes (causal by position, or its
-        token tree's; no sliding window past its width, ragged rows or padding), so a pass of a
-        few queries may run as one native call (models/native_pass.py)."""
+        token tree's; no sliding window past its width, no bucket padding), so a pass of a few
+        queries (a ragged batch's real ones) may run as one native call (models/native_pass.py)."""
         B, T = input_ids.shape
         x = F.embedding(input_ids, self.embed)                                        # [B, T, E]
         # a row fed nothing sits at its length, which may equal kv_len: one row more
         cos, sin = self._rope(positions, x.dtype, cache.get_seq_length() + 1)         # [B, 1, T, D]
+        ragged = cache.plan.ragged if plan_mask else None
+        queries = B * T if ragged is None else ragged[2].numel()      # a ragged batch's real ones
         dual = self._dual is not None and B * T >= self.dual_from
         layers, head = self._dual if dual else (self.layers, self.lm_head)
-        whole = self._native_layers(B * T) if plan_mask and not dual else None
+        whole = self._native_layers(queries) if plan_mask and not dual else None
         done = whole is not None and whole(x, cache, cos, sin, capture, captured) is not None
         for i, weights in enumerate(() if done else layers):
             if i in capture:

@@ -37,9 +37,10 @@ import torch
 SOURCE = pathlib.Path(__file__).with_name("gemv.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-lm")
 ENV = "SPECFLOW_NATIVE"        # 0: never offer the native product
-MAX_ROWS = 32                  # a 31-draft token tree, or a batch's k+1 positions; up to here the
-                               # native product is still the fastest dense form for SmolLM2 on a
-                               # 2-core EPYC (docs/decisions.md); more rows take torch's products
+MAX_ROWS = 64                  # a token tree of up to 63 drafts, a batch's k+1 positions (16
+                               # rows at k = 3); up to here the native product and pass are still
+                               # the fastest forms for SmolLM2 on a 2-core EPYC (docs/decisions.md):
+                               # more rows take torch's products (oneDNN's packed ones tie at 80)
 
 
 def _compiler() -> str | None:

@@ -10,12 +10,14 @@ keys up to its own column, a token tree's node the committed prefix and its ance
 keys and values of the pass are written into the cache before any query attends.
 
 It takes a pass only where its mask is the plan's own (the backend says so with
-`plan_mask=True`: no sliding window past its width, no ragged rows or padding), for float32
+`plan_mask=True`: no sliding window past its width, no bucket padding), for float32
 dense weights without biases, a SlotKVCache whose buffers exist, and a row count for which
 `kernels.pick()` chose the native product. A query's result does not depend on the other
 queries of the pass or on the thread count, as the native product's rows, and a tree node
 scores as the same tokens in a chain (tests/models/test_native_pass.py); it equals the eager
-layers' up to float rounding.
+layers' up to float rounding. A ragged batch (rows of different lengths: a policy's per-row
+draft lengths) runs its real queries only; its padding positions keep their inputs, as no caller
+reads them (the eager layers computed them for nothing).
 """
 from __future__ import annotations
 
@@ -116,9 +118,19 @@ class NativePass:
             see = tree.see.to(torch.uint8).contiguous()                              # [B, T, W]
         cos = cos.reshape(R, D).contiguous()                                         # [R, D]
         sin = sin.reshape(R, D).contiguous()
+        real = plan.ragged[2] if plan.ragged is not None else None   # [N] flat indices
+        whole = x
+        if real is not None:  # a ragged batch: its N real queries only (padding is never read)
+            R = real.numel()
+            x = x.view(B * T, E).index_select(0, real)                                # [N, E]
+            slots, columns, below = (t.reshape(-1).index_select(0, real)
+                                     for t in (slots, columns, below))                # [N]
+            cos, sin = cos.index_select(0, real), sin.index_select(0, real)          # [N, D]
+            if see is not None:
+                see = see.view(B * T, width).index_select(0, real)                   # [N, W]
         wanted = [i for i in sorted(capture) if i < L]
         at = self._capture_slots(L, tuple(wanted))                                   # [L]
-        caps = torch.empty(len(wanted), B, T, E) if wanted else None                 # [n, B, T, E]
+        caps = torch.empty(len(wanted), R, E) if wanted else None                    # [n, R, E]
         intermediate = lean.layers[0][6].shape[0] // 2                      # gate/up stacked
         failed = native._library().specflow_layers(
             x.data_ptr(), R, E, lean.num_heads, lean.num_kv_heads, D, intermediate, L,
@@ -132,6 +144,10 @@ class NativePass:
         if failed:
             raise ValueError(f"a cache column in {columns.tolist()} or a visible key lies outside "
                              f"the KV cache ({cache.max_capacity} columns)")
+        if real is not None:                     # back in place; padding keeps its input
+            whole.view(B * T, E).index_copy_(0, real, x)
+            if caps is not None:
+                caps = caps.new_zeros(len(wanted), B * T, E).index_copy_(1, real, caps)
         if caps is not None:
-            captured.extend(caps.unbind(0))                                           # [B, T, E] each
-        return x
+            captured.extend(caps.view(len(wanted), B, T, E).unbind(0))              # [B, T, E] each
+        return whole

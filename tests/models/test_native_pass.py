@@ -111,6 +111,46 @@ def test_the_native_pass_computes_the_eager_layers(tmp_path, monkeypatch, model,
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("model", MODELS)
+def test_a_ragged_batch_runs_its_real_queries_natively(tmp_path, monkeypatch, model):
+    # rows of different lengths (a policy's per-row draft lengths) took the eager layers,
+    # padding and all: at batch 16 such passes cost 1.5-2x the native call of their real queries
+    backend = backend_for(model_path(tmp_path, model))
+    spy = Spy(monkeypatch)
+    lengths, lens = [37, 5, 120], [3, 1, 2]
+    fed = torch.randint(1, 8000, (3, 3), generator=torch.Generator().manual_seed(4))
+    layers = len(backend.lean.layers)
+    hidden = (0, layers - 1, layers)
+
+    def ragged(native_layers: bool):
+        backend.lean.native_layers = native_layers
+        prefill(backend, lengths)
+        spy.calls = 0
+        out = backend.forward(torch.arange(3), fed, torch.tensor(lens), hidden_layers=hidden)
+        assert backend.cache.lengths[:3] == [n + m for n, m in zip(lengths, lens)]
+        keys = [backend.cache.keys[i][b, :, n:n + m].clone()
+                for i in range(layers) for b, (n, m) in enumerate(zip(lengths, lens))]
+        return out, keys, spy.calls
+
+    (logits, states), keys, calls = ragged(True)
+    assert calls == 1
+    (want, want_states), want_keys, calls = ragged(False)
+    assert calls == 0
+    for b, m in enumerate(lens):                           # the real positions; padding is not read
+        torch.testing.assert_close(logits[b, :m], want[b, :m], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(states[b, :m], want_states[b, :m], atol=1e-4, rtol=1e-4)
+    for got, ref in zip(keys, want_keys):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    # and each real query is the one it is alone, bit for bit
+    backend.lean.native_layers = True        # the prompts too, as the ragged pass's were
+    for b, m in enumerate(lens):
+        prefill(backend, lengths)
+        alone, alone_states = backend.forward(torch.tensor([b]), fed[b:b + 1, :m],
+                                              torch.tensor([m]), hidden_layers=hidden)
+        assert torch.equal(alone[0], logits[b, :m]), b
+        assert torch.equal(alone_states[0], states[b, :m]), b
+
+
 def test_a_fresh_caches_first_pass_runs_natively_as_every_later_one(tmp_path, monkeypatch):
     # the cache's buffers used to appear on the eager layers' first write: a backend's first
     # pass took them, and the same prompt later the native call, a float rounding apart
@@ -171,22 +211,21 @@ def test_repacking_the_weights_rebuilds_the_native_tables(monkeypatch):
 def test_passes_whose_mask_is_not_the_plans_run_the_eager_layers(tmp_path, monkeypatch):
     spy = Spy(monkeypatch)
     backend = backend_for(DEMO_DIR / "target")
-    prefill(backend, [40, 40])          # longer than the native pass takes
-    # a ragged batch (rows fed different numbers of tokens)
-    backend.forward(torch.tensor([0, 1]), torch.tensor([[5, 6], [7, -1]]), torch.tensor([2, 1]))
+    # (a ragged batch runs natively: test_a_ragged_batch_runs_its_real_queries_natively)
     # a tree whose marks reach past the cache's columns (the eager mask stops at kv_len)
     prefill(backend, [backend.cache.max_capacity - 2])
     start = backend.cache.max_capacity - 2
     wide = TreeAttention(positions=torch.tensor([[start]]), visible_below=[start],
                          see=torch.ones(1, 1, 4, dtype=torch.bool))
     backend.forward(torch.tensor([0]), torch.tensor([[5]]), torch.tensor([1]), tree=wide)
-    # more queries than the native product takes
-    prefill(backend, [40])
+    # more queries than the native product takes (the prompts too)
+    longer = native.MAX_ROWS + 8
+    prefill(backend, [longer])
     backend.forward(torch.tensor([0]), torch.ones(1, native.MAX_ROWS + 1, dtype=torch.long),
                     torch.tensor([native.MAX_ROWS + 1]))
     # a product form other than the native one
     backend.lean.kernels = Kernels("linear", "linear", "linear")
-    prefill(backend, [40])
+    prefill(backend, [longer])
     backend.forward(torch.tensor([0]), torch.tensor([[5]]), torch.tensor([1]))
     assert spy.calls == 0
     # Mistral's window, once the context is longer than it; inside it the pass is plain causal

@@ -60,4 +60,7 @@ def test_a_bucketed_pass_gives_the_real_rows_the_same_logits():
                        torch.tensor([4, 4, 4]))
         out[bucket] = target.forward(torch.tensor([0, 1, 2]), ids, lens)
         assert [target.cache_length(s) for s in range(3)] == [7, 6, 5]
-    torch.testing.assert_close(out[None], out[pow2], atol=1e-5, rtol=1e-5)
+    # the real positions: padding is never read (a ragged pass on a CPU computes only its real
+    # queries: tests/models/test_native_pass.py)
+    for b, n in enumerate(lens.tolist()):
+        torch.testing.assert_close(out[None][b, :n], out[pow2][b, :n], atol=1e-5, rtol=1e-5)

@@ -1,6 +1,6 @@
 """Matrix products for the shapes decoding has (a few rows, wide weights), picked by measurement.
 
-A decoding pass multiplies 1 to ~64 rows by every weight matrix once, so it should cost about the
+A decoding pass multiplies 1 to ~128 rows by every weight matrix once, so it should cost about the
 time to read the weights. How close a library gets depends on the form of the call, the weight
 layout, the dtype and the machine:
 
@@ -14,8 +14,8 @@ layout, the dtype and the machine:
 - specflow's own product (`native`, `specflow.models.native`: a short C loop compiled for the CPU
   on first use) reads each thread's block of weight rows as one stream and reaches the memory's
   bandwidth for 1-4 rows where the libraries do not; float32, bfloat16 and float16, only where
-  a C compiler is found; compute-bound from ~8 rows, where oneDNN's packed layout is about as
-  fast: up to 64 rows.
+  a C compiler is found; compute-bound from ~8 rows, where oneDNN's packed layout and MKL are
+  about as fast (`pick()` measures how far it serves: 32, 64 or 128 rows).
 
 So neither the form nor the layout is fixed: `pick()` times the dense forms on the model's own
 weights (all of them, so the reads stream from memory as in a real pass) for one row, a few rows
@@ -46,9 +46,11 @@ from specflow.models import native
 
 Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]    # x [M, K], W [N, K] -> [M, N]
 
-SMALL_ROWS = native.MAX_ROWS   # 2..SMALL_ROWS rows: a decoding step of a few rows, k+1 positions
-                               # or a token tree of up to 31 drafts
-BATCH_ROWS = 128         # SMALL_ROWS+1..BATCH_ROWS: a batch's decoding step; above: prefill
+SMALL_ROWS = 32          # 2..SMALL_ROWS rows: a decoding step of a few rows, k+1 positions or a
+                         # token tree of up to 31 drafts (the native product may serve more:
+                         # Kernels.few_upto, measured)
+BATCH_ROWS = 128         # up to BATCH_ROWS: a batch's decoding step; above: prefill
+WIDER = (64, 128)        # the row counts at which pick() times the native product further
 PACK_HINT = 16           # the row count oneDNN's packed layout is tuned for (1-33 rows measured)
 PACK_MIN_ROWS = 4        # packed products of fewer rows are padded to this many
 
@@ -102,6 +104,7 @@ FORMS: dict[str, Matmul] = {"linear": linear, "weight_left": weight_left,
                             "weight_left_padded": weight_left_padded, "native": native_gemv}
 ONE_ROW = ("linear", "weight_left_padded", "native")
 FEW_ROWS = ("linear", "weight_left", "native")
+LIBRARY = ("linear", "weight_left")
 
 
 def candidates(forms: tuple[str, ...], dtype: torch.dtype, rows: int) -> tuple[str, ...]:
@@ -124,7 +127,7 @@ def can_pack(dtype: torch.dtype) -> bool:
 
 @dataclass(frozen=True)
 class Kernels:
-    """The forms a model's dense products use: for 1 row, 2..SMALL_ROWS rows, up to BATCH_ROWS
+    """The forms a model's dense products use: for 1 row, 2..few_upto rows, up to BATCH_ROWS
     rows (prefill-sized products always take F.linear); `pack` says the lean forward packs its
     weights for oneDNN, and a packed weight always takes oneDNN."""
 
@@ -133,10 +136,12 @@ class Kernels:
     many_rows: str = "linear"
     pack: bool = False
     timings_ms: tuple[tuple[str, int, float], ...] = ()     # (form, rows, ms over all weights)
+    few_upto: int = native.MAX_ROWS     # pick(): SMALL_ROWS, or as far as the native form wins
 
     def form(self, rows: int) -> str:
         """The dense form picked for a product of `rows` rows (up to BATCH_ROWS)."""
-        return self.one_row if rows == 1 else self.few_rows if rows <= SMALL_ROWS else self.many_rows
+        return self.one_row if rows == 1 else self.few_rows if rows <= self.few_upto \
+            else self.many_rows
 
     def matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x [..., K] times W [N, K]^T -> [..., N]."""
@@ -156,7 +161,7 @@ class Kernels:
         rows is the native one (which norms the rows as it reads them); None elsewhere: the
         caller norms, then multiplies."""
         rows = x.numel() // x.shape[-1]
-        if w.is_mkldnn or rows > SMALL_ROWS or self.form(rows) != "native":
+        if w.is_mkldnn or self.form(rows) != "native":
             return None
         flat = x.reshape(rows, x.shape[-1])                                             # [M, K]
         if torch.compiler.is_compiling():
@@ -170,8 +175,9 @@ class Kernels:
         return out.reshape(*x.shape[:-1], w.shape[0])
 
     def describe(self) -> str:
-        dense = (f"1 row: {self.one_row}, 2-{SMALL_ROWS} rows: {self.few_rows}, "
-                 f"{SMALL_ROWS + 1}-{BATCH_ROWS} rows: {self.many_rows}")
+        dense = f"1 row: {self.one_row}, 2-{self.few_upto} rows: {self.few_rows}"
+        if self.few_upto < BATCH_ROWS:
+            dense += f", {self.few_upto + 1}-{BATCH_ROWS} rows: {self.many_rows}"
         return f"packed (oneDNN) weights; dense ones {dense}" if self.pack else dense
 
 
@@ -180,7 +186,10 @@ _PICKED: dict[tuple, Kernels] = {}
 
 def pick(weights: list[torch.Tensor], repeats: int = 3, budget_s: float = 2.0) -> Kernels:
     """Time each dense form over all `weights` for 1 row, 2 and 8 rows, and 32 rows; keep the
-    fastest of each. (Whether to pack is decided on whole passes: `specflow.models.packing`.)
+    fastest of each. Where the native form won 2-8 rows it serves up to SMALL_ROWS, and further
+    (64, then 128 rows) while it beats the 32-row winner there: on a 2-core EPYC it does (its
+    blocked walks against MKL's AVX2 paths), on a CPU whose BLAS has faster paths it may not.
+    (Whether to pack is decided on whole passes: `specflow.models.packing`.)
 
     Cached per (device, dtype, threads, shapes), so a second backend of the same model measures
     nothing. CUDA (and any non-CPU device) takes F.linear without measuring.
@@ -215,8 +224,14 @@ def pick(weights: list[torch.Tensor], repeats: int = 3, budget_s: float = 2.0) -
     dtype = w0.dtype
     one = min(candidates(ONE_ROW, dtype, 1), key=lambda f: cost(f, 1))
     few = min(candidates(FEW_ROWS, dtype, SMALL_ROWS), key=lambda f: cost(f, 2) + cost(f, 8))
-    many = min(candidates(FEW_ROWS, dtype, BATCH_ROWS), key=lambda f: cost(f, 32))
-    picked = Kernels(one, few, many, False, tuple(timings))
+    many = min(LIBRARY, key=lambda f: cost(f, 32))            # torch's, past the native form
+    upto = SMALL_ROWS
+    if few == "native":
+        for rows in WIDER:
+            if rows > native.MAX_ROWS or cost("native", rows) >= cost(many, rows):
+                break
+            upto = rows
+    picked = Kernels(one, few, many, False, tuple(timings), upto)
     _PICKED[key] = picked
     return picked
 

@@ -37,10 +37,9 @@ import torch
 SOURCE = pathlib.Path(__file__).with_name("gemv.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-lm")
 ENV = "SPECFLOW_NATIVE"        # 0: never offer the native product
-MAX_ROWS = 64                  # a token tree of up to 63 drafts, a batch's k+1 positions (16
-                               # rows at k = 3); up to here the native product and pass are still
-                               # the fastest forms for SmolLM2 on a 2-core EPYC (docs/decisions.md):
-                               # more rows take torch's products (oneDNN's packed ones tie at 80)
+MAX_ROWS = 128                 # the most rows the native product and pass take: a batch's k+1
+                               # positions (16 rows at k = 7), a token tree of up to 127 drafts;
+                               # kernels.pick() measures how far it stays the fastest form
 
 
 def _compiler() -> str | None:

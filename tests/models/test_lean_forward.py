@@ -153,6 +153,34 @@ def test_kernels_are_picked_once_per_weight_set_and_cuda_takes_linear():
     assert pick([w.clone() for w in weights], repeats=1) is first        # cached by shapes
 
 
+@pytest.mark.skipif(not native.available(), reason="no C compiler: no native product")
+@pytest.mark.parametrize("per_row_ms, upto", [(0.05, 64), (0.1, kernels.SMALL_ROWS)])
+def test_the_native_form_serves_as_many_rows_as_it_stays_the_fastest(monkeypatch, per_row_ms,
+                                                                     upto):
+    """Where the native form wins 2-8 rows it serves up to SMALL_ROWS, and 64 and 128 rows
+    while it beats the library form that won 32 rows there (fake forms: a fixed cost and a cost
+    per row, slept)."""
+    import time
+
+    def form(fixed_ms: float, row_ms: float):
+        def run(x, w):
+            time.sleep((fixed_ms + row_ms * x.shape[0]) / 1e3)
+            return x.new_zeros(x.shape[0], w.shape[0])
+        return run
+
+    library = form(4.0, 0.02)                # the native one: 1 ms + per_row_ms a row
+    monkeypatch.setattr(kernels, "FORMS", {"linear": library, "weight_left": form(4.0, 0.03),
+                                           "weight_left_padded": form(4.0, 0.03),
+                                           "native": form(1.0, per_row_ms)})
+    monkeypatch.setattr(kernels, "_PICKED", {})
+    picked = pick([torch.zeros(8, 4)], repeats=3, budget_s=60)
+    assert picked.few_rows == "native" and picked.many_rows == "linear"
+    assert picked.few_upto == upto
+    assert picked.form(upto) == "native" and picked.form(upto + 1) == "linear"
+    assert f"2-{upto} rows: native, {upto + 1}-{kernels.BATCH_ROWS} rows: linear" in \
+        picked.describe()
+
+
 def test_mistral_sliding_window_is_masked(tmp_path):
     import shutil
 

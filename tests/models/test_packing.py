@@ -1,5 +1,6 @@
-"""`pack`: auto packs the target's weights when a one-row pass plus the pipeline's fullest pass
-(max_batch_size rows x k+1 positions) run faster packed (timed at start), and a draft model's by
+"""`pack`: auto packs the target's weights when a one-row pass and the pipeline's fullest pass
+(max_batch_size rows x k+1 positions) run faster packed on average, each relative to its own
+dense time (timed at start), and a draft model's by
 the same rule at its fullest step; true and false are applied; other values are refused."""
 from __future__ import annotations
 
@@ -36,6 +37,26 @@ def test_auto_packs_a_speculating_target_when_its_passes_run_faster(monkeypatch,
     plain_batch = Pipeline.from_config(DEMO + ["proposer=none", "draft=none", "max_batch_size=8"])
     assert plain_batch.packed is packed_faster
     assert (False, 1, 8) in timed and (True, 1, 8) in timed       # 8 rows x 1 position
+
+
+@needs_onednn
+def test_each_end_counts_for_its_own_relative_cost(monkeypatch):
+    # SmolLM2 at 16 rows x 5 positions on a 2-core EPYC: packed wins the full batch's pass by a
+    # little and loses the one-row pass by 2.2x; by the sum of the two it packed half the time
+    ends = {(False, 1, 1): 0.019, (False, 5, 16): 0.215, (True, 1, 1): 0.043, (True, 5, 16): 0.19}
+    timed = []
+
+    def fake(backend, rows=1, positions=1, reps=5, context=32):
+        timed.append((backend.lean.packed, positions, rows))
+        return ends[timed[-1]]
+
+    monkeypatch.setattr(HFBackend, "time_pass", fake)
+    pipe = Pipeline.from_config(DEMO + ["proposer=ngram", "proposer.k=4", "max_batch_size=16"])
+    assert ends[(True, 5, 16)] + ends[(True, 1, 1)] < ends[(False, 5, 16)] + ends[(False, 1, 1)]
+    assert not pipe.packed and not pipe.target.lean.packed
+    # the layouts took turns: dense, packed, dense, ...
+    layouts = [packed for packed, _, _ in timed]
+    assert layouts[:4] == [False, False, True, True] and len(layouts) == 12
 
 
 @needs_onednn

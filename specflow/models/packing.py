@@ -5,23 +5,23 @@ Packing is a trade measured on whole passes: with the weights in oneDNN's packed
 of several positions, or of several rows, cost much less than with MKL's dense products, while a
 one-position pass may cost more (each oneDNN call has more fixed overhead: a model whose weights
 fit the cache loses there) or less (a model far larger than the cache, whose one-row pass reads
-its weights: packed streams them faster on some CPUs). A pipeline runs passes between two ends:
-one row at one position (plain decoding of a lone request) and a full batch at k+1 positions
+its weights: packed streams them faster on some CPUs). A pipeline runs passes between two ends: one
+row at one position (plain decoding of a lone request) and a full batch at k+1 positions
 (max_batch_size rows; k = 0 without speculation). `auto` times a pass at each end both ways when
 the pipeline is built, the layouts taking turns, and packs when the two ends' packed/dense ratios
-average below 1 (for plain decoding of one row both ends are that pass): each end counts for
-its own relative cost, where a sum of times let the full batch's pass decide alone (SmolLM2 at
-16 rows x 5 positions: dense 19 + 215 ms, packed 43 + 193, a coin toss by the sum, while every
-pass between the ends, one row's above all, runs faster dense). A draft model steps between one row (a chain at batch 1) and its fullest
-step (a tree's frontier, proposer.topk positions, or one position, in every slot), and a one-row
-step can be dearer packed while a wider one is cheaper: so `choose_draft_pack` times steps of 1,
-2, 4, ... rows both ways and keeps both layouts where packed wins only the wider ones (its
-weights once more; a draft is small by design), each pass taking the faster. `true` packs
-whenever the CPU's torch build can, `false` never (for both models). For the target a packed
-weight replaces the dense one, so neither choice costs memory, but for an LM head tied to the
-embedding, packed as a copy (the lookup reads the dense table): it is the widest product of a
-pass, and at many positions oneDNN reads it far faster than MKL. A change of thread count
-afterwards keeps the choice. CUDA, forward=hf and non-lean models never pack.
+average below 1 (for plain decoding of one row both ends are that pass): each end counts for its
+own relative cost, where a sum of times let the full batch's pass decide alone (SmolLM2 at 16 rows
+x 5 positions: dense 19 + 215 ms, packed 43 + 193, a coin toss by the sum, while every pass between
+the ends, one row's above all, runs faster dense). A draft model steps between one row (a chain at
+batch 1) and its fullest step (a tree's frontier, proposer.topk positions, or one position, in
+every slot), and a one-row step can be dearer packed while a wider one is cheaper: so
+`choose_draft_pack` times steps of 1, 2, 4, ... rows both ways and keeps both layouts where packed
+wins only the wider ones (its weights once more; a draft is small by design), each pass taking the
+faster. `true` packs whenever the CPU's torch build can, `false` never (for both models). For the
+target a packed weight replaces the dense one, so neither choice costs memory, but for an LM head
+tied to the embedding, packed as a copy (the lookup reads the dense table): it is the widest
+product of a pass, and at many positions oneDNN reads it far faster than MKL. A change of thread
+count afterwards keeps the choice. CUDA, forward=hf and non-lean models never pack.
 
 Private to the transformers backend: `HFBackend.tune` calls `choose_pack` (target) or
 `choose_draft_pack` (draft model) when the pipeline is built, passes are timed with

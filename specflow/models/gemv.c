@@ -44,20 +44,18 @@ static inline float hsum(v8 v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
-/* out[j] = hsum(v[j]) for j < n (n <= 4): the same sums in the same order, with AVX as vectors
-   (each row's halves added, then two pairwise adds) instead of each row's lanes one by one. */
-static inline __attribute__((always_inline)) void hsum4(const v8 *v, int n, float *out) {
+/* out[i] = hsum(v[i]) for i < 4: the same sums in the same order, with AVX as vectors (each
+   row's halves added, then two pairwise adds) instead of each row's lanes one by one. */
+static inline __attribute__((always_inline)) void hsum4(const v8 *v, float *out) {
 #ifdef __AVX__
     __m128 q[4];
     for (int i = 0; i < 4; i++) {
-        __m256 x = (__m256)v[i < n ? i : 0];
+        __m256 x = (__m256)v[i];
         q[i] = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
     }
-    float s[4];
-    _mm_storeu_ps(s, _mm_hadd_ps(_mm_hadd_ps(q[0], q[1]), _mm_hadd_ps(q[2], q[3])));
-    for (int i = 0; i < n; i++) out[i] = s[i];
+    _mm_storeu_ps(out, _mm_hadd_ps(_mm_hadd_ps(q[0], q[1]), _mm_hadd_ps(q[2], q[3])));
 #else
-    for (int i = 0; i < n; i++) out[i] = hsum(v[i]);
+    for (int i = 0; i < 4; i++) out[i] = hsum(v[i]);
 #endif
 }
 
@@ -456,14 +454,6 @@ static inline __attribute__((always_inline)) void attend_d(
     for (int64_t d = 0; d < D; d++) out[d] *= inv;
 }
 
-/* The common head widths as constants (the loops above unroll and the output stays in registers). */
-static void attend_one(const float *q, const float *K, const float *V, int64_t n, int64_t below,
-                       const uint8_t *see, int64_t D, float scale, float *scores, float *out) {
-    if (D == 64) attend_d(q, K, V, n, below, see, 64, scale, scores, out);
-    else if (D == 128) attend_d(q, K, V, n, below, see, 128, scale, scores, out);
-    else attend_d(q, K, V, n, below, see, D, scale, scores, out);
-}
-
 /* Attention of NH (<= GH) query heads q [NH, D] that read one key/value head, each exactly as
    attend_d computes it alone (each score dot()'s operations, exp1, the same column-order sums),
    into out [NH, D]; scores: GH x n floats of scratch. Only the loops differ: the keys go in
@@ -476,7 +466,7 @@ static void attend_one(const float *q, const float *K, const float *V, int64_t n
 static inline __attribute__((always_inline)) void attend_heads(
         const float *q, const int NH, const float *K, const float *V, int64_t n, int64_t below,
         const uint8_t *see, const int64_t D, float scale, float *scores, float *out) {
-    float top[GH], total[GH];
+    float top[GH], total[GH], inv[GH];
     for (int h = 0; h < NH; h++) top[h] = -INFINITY;
     int64_t b4 = below - below % 4, j = 0;
     for (; j < b4; j += 4) {
@@ -489,7 +479,7 @@ static inline __attribute__((always_inline)) void attend_heads(
                 for (int i = 0; i < 4; i++) acc[i] = madd(acc[i], x, load_f32(k + i * D + d));
             }
             float s[4];
-            hsum4(acc, 4, s);
+            hsum4(acc, s);
             float *sh = scores + h * n + j;
             for (int i = 0; i < 4; i++) {
                 sh[i] = s[i] * scale;
@@ -523,7 +513,7 @@ static inline __attribute__((always_inline)) void attend_heads(
         if (j >= below && !see[j - below]) continue;          /* side by side (NH chains) */
         for (int h = 0; h < NH; h++) total[h] += scores[h * n + j];
     }
-    for (int h = 0; h < NH; h++) total[h] = 1.0f / total[h];
+    for (int h = 0; h < NH; h++) inv[h] = 1.0f / total[h];
     for (int64_t c = 0; c < D; c += 32) {
         v8 o[GH][4];
         for (int h = 0; h < NH; h++)
@@ -539,14 +529,14 @@ static inline __attribute__((always_inline)) void attend_heads(
         }
         for (int h = 0; h < NH; h++)
             for (int i = 0; i < 4; i++) {
-                v8 r = o[h][i] * total[h];
+                v8 r = o[h][i] * inv[h];
                 memcpy(out + h * D + c + 8 * i, &r, sizeof r);
             }
     }
 }
 
 /* nh (1..GH) heads of one key/value head: attend_heads with the counts as constants (D 64 and
-   128: the loops unroll and the sums stay in registers); another D: attend_one for each head. */
+   128: the loops unroll and the sums stay in registers); another D: attend_d for each head. */
 static void attend_group(const float *q, int nh, const float *K, const float *V, int64_t n,
                          int64_t below, const uint8_t *see, int64_t D, float scale,
                          float *scores, float *out) {
@@ -560,7 +550,7 @@ static void attend_group(const float *q, int nh, const float *K, const float *V,
     if (D == 128) { HEADS(128) }
 #undef HEADS
     for (int h = 0; h < nh; h++)
-        attend_one(q + h * D, K, V, n, below, see, D, scale, scores, out + h * D);
+        attend_d(q + h * D, K, V, n, below, see, D, scale, scores, out + h * D);
 }
 
 /* act[e] = SiLU(gate) x up for the flat elements lo <= e < hi of act [R, I], where row r of gu

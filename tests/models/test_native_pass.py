@@ -76,22 +76,24 @@ def prefill(backend, lengths: list[int], seed: int = 0) -> None:
                         torch.tensor([n]), logits=False)
 
 
-def run(backend, lengths, fed, native_layers: bool, hidden=(), spy=None):
-    """Logits (and captured states) of feeding `fed` [B, T] after prompts of `lengths`, and
-    the keys the pass wrote; `spy` counts this pass only (a short prompt may take it too)."""
-    prefill(backend, lengths)
+def run(backend, lengths, fed, native_layers: bool, hidden=(), spy=None, lens=None):
+    """Logits (and captured states) of feeding `fed` [B, T] (row b its first lens[b] tokens;
+    all T by default) after prompts of `lengths`, and the keys the pass wrote; the prompts take
+    the same layers as the pass; `spy` counts this pass only."""
     backend.lean.native_layers = native_layers
+    prefill(backend, lengths)
     if spy is not None:
         spy.calls = 0
     B, T = fed.shape
-    out = backend.forward(torch.arange(B), fed, torch.full((B,), T), hidden_layers=hidden)
-    written = [backend.cache.keys[i][b, :, n:n + T].clone()
-               for i in range(len(backend.lean.layers)) for b, n in enumerate(lengths)]
+    lens = lens or [T] * B
+    out = backend.forward(torch.arange(B), fed, torch.tensor(lens), hidden_layers=hidden)
+    written = [backend.cache.keys[i][b, :, n:n + m].clone()
+               for i in range(len(backend.lean.layers)) for b, (n, m) in enumerate(zip(lengths, lens))]
     return out, written
 
 
 @pytest.mark.parametrize("model", MODELS)
-# (1, 17): a 16-draft token tree's verify pass; (2, 16): native.MAX_ROWS queries
+# (1, 17): a 16-draft token tree's verify pass; (2, 16): 32 queries
 @pytest.mark.parametrize("rows,width", [(1, 1), (1, 5), (3, 1), (3, 5), (2, 8), (1, 17), (2, 16)])
 def test_the_native_pass_computes_the_eager_layers(tmp_path, monkeypatch, model, rows, width):
     path = model_path(tmp_path, model)
@@ -121,21 +123,11 @@ def test_a_ragged_batch_runs_its_real_queries_natively(tmp_path, monkeypatch, mo
     fed = torch.randint(1, 8000, (3, 3), generator=torch.Generator().manual_seed(4))
     layers = len(backend.lean.layers)
     hidden = (0, layers - 1, layers)
-
-    def ragged(native_layers: bool):
-        backend.lean.native_layers = native_layers
-        prefill(backend, lengths)
-        spy.calls = 0
-        out = backend.forward(torch.arange(3), fed, torch.tensor(lens), hidden_layers=hidden)
-        assert backend.cache.lengths[:3] == [n + m for n, m in zip(lengths, lens)]
-        keys = [backend.cache.keys[i][b, :, n:n + m].clone()
-                for i in range(layers) for b, (n, m) in enumerate(zip(lengths, lens))]
-        return out, keys, spy.calls
-
-    (logits, states), keys, calls = ragged(True)
-    assert calls == 1
-    (want, want_states), want_keys, calls = ragged(False)
-    assert calls == 0
+    grown = [n + m for n, m in zip(lengths, lens)]
+    (logits, states), keys = run(backend, lengths, fed, True, hidden, spy, lens)
+    assert spy.calls == 1 and backend.cache.lengths[:3] == grown
+    (want, want_states), want_keys = run(backend, lengths, fed, False, hidden, spy, lens)
+    assert spy.calls == 0 and backend.cache.lengths[:3] == grown
     for b, m in enumerate(lens):                           # the real positions; padding is not read
         torch.testing.assert_close(logits[b, :m], want[b, :m], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(states[b, :m], want_states[b, :m], atol=1e-4, rtol=1e-4)

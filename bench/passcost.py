@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 from specflow.console import console  # noqa: E402
 from specflow.io import atomic_write_json, atomic_write_text  # noqa: E402
 from specflow.models.hf import DEMO_DIR, HFBackend, HFModelConfig  # noqa: E402
+from specflow.models.native_choice import choose_native  # noqa: E402
 from specflow.models.packing import packable  # noqa: E402
 
 
@@ -142,6 +143,8 @@ def measure(models: dict[str, str], dtype_name: str, forward: str, device: torch
             backend = HFBackend(HFModelConfig(path=str(path), dtype=dtype_name, forward=forward,
                                               max_model_len=max(contexts) + max(positions) + 64),
                                 device, slots=max(batches))
+            # the native pass where a pipeline would take it (native=auto, timed at its ends)
+            choose_native("auto", backend, max(positions), max(batches))
             weights = weight_bytes(backend.model)
             per_token = kv_bytes_per_token(backend.model.config, dtype)
             # the target a speculating pipeline runs may pack its weights (pack=auto): both layouts
@@ -166,7 +169,8 @@ def measure(models: dict[str, str], dtype_name: str, forward: str, device: torch
                                "extra_mb": (lean.extra_bytes() if lean else 0) / 1e6,
                                "kv_mb": kv / 1e6, "resident_mb": resident_bytes(device) / 1e6,
                                "forward": "lean" if lean else "transformers",
-                               "kernels": lean.kernels.describe() if lean else "F.linear"})
+                               "kernels": lean.kernels.describe() if lean else "F.linear",
+                               "native_pass": (lean.native_pass_rows() if lean else None) or "-"})
             del backend
     bandwidth, how = max(best, read_bandwidth(device, dtype, mbytes))
     for r in rows:
@@ -225,10 +229,12 @@ def render(env: dict, rows: list[dict], memory: list[dict], only: list | None = 
                     + f" | {'-' if ratio is None else f'{ratio:.2f}x'} |")
             lines.append("")
     lines += ["| model | weights MB | prepared beyond the weights MB | KV cache MB (allocated) | "
-              "process resident MB | forward | kernels |", "|---|---:|---:|---:|---:|---|---|"]
+              "process resident MB | forward | kernels | native pass |",
+              "|---|---:|---:|---:|---:|---|---|---|"]
     for m in memory:
         lines.append(f"| {m['model']} | {m['weights_mb']:.1f} | {m['extra_mb']:.1f} | "
-                     f"{m['kv_mb']:.1f} | {m['resident_mb']:.0f} | {m['forward']} | {m['kernels']} |")
+                     f"{m['kv_mb']:.1f} | {m['resident_mb']:.0f} | {m['forward']} | {m['kernels']} "
+                     f"| {m.get('native_pass', '-')} |")
     return "\n".join(lines) + "\n"
 
 

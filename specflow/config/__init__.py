@@ -486,6 +486,10 @@ def _check_root(cfg: DictConfig) -> None:
     if pack not in ("auto", True, False):
         raise ConfigError(f"pack={pack!r}; use auto (pack the target's weights for oneDNN when a "
                           f"verification pass runs faster so, timed at start), true or false")
+    native = cfg.get("native", "auto")
+    if native not in ("auto", True, False):
+        raise ConfigError(f"native={native!r}; use auto (run passes through the decoder layers as "
+                          f"one native call where that measures faster at start), true or false")
     device = str(cfg.get("device", "cpu"))
     if not DEVICES.match(device):
         raise ConfigError(f"device={device!r} is not a device; use cpu, cuda, cuda:N or auto")

@@ -334,18 +334,23 @@ class HFBackend(Backend):
 
     def tune(self, rows: int, positions: int, settings) -> None:
         """The target: `threads` (auto: all cores or one, timed; models/threads.py), then
-        `pack` (auto: packed when a one-row pass plus the fullest pass, `positions` in each of
-        `rows` rows, run faster; models/packing.py). A draft model: `pack` only, timed at its
-        steps of 1, 2, 4, ... rows and its fullest. Only the lean forward on a CPU has anything
-        to choose; elsewhere a number of threads is still applied."""
+        `native` (auto: the native pass where the product pick left it out and it measures
+        faster at a one-row pass and the fullest, `positions` in each of `rows` rows;
+        models/native_choice.py), then `pack` (auto: packed when those two passes run faster
+        so; models/packing.py). A draft model: `native`, and `pack` timed at its steps of 1, 2,
+        4, ... rows and its fullest. Only the lean forward on a CPU has anything to choose;
+        elsewhere a number of threads is still applied."""
+        from specflow.models.native_choice import choose_native
         from specflow.models.packing import choose_draft_pack, choose_pack
         from specflow.models.threads import choose_threads
 
         pack = settings.get("pack", "auto")
+        if self.role != "draft":
+            self.threads = choose_threads(settings.get("threads", "auto"), self)
+        choose_native(settings.get("native", "auto"), self, positions, rows)
         if self.role == "draft":
             self.packed = choose_draft_pack(pack, self, positions, rows)
         else:
-            self.threads = choose_threads(settings.get("threads", "auto"), self)
             self.packed = choose_pack(pack, self, positions, rows)
         if self._want_graphs:     # static steps up to the fullest pass, in power-of-two buckets
             from specflow.models.graph_step import GraphRunner

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from specflow.models import native
+from specflow.models.turns import in_turns
 
 Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]    # x [M, K], W [N, K] -> [M, N]
 
@@ -191,6 +192,10 @@ def pick(weights: list[torch.Tensor], repeats: int = 3, budget_s: float = 2.0) -
     blocked walks against MKL's AVX2 paths), on a CPU whose BLAS has faster paths it may not.
     (Whether to pack is decided on whole passes: `specflow.models.packing`.)
 
+    The forms competing for a row count are timed in turns, `repeats` rounds (at least two past
+    the `budget_s` budget), and each keeps its least time (models/turns.py: on a shared machine
+    a form timed in a block of its own could lose to a burst of a neighbour's load).
+
     Cached per (device, dtype, threads, shapes), so a second backend of the same model measures
     nothing. CUDA (and any non-CPU device) takes F.linear without measuring.
     """
@@ -204,31 +209,36 @@ def pick(weights: list[torch.Tensor], repeats: int = 3, budget_s: float = 2.0) -
     timings = []
     deadline = time.perf_counter() + budget_s
 
-    def cost(form: str, rows: int) -> float:
+    def once(form: str, x: dict[int, torch.Tensor]) -> float:
+        """Seconds of one product of each weight by x[K]."""
         fn = FORMS[form]
-        xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
-        best = float("inf")
+        start = time.perf_counter()
+        for w in weights:
+            fn(x[w.shape[1]], w)
+        return time.perf_counter() - start
+
+    def fastest(forms: tuple[str, ...], rows: tuple[int, ...]) -> str:
+        """The form of least summed time over `rows`, the forms timed in turns."""
+        xs = [{w.shape[1]: torch.randn(r, w.shape[1], dtype=w.dtype) for w in weights}
+              for r in rows]
         with torch.inference_mode():
-            for w in weights:                     # warm-up: first calls pick and allocate
-                fn(xs[w.shape[1]], w)
-            for _ in range(repeats):
-                start = time.perf_counter()
-                for w in weights:
-                    fn(xs[w.shape[1]], w)
-                best = min(best, time.perf_counter() - start)
-                if time.perf_counter() > deadline:
-                    break
-        timings.append((form, rows, round(best * 1e3, 3)))
-        return best
+            for form in forms:                 # warm-up: first calls pick and allocate
+                for x in xs:
+                    once(form, x)
+            best = in_turns([lambda f=f: [once(f, x) for x in xs] for f in forms], repeats,
+                            deadline)
+        for form, times in zip(forms, best):
+            timings.extend((form, r, round(t * 1e3, 3)) for r, t in zip(rows, times))
+        return min(zip(forms, best), key=lambda fb: sum(fb[1]))[0]
 
     dtype = w0.dtype
-    one = min(candidates(ONE_ROW, dtype, 1), key=lambda f: cost(f, 1))
-    few = min(candidates(FEW_ROWS, dtype, SMALL_ROWS), key=lambda f: cost(f, 2) + cost(f, 8))
-    many = min(LIBRARY, key=lambda f: cost(f, 32))            # torch's, past the native form
+    one = fastest(candidates(ONE_ROW, dtype, 1), (1,))
+    few = fastest(candidates(FEW_ROWS, dtype, SMALL_ROWS), (2, 8))
+    many = fastest(LIBRARY, (32,))                        # torch's, past the native form
     upto = SMALL_ROWS
     if few == "native":
         for rows in WIDER:
-            if rows > native.MAX_ROWS or cost("native", rows) >= cost(many, rows):
+            if rows > native.MAX_ROWS or fastest(("native", many), (rows,)) != "native":
                 break
             upto = rows
     picked = Kernels(one, few, many, False, tuple(timings), upto)

@@ -138,7 +138,9 @@ class LeanLlama:
         self._dual: tuple[list[tuple], torch.Tensor] | None = None
         self.dual_from = 1
         self._native_pass = None          # NativePass over self.layers (built on first use)
-        self.native_layers = True         # False: causal passes run the eager layers too
+        # which passes run as one native call: None where the native product won the pick for
+        # their row count, True every one it can run, False none (models/native_choice.py)
+        self.native_layers: bool | None = None
 
     # the fields of a layer tuple that are product weights, and the modules each one feeds
     _PRODUCTS = {1: ("self_attn", ("q_proj", "k_proj", "v_proj")), 3: ("self_attn", ("o_proj",)),
@@ -351,13 +353,15 @@ class LeanLlama:
 
     def _native_layers(self, rows: int):
         """The NativePass that runs a pass of `rows` queries, or None (the eager layers): up to
-        native.MAX_ROWS queries wherever the native product won the one-row (rows = 1) or the
-        2-8-row products, even past the rows where a library product is as fast (few_upto): the
-        pass does in one call what the eager layers do in ~35 torch operations a layer, masked
-        attention among them (SmolLM2, 16 rows x 4 positions at 256 keys: 196-246 ms native,
-        299 eager, 193-267 with oneDNN's packed weights)."""
-        if not self.native_layers or rows > native.MAX_ROWS \
-                or self.kernels.form(min(rows, 2)) != "native" or torch.compiler.is_compiling():
+        native.MAX_ROWS queries, with native_layers None wherever the native product won the
+        one-row (rows = 1) or the 2-8-row products, even past the rows where a library product
+        is as fast (few_upto): the pass does in one call what the eager layers do in ~35 torch
+        operations a layer, masked attention among them (SmolLM2, 16 rows x 4 positions at 256
+        keys: 196-246 ms native, 299 eager, 193-267 with oneDNN's packed weights); with
+        native_layers True wherever it runs (native_choice.py timed it the faster), False
+        never."""
+        if self.native_layers is False or rows > native.MAX_ROWS or torch.compiler.is_compiling() \
+                or (self.native_layers is None and self.kernels.form(min(rows, 2)) != "native"):
             return None
         if self._native_pass is None or self._native_pass.stale(self):
             self._native_pass = NativePass(self)

@@ -33,6 +33,7 @@ The figures behind this (per machine): docs/decisions.md, "Measured on this proj
 from __future__ import annotations
 
 from specflow.models.kernels import can_pack
+from specflow.models.turns import in_turns
 
 REPS = 15          # passes timed per end and layout, in ROUNDS turns of each layout
 ROUNDS = 3         # (timed all dense, then all packed, a SmolLM2 batch of 16 at k = 3, where the
@@ -86,21 +87,30 @@ def choose_draft_pack(setting, backend, positions: int, rows: int = 1) -> bool:
     """Apply `pack` for a draft model whose fullest step scores `positions` positions (a tree's
     frontier, or one) in each of `rows` rows; return whether any of its passes run packed.
 
-    `auto` times steps of 1, 2, 4, ... rows up to `rows` (and the fullest) dense and packed, and
-    packs from the fewest product rows (B x T) at which packed wins there and at every wider
-    point timed. From one row: every weight packed, as for the target. Wider: the draft keeps
-    both layouts (LeanLlama.pack(keep_dense=True)), so its one-row chain steps stay on MKL's
-    dense products (cheaper for one row) and its frontier steps take
-    oneDNN, for its weights' memory once more (a draft is small by design). Never: dense."""
+    `auto` times steps of 1, 2, 4, ... rows up to `rows` (and the fullest) dense and packed, the
+    layouts in turns (models/turns.py), and packs from the fewest product rows (B x T) at which
+    packed wins there and at every wider point timed. From one row: every weight packed, as for
+    the target. Wider: the draft keeps both layouts (LeanLlama.pack(keep_dense=True)), so its
+    one-row chain steps stay on MKL's dense products (cheaper for one row) and its frontier
+    steps take oneDNN, for its weights' memory once more (a draft is small by design). Never:
+    dense."""
     if (decided := _untimed(setting, backend, positions, rows)) is not None:
         return decided
     lean = backend.lean
     points = sorted({(1, 1), *((1, 2 ** i) for i in range(1, rows.bit_length())), (1, rows),
                      (positions, rows)}, key=lambda p: (p[0] * p[1], p))
-    dense = [backend.time_pass(rows=q, positions=p, reps=DRAFT_REPS) for p, q in points]
-    lean.pack(keep_dense=True, from_rows=1)
-    packed = [backend.time_pass(rows=q, positions=p, reps=DRAFT_REPS) for p, q in points]
-    lean.unpack()
+
+    def timed(packs: bool) -> list[float]:
+        if packs:
+            lean.pack(keep_dense=True, from_rows=1)
+        try:
+            return [backend.time_pass(rows=q, positions=p, reps=DRAFT_REPS // ROUNDS)
+                    for p, q in points]
+        finally:
+            if packs:
+                lean.unpack()
+
+    dense, packed = in_turns([lambda: timed(False), lambda: timed(True)], ROUNDS)
     wins = [pk < dn for pk, dn in zip(packed, dense)]
     start = next((i for i in range(len(points)) if all(wins[i:])), None)
     if start is None:

@@ -7,13 +7,17 @@ On a quiet machine more threads make a decoding pass faster. With another proces
 of the cores, OpenMP's spinning barriers make the same threads collapse, far below one thread's
 speed (docs/decisions.md, "Measured on this project's machines"), and every small op of a draft
 step pays it. `auto` therefore times the target's one-position pass (`Backend.time_pass`) with
-the threads torch would use and with one thread, and keeps the faster. It is decided once:
-contention that starts later is not followed (set `threads=1` on a machine shared with other
-work).
+the threads torch would use and with one thread, in turns (models/turns.py), and keeps the
+faster. It is decided once: contention that starts later is not followed (set `threads=1` on a
+machine shared with other work).
 """
 from __future__ import annotations
 
 import torch
+
+from specflow.models.turns import in_turns
+
+ROUNDS = 3    # turns of each count, 3 passes each (models/turns.py)
 
 
 # torch's own choice for this process (all cores), before any pipeline set another
@@ -34,11 +38,14 @@ def choose_threads(setting, backend) -> int:
             or getattr(backend, "lean", None) is None:
         return torch.get_num_threads()       # nothing to time: leave the setting alone
     else:
-        timed = {}
-        for n in (DEFAULT_THREADS, 1):
+        counts = (DEFAULT_THREADS, 1)
+
+        def timed(n: int) -> list[float]:
             torch.set_num_threads(n)
-            timed[n] = backend.time_pass()
-        chosen = min(timed, key=timed.get)
+            return [backend.time_pass(reps=3)]
+
+        best = in_turns([lambda n=n: timed(n) for n in counts], rounds=ROUNDS)
+        chosen = min(zip(counts, best), key=lambda cb: cb[1])[0]
     torch.set_num_threads(chosen)
     lean = getattr(backend, "lean", None)
     if lean is not None:

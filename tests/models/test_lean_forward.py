@@ -181,6 +181,26 @@ def test_the_native_form_serves_as_many_rows_as_it_stays_the_fastest(monkeypatch
         picked.describe()
 
 
+@pytest.mark.skipif(not native.available(), reason="no C compiler: no native product")
+def test_pick_times_the_forms_competing_for_a_row_count_in_turns(monkeypatch):
+    """Each form's repeats alternate with the others' (the first of a round rotating), so a
+    neighbour's burst weighs on all of them (models/turns.py)."""
+    order = []
+
+    def form(name: str):
+        def run(x, w):
+            order.append((name, x.shape[0]))
+            return x.new_zeros(x.shape[0], w.shape[0])
+        return run
+
+    monkeypatch.setattr(kernels, "FORMS", {name: form(name) for name in kernels.FORMS})
+    monkeypatch.setattr(kernels, "_PICKED", {})
+    pick([torch.zeros(8, 4)], repeats=3, budget_s=60)
+    one_row = [name for name, rows in order if rows == 1]
+    a, b, c = kernels.ONE_ROW
+    assert one_row == [a, b, c] + [a, b, c] + [b, c, a] + [c, a, b]      # warm-up, then turns
+
+
 def test_mistral_sliding_window_is_masked(tmp_path):
     import shutil
 

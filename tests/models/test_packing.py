@@ -14,7 +14,8 @@ from specflow.models.kernels import can_pack
 needs_onednn = pytest.mark.skipif(not can_pack(torch.float32),
                                   reason="this torch build has no oneDNN packed linear")
 
-DEMO = ["model=demo", "threads=2", "max_new_tokens=6", "show_progress=false", "max_batch_size=1"]
+DEMO = ["model=demo", "threads=2", "max_new_tokens=6", "show_progress=false", "max_batch_size=1",
+        "native=true"]      # (auto may time the native pass too: tests/models/test_native_choice.py)
 
 
 @needs_onednn

@@ -27,6 +27,20 @@ def test_auto_keeps_the_faster_setting(monkeypatch, restore_threads, contended):
     assert pipe.threads == (1 if contended else 2) == torch.get_num_threads()
 
 
+def test_auto_times_the_two_counts_in_turns(monkeypatch, restore_threads):
+    monkeypatch.setattr(threads_mod, "DEFAULT_THREADS", 2)
+    counts = []
+
+    def fake(backend, *a, **k):
+        counts.append(torch.get_num_threads())
+        return 0.004 if torch.get_num_threads() == 2 else 0.006
+
+    monkeypatch.setattr(HFBackend, "time_pass", fake)
+    Pipeline.from_config(["model=demo", "proposer=none", "draft=none", "native=true",
+                          "pack=false"])
+    assert counts == [2, 1, 1, 2, 2, 1]          # a burst of a neighbour's load weighs on both
+
+
 def test_auto_times_real_passes_and_leaves_the_cache_empty(monkeypatch, restore_threads):
     monkeypatch.setattr(threads_mod, "DEFAULT_THREADS", 2)
     torch.set_num_threads(1)     # an earlier pipeline's choice does not decide this one's

@@ -1,0 +1,37 @@
+"""Timing ways of doing the same work on a machine that others share: in turns, keeping each
+way's least time.
+
+The choices made when a pipeline starts (the product form for a number of rows, the thread count,
+the native pass or the eager layers, packed or dense weights) time two or more ways of doing the
+same work and keep the fastest. On a shared machine a neighbour's burst slows whatever runs while
+it lasts, memory-bound work above all (a cloud VM shares its socket's memory bandwidth):
+SmolLM2's one-row products over all its weights took 14-27 ms from one measurement to the next on
+a 2-core EPYC VM. Timed one way after the other, each in a block of its own, a burst lands on one
+of them and turns the choice: the native product lost its one-row pick to a form that streams no
+faster, and with it the whole native pass (a decoding pass 1.5x slower for the whole run). Taken
+in turns, the first of each round rotating, a burst lands on every way alike, and each way's
+least time is what it costs undisturbed.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+Cost = Callable[[], Sequence[float]]     # one measurement of one way: its times (seconds)
+
+
+def in_turns(costs: Sequence[Cost], rounds: int, deadline: float | None = None,
+             min_rounds: int = 2) -> list[list[float]]:
+    """Each way's least times, element by element, over `rounds` rounds in which every way is
+    measured once (round r starts with way r mod n, the rest in order). Past `deadline` (a
+    time.perf_counter() value) no further round starts, but at least `min_rounds` run: a budget
+    cuts repeats, never the alternation."""
+    best: list[list[float] | None] = [None] * len(costs)
+    n = len(costs)
+    for r in range(max(rounds, min_rounds)):
+        if r >= min_rounds and deadline is not None and time.perf_counter() > deadline:
+            break
+        for i in [(r + j) % n for j in range(n)]:
+            got = list(costs[i]())
+            best[i] = got if best[i] is None else [min(a, b) for a, b in zip(best[i], got)]
+    return [b or [] for b in best]

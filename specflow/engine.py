@@ -41,6 +41,8 @@ from specflow.state import DecodeBatch
 if TYPE_CHECKING:
     from specflow.pipeline import Pipeline
 
+CONTEXT = 6     # sent tokens decoded again in front of a stream's new ones (a left context)
+
 
 @dataclass
 class RequestOutput:
@@ -259,30 +261,38 @@ class Engine:
     # --- streaming ---------------------------------------------------------------------------
 
     def _delta(self, row: Row, final: bool, text: str | None = None) -> RequestOutput | None:
-        """The tokens and text of `row` not sent yet and safe to send (all of them if final)."""
+        """The tokens and text of `row` not sent yet and safe to send (all of them if final).
+
+        Incremental: a round decodes the tokens not sent yet behind a few sent ones (CONTEXT,
+        so that a tokenizer that drops or merges spaces at the start of a text sees the same
+        left context as in the whole text) and sends what that text adds to the sent tokens'
+        own; decoding the whole text every round made a long stream quadratic."""
         stream = self.streams[row.request.request_id]
         generated = row.token_ids[len(row.request.prompt_ids):]
-        decode = self.pipe.tokenizer.decode
+        decode, sent = self.pipe.tokenizer.decode, stream.sent
         if final:
             n, shown = len(generated), text if text is not None else decode(generated)
+            added = shown[len(sent.text):] if shown.startswith(sent.text) else shown
         else:
-            n = _safe_tokens(generated, stream.stop, decode)
-            if n <= stream.sent.tokens:
+            start = max(0, sent.tokens - CONTEXT)
+            window = generated[start:]
+            before = decode(window[:sent.tokens - start])       # the sent tokens' own text
+            n = start + _safe_tokens(window, stream.stop, decode, len(before))
+            if n <= sent.tokens:
                 return None
-            shown = decode(generated[:n])
-            while shown.endswith("\ufffd") and n > stream.sent.tokens:   # a split character
+            shown = decode(window[:n - start])
+            while shown.endswith("\ufffd") and n > sent.tokens:   # a split character
                 n -= 1
-                shown = decode(generated[:n])
-            if n <= stream.sent.tokens or not shown.startswith(stream.sent.text):
+                shown = decode(window[:n - start])
+            if n <= sent.tokens or not shown.startswith(before):
                 return None
-        out = RequestOutput(row.request.request_id, generated[stream.sent.tokens:n],
-                            shown[len(stream.sent.text):] if shown.startswith(stream.sent.text)
-                            else shown)
+            added = shown[len(before):]
+        out = RequestOutput(row.request.request_id, generated[sent.tokens:n], added)
         if row.request.logprobs is not None:
-            out.logprobs = row.logprobs[stream.sent.tokens:n]
-            out.top_logprobs = row.top_logprobs[stream.sent.tokens:n] if row.request.logprobs \
+            out.logprobs = row.logprobs[sent.tokens:n]
+            out.top_logprobs = row.top_logprobs[sent.tokens:n] if row.request.logprobs \
                 else None
-        stream.sent = _Sent(n, shown)
+        stream.sent = _Sent(n, sent.text + added)
         return out
 
     # --- teardown ----------------------------------------------------------------------------
@@ -321,15 +331,19 @@ class Engine:
         self.close()
 
 
-def _safe_tokens(generated: list[int], stops: list[str], decode) -> int:
+def _safe_tokens(generated: list[int], stops: list[str], decode, sent_chars: int = 0) -> int:
     """How many of `generated` no later round can take back: all, unless the text ends with the
-    start of a stop string; then the tokens wholly before that start (as the trimmer keeps)."""
+    start of a stop string; then the tokens wholly before that start (as the trimmer keeps).
+    `sent_chars`: the length of text already sent at the front of decode(generated); a stop
+    string's start is looked for after it only (the text sent never ends with one: it would
+    have been held), so a stream's rounds look at the text they add."""
     if not stops or not generated:
         return len(generated)
     text = decode(generated)
+    tail = len(text) - sent_chars
     hold = 0
     for s in stops:
-        for n in range(min(len(s) - 1, len(text)), hold, -1):
+        for n in range(min(len(s) - 1, tail), hold, -1):
             if text.endswith(s[:n]):
                 hold = n
                 break

@@ -2,6 +2,8 @@
 everything they hold on finish, abort, error and Ctrl-C; generate() and stream() are its clients."""
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from specflow import InputError, hookimpl
@@ -170,3 +172,59 @@ class CharTokenizer:
 def test_safe_tokens_hold_back_a_possible_stop_string(text, stops, safe):
     ids = [ord(c) for c in text]
     assert _safe_tokens(ids, stops, CharTokenizer().decode) == safe
+
+
+class BytePieces:
+    """A byte-level tokenizer's decoding with a SentencePiece habit: a token is a few bytes (a
+    character may take two tokens), "_" stands for a space, and a text's first space is dropped.
+    Counts the tokens it decodes."""
+
+    def __init__(self, pieces: list[bytes]):
+        self.pieces, self.decoded = pieces, 0
+
+    def decode(self, ids):
+        self.decoded += len(ids)
+        text = b"".join(self.pieces[i] for i in ids).decode("utf-8", errors="replace")
+        return text.replace("_", " ").removeprefix(" ")
+
+
+def stream_rounds(tokens: list[int], tokenizer, stops: list[str], per_round: int = 2):
+    """What an engine's rounds send for a row that gains `per_round` tokens a round."""
+    from types import SimpleNamespace
+
+    from specflow.engine import Engine, _Stream
+
+    engine = Engine.__new__(Engine)
+    engine.pipe = SimpleNamespace(tokenizer=tokenizer)
+    request = SimpleNamespace(request_id=0, prompt_ids=[], logprobs=None)
+    engine.streams = {0: _Stream(list(stops))}
+    row = SimpleNamespace(request=request, token_ids=[])
+    pieces = []
+    for i in range(0, len(tokens), per_round):
+        row.token_ids = tokens[:i + per_round]
+        out = engine._delta(row, final=False)
+        if out is not None:
+            assert "\ufffd" not in out.text                    # never half a character
+            assert out.token_ids == row.token_ids[len(sum((p.token_ids for p in pieces), [])):][
+                :len(out.token_ids)]
+            pieces.append(out)
+    pieces.append(engine._delta(row, final=True))
+    return pieces
+
+
+@pytest.mark.parametrize("stops", [[], ["_stop_"], ["é!"]])
+def test_a_stream_decodes_what_each_round_adds_and_joins_to_the_whole_text(stops):
+    pieces = [b"_", b"a", b"b", b"_the", b"\xc3", b"\xa9", b"!", b"_stop", b"x", b"\n", b"__"]
+    tok = BytePieces(pieces)
+    units = [[0], [1], [2], [3], [4, 5], [6], [7], [8], [9], [10]]        # é: two tokens
+    tokens = sum(random.Random(3).choices(units, k=1300), [])
+    sent = stream_rounds(tokens, tok, stops)
+    whole = BytePieces(pieces).decode(tokens)
+    assert "".join(p.text for p in sent) == whole
+    assert sum((p.token_ids for p in sent), []) == tokens
+    # each round decodes a few tokens behind its new ones, not the whole text (~1400 tokens in
+    # ~700 rounds: the whole text each round would be ~500,000 tokens decoded)
+    assert tok.decoded < 60 * len(tokens), tok.decoded
+    for stop in stops:          # a forming stop string is held until it cannot be one
+        held = "".join(p.text for p in sent[:-1])
+        assert not any(held.endswith(stop[:n]) for n in range(1, len(stop)))

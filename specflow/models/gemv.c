@@ -142,15 +142,21 @@ static inline uint16_t f32_to_bf16(float f) {      /* to nearest even; NaN stays
    of 16, k1 <= k16 = K - K % 16). A walk that does not start at column 0 takes its sums from acc
    [MCK][2], one that ends before k16 leaves them there; the walk that reaches k16 adds the tail
    columns and stores the results. Walked in consecutive column chunks or all at once, a result is
-   the same sequence of operations. pf: prefetch the weight PF elements ahead (a walk that reads
-   the row from memory). Not inlined: inside the caller, the six input-row pointers no longer fit
-   the general registers and were reloaded from the stack in the loop (6 rows 12% slower). */
-#define PF 256
+   the same sequence of operations. pf: a walk that reads the row from memory; from two input
+   rows up it prefetches the weight PF elements ahead into L2 (8 KB of float32). A one-row walk
+   is light enough for the hardware prefetchers to keep the memory busy (a software prefetch cost
+   it ~5%); with more rows each line of the weight takes more work, the hardware fell behind and
+   the walk stopped overlapping the read with the arithmetic: SmolLM2's products over all its
+   weights, 2 threads, 1/2/5/8/16 rows took 20.3/23.7/25.3/34.6/49.5 ms with a prefetch to L1 1
+   KB ahead, 18.1/17-19/19-20/23.4/42-47 with this one (2-core Zen 3 EPYC). Not inlined: inside
+   the caller, the six input-row pointers no longer fit the general registers and were reloaded
+   from the stack in the loop (6 rows 12% slower). */
+#define PF 2048
 #define GROUP(NAME, WT, LOADW, WIDEN, STORE, MCK)                                                 \
 __attribute__((noinline)) static void NAME##_##MCK(const WT *w, const float *x, void *Y, int64_t n, \
                                 int64_t m0,                                                      \
                                 int64_t N, int64_t K, int64_t k0, int64_t k1, int64_t k16,       \
-                                v8 *acc, int pf) {                                               \
+                                v8 *acc, int64_t pf) {                                           \
     v8 a[MCK][2];                                                                                \
     for (int j = 0; j < MCK; j++) {                                                              \
         a[j][0] = k0 ? acc[2 * j] : (v8){0};                                                     \
@@ -158,7 +164,7 @@ __attribute__((noinline)) static void NAME##_##MCK(const WT *w, const float *x, 
     }                                                                                            \
     for (int64_t k = k0; k < k1; k += 16) {                                                      \
         v8 w0 = LOADW(w + k), w1 = LOADW(w + k + 8);                                             \
-        if (pf) __builtin_prefetch(w + k + PF);                                                  \
+        if (pf) __builtin_prefetch(w + k + pf, 0, 2);                                            \
         for (int j = 0; j < MCK; j++) {                                                          \
             a[j][0] = madd(a[j][0], w0, load_f32(x + j * K + k));                                \
             a[j][1] = madd(a[j][1], w1, load_f32(x + j * K + k + 8));                            \
@@ -199,7 +205,9 @@ __attribute__((noinline)) static void NAME##_##MCK(const WT *w, const float *x, 
    L2, in column chunks of KC, so that its rows of X (at most MC x KC floats) stay in L1 through
    the block, each sum carried between chunks in acc. Walking every group along each weight row
    in turn cycled all the rows of X through L1 for every weight row: 16-18 rows of SmolLM2's
-   matrices took 1.2x as long. */
+   matrices took 1.2x as long. The second group's walks prefetch the next block into L2 (NB x K
+   elements ahead), so the memory works while the later groups compute: SmolLM2 passes of 9 and
+   17 queries 3-7% faster (a prefetch into L1 there was 11% slower). */
 #define X_IN_L1 6144
 #define NB 16
 #define KC 768
@@ -216,7 +224,7 @@ static void NAME(const WT *W, const float *X, void *Y, int64_t n0, int64_t n1, i
         for (int64_t n = n0; n < n1; n++)                                                        \
             for (int64_t g = 0, m0 = 0, mc; g < groups; g++, m0 += mc) {                         \
                 mc = size + (g < larger);                                                        \
-                WALK(NAME, 0, k16, acc[0], g == 0)     /* whole rows: acc is not touched */     \
+                WALK(NAME, 0, k16, acc[0], g == 0 && mc > 1 ? PF : 0)   /* acc not touched */  \
             }                                                                                    \
         return;                                                                                  \
     }                                                                                            \
@@ -224,9 +232,10 @@ static void NAME(const WT *W, const float *X, void *Y, int64_t n0, int64_t n1, i
         int64_t b1 = b0 + NB < n1 ? b0 + NB : n1;                                                \
         for (int64_t g = 0, m0 = 0; g < groups; g++) {                                           \
             int64_t mc = size + (g < larger), chunk = g == 0 ? k16 : KC;                         \
+            int64_t pf = g == 0 ? (mc > 1 ? PF : 0) : g == 1 && b1 < n1 ? NB * K : 0;           \
             for (int64_t c0 = 0;; c0 += chunk) {                                                 \
                 int64_t c1 = c0 + chunk < k16 ? c0 + chunk : k16;                                \
-                for (int64_t n = b0; n < b1; n++) WALK(NAME, c0, c1, acc[n - b0], g == 0)        \
+                for (int64_t n = b0; n < b1; n++) WALK(NAME, c0, c1, acc[n - b0], pf)            \
                 if (c1 == k16) break;                                                            \
             }                                                                                    \
             m0 += mc;                                                                            \

@@ -187,7 +187,7 @@ def main() -> None:
         rows.append(row)
 
     batch_rows = []
-    many = (prompts * 2)[:16]
+    many = [prompts[i % len(prompts)] for i in range(16)]     # 16 requests, however many prompts
     for name, over in (("specflow none", ["proposer=none"]),
                        ("specflow goodput (ngram)", ["proposer=ngram", f"proposer.k={k}",
                                                     "policy=goodput"])):

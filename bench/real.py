@@ -8,7 +8,8 @@ HF generate, specflow none / ngram / ngram tree / eagle / eagle tree (the eagle 
 is found: the shipped one or --head), and none in bfloat16 where the CPU has AMX or
 AVX512-BF16; llama.cpp's plain decoding (1 and 2 threads) and its n-gram lookup on the same
 weights as an f32 GGUF, where `make llama-cpp` has built it (bench/llamacpp.py). Then `none` at
-16 concurrent requests against batch 1, and `policy=goodput` at batch 1 and 16. Writes
+16 concurrent requests against batch 1, and `policy=goodput` at batch 1 and 16 (each batch size
+run twice, in turns, the faster run kept). Writes
 bench/results/real.{json,md} (real_demo.{json,md} for the demo pair).
 """
 from __future__ import annotations
@@ -191,17 +192,23 @@ def main() -> None:
     for name, over in (("specflow none", ["proposer=none"]),
                        ("specflow goodput (ngram)", ["proposer=ngram", f"proposer.k={k}",
                                                     "policy=goodput"])):
-        for b in (1, 16):
-            pipe = Pipeline.from_config([*base, f"max_batch_size={b}", *over])
+        at = {b: Pipeline.from_config([*base, f"max_batch_size={b}", *over]) for b in (1, 16)}
+        best: dict[int, dict] = {}
+        # in turns, each batch size's faster run kept: this VM's memory speed drifts by the
+        # minute (a streaming read measured 33 and 48 GB/s ten minutes apart)
+        for b in (1, 16, 16, 1):
             t = time.perf_counter()
-            res = pipe.generate(many, max_new_tokens=N // 2, max_batch_size=b)
+            res = at[b].generate(many, max_new_tokens=N // 2, max_batch_size=b)
             secs = time.perf_counter() - t
             tokens = sum(len(r.token_ids) for r in res)
-            prefill = pipe.last_stats["seconds"]["prefill"]
-            batch_rows.append({"arm": name, "batch": b, "tokens_per_s": tokens / secs,
-                               "prefill_s": prefill, "decode_tokens_per_s":
-                                   tokens / max(secs - prefill, 1e-9)})
-            console.print(f"[dim]{name} batch {b}: {batch_rows[-1]['tokens_per_s']:.1f}[/]")
+            prefill = at[b].last_stats["seconds"]["prefill"]
+            run = {"arm": name, "batch": b, "tokens_per_s": tokens / secs, "prefill_s": prefill,
+                   "decode_tokens_per_s": tokens / max(secs - prefill, 1e-9)}
+            if b not in best or run["tokens_per_s"] > best[b]["tokens_per_s"]:
+                best[b] = run
+            console.print(f"[dim]{name} batch {b}: {run['tokens_per_s']:.1f}[/]")
+        batch_rows += [best[1], best[16]]
+        del at
 
     env = {"cpu": platform.processor() or platform.machine(), "threads": args.threads,
            "torch": torch.__version__, "prompts": len(prompts), "new_tokens": N, "k": k,

@@ -269,6 +269,7 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 ATTENTION_LENGTHS = (128, 256, 1024)  # cached lengths at which the two attention forms are timed
+ROUNDS = 3                            # in turns (models/turns.py), reps // ROUNDS calls each
 _GROUPED_FROM: dict[tuple, int | None] = {}
 
 
@@ -285,22 +286,32 @@ def pick_one_query_attention(heads: int, kv_heads: int, head_dim: int, dtype: to
     one row of 128 keys, 209 against 87 at 256, 1010 against 214 at 1000; 146 against 118 for 2
     rows of 64, 2608 against 296 for 16 rows of 256 (float16 alike, about half the gap; in
     float32 the fused kernel wins). So the rows x length at which one row turns over is the
-    threshold. Cached per (shape, dtype, threads); a GPU and float32 keep the fused kernel,
-    unmeasured."""
+    threshold. The two forms are timed in turns (models/turns.py). Cached per (shape, dtype,
+    threads); a GPU and float32 keep the fused kernel, unmeasured."""
     if device.type != "cpu" or dtype == torch.float32:
         return None
     key = (heads, kv_heads, head_dim, dtype, torch.get_num_threads())
     if key in _GROUPED_FROM:
         return _GROUPED_FROM[key]
     gqa = {"enable_gqa": True} if kv_heads != heads else {}
-    forms = (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, **gqa),        # noqa: E731
-             lambda q, k, v: grouped_attention(q, k, v, None))
+
+    def fused(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, **gqa)
+
+    def grouped(q, k, v):
+        return grouped_attention(q, k, v, None)
+
+    forms = (fused, grouped)
     wins = []
     with torch.inference_mode():
         for length in ATTENTION_LENGTHS:
             args = (torch.randn(1, heads, 1, head_dim, dtype=dtype),
                     *(torch.randn(1, kv_heads, length, head_dim, dtype=dtype) for _ in range(2)))
-            fused, grouped = (_median_seconds(fn, args, reps) for fn in forms)
+            for fn in forms:
+                fn(*args)                                                  # warm-up
+            (fused,), (grouped,) = in_turns(
+                [lambda fn=fn, a=args: [_median_seconds(fn, a, reps // ROUNDS)] for fn in forms],
+                ROUNDS)
             wins.append(grouped < fused)
     start = next((i for i in range(len(wins)) if all(wins[i:])), None)
     _GROUPED_FROM[key] = None if start is None else ATTENTION_LENGTHS[start]
@@ -308,7 +319,6 @@ def pick_one_query_attention(heads: int, kv_heads: int, head_dim: int, dtype: to
 
 
 def _median_seconds(fn, args: tuple, reps: int) -> float:
-    fn(*args)                                                      # warm-up
     runs = []
     for _ in range(reps):
         start = time.perf_counter()

@@ -265,20 +265,26 @@ def test_one_query_attention_is_timed_once_and_only_for_cpu_half_precision(monke
     assert pick_attention(4, 2, 16, torch.bfloat16, torch.device("cuda")) is None
     kernels._GROUPED_FROM.clear()
     calls = []
-    monkeypatch.setattr(kernels, "_median_seconds",
-                        lambda fn, args, reps: calls.append(fn) or (1.0 if len(calls) % 2 else 0.5))
+
+    def timed(grouped_wins):
+        def fake(fn, args, reps):
+            calls.append(fn.__name__)
+            length = args[1].shape[2]
+            return 1.0 if fn.__name__ == "fused" else 0.5 if grouped_wins(length) else 2.0
+        return fake
+
+    monkeypatch.setattr(kernels, "_median_seconds", timed(lambda length: True))
     assert pick_attention(4, 2, 16, torch.bfloat16, cpu) == kernels.ATTENTION_LENGTHS[0]
-    assert len(calls) == 2 * len(kernels.ATTENTION_LENGTHS)        # both forms at each length
+    per_length = 2 * kernels.ROUNDS                  # both forms at each length, in turns
+    assert calls[:per_length] == ["fused", "grouped", "grouped", "fused", "fused", "grouped"]
+    assert len(calls) == per_length * len(kernels.ATTENTION_LENGTHS)
     assert pick_attention(4, 2, 16, torch.bfloat16, cpu) == kernels.ATTENTION_LENGTHS[0]
-    assert len(calls) == 2 * len(kernels.ATTENTION_LENGTHS)        # cached: nothing timed again
+    assert len(calls) == per_length * len(kernels.ATTENTION_LENGTHS)  # cached: nothing timed again
     # grouped wins at the longest length only: from there on; at none: never
-    last = 2 * (len(kernels.ATTENTION_LENGTHS) - 1)
-    for grouped_wins, want in ((lambda n: n > last, kernels.ATTENTION_LENGTHS[-1]),
-                               (lambda n: False, None)):
-        calls.clear()
+    longest = kernels.ATTENTION_LENGTHS[-1]
+    for grouped_wins, want in ((lambda length: length == longest, longest),
+                               (lambda length: False, None)):
         kernels._GROUPED_FROM.clear()
-        monkeypatch.setattr(kernels, "_median_seconds",
-                            lambda fn, args, reps, wins=grouped_wins: calls.append(fn) or
-                            (1.0 if len(calls) % 2 else (0.5 if wins(len(calls)) else 2.0)))
+        monkeypatch.setattr(kernels, "_median_seconds", timed(grouped_wins))
         assert pick_attention(4, 2, 16, torch.float16, cpu) == want
     kernels._GROUPED_FROM.clear()

@@ -309,10 +309,10 @@ def pick_one_query_attention(heads: int, kv_heads: int, head_dim: int, dtype: to
                     *(torch.randn(1, kv_heads, length, head_dim, dtype=dtype) for _ in range(2)))
             for fn in forms:
                 fn(*args)                                                  # warm-up
-            (fused,), (grouped,) = in_turns(
+            (fused_s,), (grouped_s,) = in_turns(
                 [lambda fn=fn, a=args: [_median_seconds(fn, a, reps // ROUNDS)] for fn in forms],
                 ROUNDS)
-            wins.append(grouped < fused)
+            wins.append(grouped_s < fused_s)
     start = next((i for i in range(len(wins)) if all(wins[i:])), None)
     _GROUPED_FROM[key] = None if start is None else ATTENTION_LENGTHS[start]
     return _GROUPED_FROM[key]

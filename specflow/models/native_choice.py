@@ -7,7 +7,7 @@ to itself (`LeanLlama.native_layers = None`), a pass runs natively where the nat
 library product streams the weights about as fast as the native one (both at the memory's
 bandwidth), a pick lost by a hair leaves every pass its ~35 ops a layer of Python and dispatch
 (SmolLM2, one position at 256 keys, 2-core EPYC: 32.6 ms eager with MKL's one-row product against
-21.8 ms native, in one hour's runs, the products alone 18 ms either way).
+21.8 ms native, in one hour's runs, the one-row products alone 18-19 ms either way).
 
 So where the product pick went to a library form for one row or for a few, `auto` times whole
 passes at the pipeline's two ends (one row at one position; every slot at k+1 positions), the

@@ -129,8 +129,8 @@ def can_pack(dtype: torch.dtype) -> bool:
 @dataclass(frozen=True)
 class Kernels:
     """The forms a model's dense products use: for 1 row, 2..few_upto rows, up to BATCH_ROWS
-    rows (prefill-sized products always take F.linear); `pack` says the lean forward packs its
-    weights for oneDNN, and a packed weight always takes oneDNN."""
+    rows, and more (prefill-sized products: F.linear, or `wide`); `pack` says the lean forward
+    packs its weights for oneDNN, and a packed weight always takes oneDNN."""
 
     one_row: str = "linear"
     few_rows: str = "linear"
@@ -138,6 +138,10 @@ class Kernels:
     pack: bool = False
     timings_ms: tuple[tuple[str, int, float], ...] = ()     # (form, rows, ms over all weights)
     few_upto: int = native.MAX_ROWS     # pick(): SMALL_ROWS, or as far as the native form wins
+    # past BATCH_ROWS rows (prefill, an EAGLE head's catch-up): "linear", or "native" in chunks
+    # of native.MAX_ROWS rows where it beat F.linear at MAX_ROWS in a 16-bit dtype (torch's CPU
+    # float16 products without AVX512-FP16 ran 2.7x slower than the native one at 128 rows)
+    wide: str = "linear"
 
     def form(self, rows: int) -> str:
         """The dense form picked for a product of `rows` rows (up to BATCH_ROWS)."""
@@ -150,7 +154,12 @@ class Kernels:
             return packed(x, w)
         rows = x.numel() // x.shape[-1]
         if rows > BATCH_ROWS:
-            return F.linear(x, w)
+            flat = x.reshape(rows, x.shape[-1])                                         # [M, K]
+            if self.wide != "native" or not native.runs(flat[:native.MAX_ROWS], w):
+                return F.linear(x, w)
+            out = torch.cat([native.gemv(flat[i:i + native.MAX_ROWS], w)                # [M, N]
+                             for i in range(0, rows, native.MAX_ROWS)])
+            return out.reshape(*x.shape[:-1], w.shape[0])
         name = self.form(rows)
         if name == "linear":
             return F.linear(x, w)
@@ -179,6 +188,8 @@ class Kernels:
         dense = f"1 row: {self.one_row}, 2-{self.few_upto} rows: {self.few_rows}"
         if self.few_upto < BATCH_ROWS:
             dense += f", {self.few_upto + 1}-{BATCH_ROWS} rows: {self.many_rows}"
+        if self.wide != "linear":
+            dense += f", more: {self.wide} in chunks of {native.MAX_ROWS}"
         return f"packed (oneDNN) weights; dense ones {dense}" if self.pack else dense
 
 
@@ -241,7 +252,12 @@ def pick(weights: list[torch.Tensor], repeats: int = 3, budget_s: float = 2.0) -
             if rows > native.MAX_ROWS or fastest(("native", many), (rows,)) != "native":
                 break
             upto = rows
-    picked = Kernels(one, few, many, False, tuple(timings), upto)
+    # a 16-bit product the native form beat F.linear at MAX_ROWS rows: past BATCH_ROWS too, in
+    # chunks (each row's result the same whatever the chunk; float32 keeps MKL, whose big
+    # products block better than the native walks)
+    wide = "native" if dtype != torch.float32 and upto == native.MAX_ROWS == WIDER[-1] \
+        else "linear"
+    picked = Kernels(one, few, many, False, tuple(timings), upto, wide)
     _PICKED[key] = picked
     return picked
 

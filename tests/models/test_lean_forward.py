@@ -181,6 +181,42 @@ def test_the_native_form_serves_as_many_rows_as_it_stays_the_fastest(monkeypatch
         picked.describe()
 
 
+@pytest.mark.skipif(not native.available(torch.float16), reason="no native float16 product")
+def test_a_wide_16_bit_product_runs_natively_in_chunks_where_the_native_form_won_128_rows(
+        monkeypatch):
+    w = torch.randn(48, 40).to(torch.float16)
+    x = torch.randn(300, 40).to(torch.float16)          # past BATCH_ROWS: prefill, a head's catch-up
+    wide = Kernels("native", "native", "linear", wide="native")
+    with monkeypatch.context() as m:
+        m.setattr(torch.nn.functional, "linear", lambda *a: pytest.fail("F.linear was called"))
+        got = wide.matmul(x, w)
+    assert torch.equal(got[250:251], native.gemv(x[250:251], w))    # a row's bits, alone or not
+    torch.testing.assert_close(got.float(), Kernels().matmul(x, w).float(), atol=2e-2, rtol=2e-2)
+    assert "more: native in chunks of 128" in wide.describe()
+    assert Kernels().describe().count("native") == 0
+
+
+@pytest.mark.skipif(not native.available(torch.float16), reason="no native float16 product")
+@pytest.mark.parametrize("dtype, wide", [(torch.float16, "native"), (torch.float32, "linear")])
+def test_pick_sends_wide_products_native_only_in_16_bits(monkeypatch, dtype, wide):
+    """Fake forms: the native one wins every row count up to 128 (in float32 MKL's big
+    products are kept past 128 rows: they block better than the native walks)."""
+    import time
+
+    def form(fixed_ms: float, row_ms: float):
+        def run(x, w):
+            time.sleep((fixed_ms + row_ms * x.shape[0]) / 1e3)
+            return x.new_zeros(x.shape[0], w.shape[0])
+        return run
+
+    monkeypatch.setattr(kernels, "FORMS", {"linear": form(10.0, 0.05), "weight_left": form(10.0, 0.05),
+                                           "weight_left_padded": form(10.0, 0.05),
+                                           "native": form(1.0, 0.01)})
+    monkeypatch.setattr(kernels, "_PICKED", {})
+    picked = pick([torch.zeros(8, 4, dtype=dtype)], repeats=2, budget_s=60)
+    assert picked.few_upto == 128 and picked.wide == wide
+
+
 @pytest.mark.skipif(not native.available(), reason="no C compiler: no native product")
 def test_pick_times_the_forms_competing_for_a_row_count_in_turns(monkeypatch):
     """Each form's repeats alternate with the others' (the first of a round rotating), so a

@@ -23,7 +23,7 @@ layout's faster way); `HFBackend.describe` reports the pass sizes that run nativ
 from __future__ import annotations
 
 from specflow.models.native_pass import NativePass
-from specflow.models.turns import in_turns
+from specflow.models.turns import in_turns, mean_ratio, time_ends
 
 REPS = 3           # passes timed per end and way in each round (Backend.time_pass's median)
 ROUNDS = 3
@@ -48,12 +48,11 @@ def choose_native(setting, backend, positions: int, rows: int = 1) -> bool | Non
     lean.native_layers = None
     if lean.kernels.one_row == "native" and lean.kernels.few_rows == "native":
         return None
-    ends = sorted({(1, 1), (rows, positions)})                     # (rows, positions)
 
     def timed(on: bool) -> list[float]:
         lean.native_layers = on
-        return [backend.time_pass(rows=r, positions=p, reps=REPS) for r, p in ends]
+        return time_ends(backend, rows, positions, REPS)
 
     native, eager = in_turns([lambda: timed(True), lambda: timed(False)], ROUNDS)
-    lean.native_layers = sum(n / e for n, e in zip(native, eager)) <= len(ends)   # a tie: native
+    lean.native_layers = mean_ratio(native, eager) <= 1                           # a tie: native
     return lean.native_layers

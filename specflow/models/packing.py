@@ -33,7 +33,7 @@ The figures behind this (per machine): docs/decisions.md, "Measured on this proj
 from __future__ import annotations
 
 from specflow.models.kernels import can_pack
-from specflow.models.turns import in_turns
+from specflow.models.turns import in_turns, mean_ratio, time_ends
 
 REPS = 15          # passes timed per end and layout, in ROUNDS turns of each layout
 ROUNDS = 3         # (timed all dense, then all packed, a SmolLM2 batch of 16 at k = 3, where the
@@ -58,24 +58,30 @@ def _untimed(setting, backend, positions: int, rows: int) -> bool | None:
     return None
 
 
+def _in_both_layouts(lean, measure, **how) -> list[list[float]]:
+    """measure() with the dense weights and packed (lean.pack(**how), undone after), the
+    layouts in turns (models/turns.py): [dense times, packed times]."""
+    def timed(packs: bool) -> list[float]:
+        if packs:
+            lean.pack(**how)
+        try:
+            return list(measure())
+        finally:
+            if packs:
+                lean.unpack()
+
+    return in_turns([lambda: timed(False), lambda: timed(True)], ROUNDS)
+
+
 def choose_pack(setting, backend, positions: int, rows: int = 1) -> bool:
     """Apply `pack` for the target `backend`, whose fullest pass scores `positions` positions
     (k+1) in each of `rows` rows (the batch); return whether its weights are packed."""
     if (decided := _untimed(setting, backend, positions, rows)) is not None:
         return decided
     lean = backend.lean
-    ends = sorted({(1, 1), (rows, positions)})                     # (rows, positions)
-
-    def timed() -> list[float]:
-        return [backend.time_pass(rows=r, positions=p, reps=REPS // ROUNDS) for r, p in ends]
-
-    dense, packed = [0.0] * len(ends), [0.0] * len(ends)
-    for _ in range(ROUNDS):     # alternating: a slower minute of a shared machine weighs on both
-        dense = [a + b for a, b in zip(dense, timed())]
-        lean.pack()
-        packed = [a + b for a, b in zip(packed, timed())]
-        lean.unpack()
-    if sum(p / d for p, d in zip(packed, dense)) < len(ends):
+    dense, packed = _in_both_layouts(lean, lambda: time_ends(backend, rows, positions,
+                                                              REPS // ROUNDS))
+    if mean_ratio(packed, dense) < 1:
         lean.pack()
     return lean.packed
 
@@ -99,18 +105,9 @@ def choose_draft_pack(setting, backend, positions: int, rows: int = 1) -> bool:
     lean = backend.lean
     points = sorted({(1, 1), *((1, 2 ** i) for i in range(1, rows.bit_length())), (1, rows),
                      (positions, rows)}, key=lambda p: (p[0] * p[1], p))
-
-    def timed(packs: bool) -> list[float]:
-        if packs:
-            lean.pack(keep_dense=True, from_rows=1)
-        try:
-            return [backend.time_pass(rows=q, positions=p, reps=DRAFT_REPS // ROUNDS)
-                    for p, q in points]
-        finally:
-            if packs:
-                lean.unpack()
-
-    dense, packed = in_turns([lambda: timed(False), lambda: timed(True)], ROUNDS)
+    dense, packed = _in_both_layouts(
+        lean, lambda: [backend.time_pass(rows=q, positions=p, reps=DRAFT_REPS // ROUNDS)
+                       for p, q in points], keep_dense=True, from_rows=1)
     wins = [pk < dn for pk, dn in zip(packed, dense)]
     start = next((i for i in range(len(points)) if all(wins[i:])), None)
     if start is None:

@@ -35,3 +35,17 @@ def in_turns(costs: Sequence[Cost], rounds: int, deadline: float | None = None,
             got = list(costs[i]())
             best[i] = got if best[i] is None else [min(a, b) for a, b in zip(best[i], got)]
     return [b or [] for b in best]
+
+
+def time_ends(backend, rows: int, positions: int, reps: int) -> list[float]:
+    """Seconds of the two passes a pipeline runs between (`Backend.time_pass`, median of
+    `reps`): one row at one position (plain decoding of a lone request) and its fullest, `rows`
+    rows at `positions` (one pass when both are one)."""
+    ends = sorted({(1, 1), (rows, positions)})                                   # (rows, positions)
+    return [backend.time_pass(rows=r, positions=p, reps=reps) for r, p in ends]
+
+
+def mean_ratio(trial: Sequence[float], base: Sequence[float]) -> float:
+    """The mean of trial/base, end by end: each end counts for its own relative cost (a sum of
+    times lets the dearest pass decide alone)."""
+    return sum(t / b for t, b in zip(trial, base)) / len(base)

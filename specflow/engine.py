@@ -191,18 +191,18 @@ class Engine:
         if not self.active:
             return outputs
         rows = [self.active[s] for s in sorted(self.active)]
+        sampling = [r.request.sampling for r in rows] if any(r.request.sampling for r in rows) \
+            else None
         batch = DecodeBatch(
             slots=torch.tensor([r.slot for r in rows], dtype=torch.long),
             request_ids=[r.request.request_id for r in rows],
             token_ids=[r.token_ids for r in rows],
             prompt_lens=[len(r.request.prompt_ids) for r in rows],
             max_new_tokens=[r.request.max_new_tokens for r in rows],
-            generators=[r.generator for r in rows], greedy=pipe.greedy,
+            generators=[r.generator for r in rows], greedy=pipe.round_is_greedy(sampling),
             max_batch_size=self.capacity, shaper=pipe.shape,
             seeds=torch.tensor([r.request.seed for r in rows], dtype=torch.long)
-            if pipe.draws_by_position else None,
-            sampling=[r.request.sampling for r in rows]
-            if any(r.request.sampling for r in rows) else None)
+            if pipe.draws_by_position else None, sampling=sampling)
         result, trim, shaped = pipe.step(batch, self.round_index)
         self.round_index += 1
         if any(r.request.logprobs is not None for r in rows):
@@ -242,7 +242,8 @@ class Engine:
         while self.queue and self.free:
             req = self.queue.popleft()
             slot = self.free.pop(0)
-            gen = None if pipe.greedy or pipe.draws_by_position else torch.Generator(
+            samples = not pipe.greedy or pipe.samples_on_request
+            gen = None if not samples or pipe.draws_by_position else torch.Generator(
                 device=pipe.target.device).manual_seed(req.seed)
             self.active[slot] = row = Row(req, slot, list(req.prompt_ids), gen)
             admitted.append(row)

@@ -38,7 +38,7 @@ from specflow.plugins import blame, check_hooks, get_registry, new_plugin_manage
 from specflow.stages.cache import TargetCacheSync
 from specflow.stages.empty_rows import EmptyDistributionError, EmptyRowLog, ShapeCall, describe, \
     mark_empty
-from specflow.stages.logits import is_greedy
+from specflow.stages.logits import asks_to_sample, has_temperature, is_greedy
 from specflow.stages.request_settings import check_request_sampling
 from specflow.stages.score import TargetScorer
 from specflow.stages.layout import along_paths, check_proposal, deferred_problem
@@ -110,9 +110,12 @@ class Pipeline:
         self.pm = new_plugin_manager()
         self.hook = self.pm.hook
         self.greedy = is_greedy(cfg.get("logits"))
+        # greedy by default (temperature 0) with a temperature processor: a request may still
+        # ask for its own temperature, and a round with such a row samples (the others one-hot)
+        self.samples_on_request = self.greedy and has_temperature(cfg.get("logits"))
         # sampling draws keyed by (seed, position): the standard verifier's default rule (a
         # plugin verifier without `rule` gets per-request generator streams, as before)
-        self.draws_by_position = not self.greedy and \
+        self.draws_by_position = (not self.greedy or self.samples_on_request) and \
             (cfg.get("verifier") or {}).get("rule") == "coupled"
         self.clock = SimClock()
         self.empty_rows = EmptyRowLog()     # this round's shape() calls, checked after verify
@@ -149,7 +152,7 @@ class Pipeline:
         # pluggy calls the last registered first: register in reverse so config order holds
         for key, node in reversed(list((cfg.get("logits") or {}).items())):
             processor = self._build_node("logits", node, ctx)
-            if self.greedy and getattr(processor, "samples", False):
+            if self.greedy and not self.samples_on_request and getattr(processor, "samples", False):
                 continue   # cannot change the argmax
             if getattr(processor, "key", ""):
                 self.sampling_settings.append(processor.key)
@@ -305,7 +308,7 @@ class Pipeline:
     def shape(self, logits: torch.Tensor, token_ids: list[list[int]], draft_token_ids: torch.Tensor,
               first_draft_index: int, request_ids: list[int], source: str,
               paths: list[list[int]] | None = None,
-              sampling: list[dict | None] | None = None) -> torch.Tensor:
+              sampling: list[dict | None] | None = None, greedy: bool = False) -> torch.Tensor:
         """Grammar masks, then logit processors in config order: [B, P, V] -> [B, P, V] float32.
 
         Masks come first (as in vLLM and outlines), so top-k / top-p / min-p truncate among the
@@ -313,9 +316,10 @@ class Pipeline:
         ends with no finite logit (or a NaN) is marked and replaced by zeros; the round's check
         raises EmptyDistributionError if the round actually reached it (stages/empty_rows.py).
         sampling: [B] each row's request's own settings (DecodeBatch.sampling), or None.
+        greedy: a greedy round (DecodeBatch.greedy): sampling processors leave the logits alone.
         """
         shaping = ShapingBatch(logits.float(), token_ids, draft_token_ids, first_draft_index,
-                               request_ids, source, sampling)
+                               request_ids, source, sampling, greedy)
         if source == "target":     # the model's own verdict, before a stage may edit in place
             raw_max = shaping.logits.amax(-1)                                         # [B, P]
         self.hook.specflow_mask_logits(shaping=shaping)
@@ -327,7 +331,8 @@ class Pipeline:
             # a draft row is never an error by itself: its stand-in q is exact (the draft is
             # sampled from it), and the target's row at the same prefix decides
             self.empty_rows.add(ShapeCall(source, list(request_ids), token_ids, draft_token_ids,
-                                          first_draft_index, unusable, raw_max, paths))
+                                          first_draft_index, unusable, raw_max, paths,
+                                          sampling, greedy))
         return shaped
 
     def _shaping_stages(self) -> list[tuple[str, Callable]]:
@@ -696,6 +701,11 @@ class Pipeline:
             call.unusable = next(pieces).bool()
         flagged = None if checks is None else next(pieces).bool().tolist()
         return VerifyOutput(*host), flagged
+
+    def round_is_greedy(self, sampling: list[dict | None] | None) -> bool:
+        """Greedy pipelines decode greedily, unless one samples on request and a row of this
+        round asked for a temperature above 0 (its other rows are then one-hot: still greedy)."""
+        return self.greedy and not (self.samples_on_request and asks_to_sample(sampling))
 
     def record_logprobs(self, rows: list[Row], shaped: torch.Tensor,
                          committed: list[list[int]],

@@ -61,7 +61,7 @@ class DecodeBatch:
               source: str) -> torch.Tensor:
         """Shape logits [B, P, V] of these rows: the one call draft and target share."""
         return self.shaper(logits, self.token_ids, draft_token_ids, first_draft_index,
-                           self.request_ids, source, sampling=self.sampling)
+                           self.request_ids, source, sampling=self.sampling, greedy=self.greedy)
 
     @property
     def size(self) -> int:
@@ -220,6 +220,7 @@ class ShapingBatch:
     sampling: list[dict | None] | None = None   # [B] a request's own sampling settings
                                      # (temperature, top_k, top_p, min_p, penalties) over the
                                      # configured ones; None: the config's for every row
+    greedy: bool = False             # a greedy round: sampling processors leave the logits alone
     _host: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def row_values(self, key: str, default) -> list | None:

@@ -62,13 +62,26 @@ def test_greedy_equality_with_each_processor(processor, proposer):
         spec.last_stats["rounds_without_drafts"]          # never silently switched off
 
 
-def test_sampling_processors_at_temperature_zero_stay_greedy_and_exact():
+@pytest.mark.parametrize("proposer", ["draft", "ngram"])
+def test_sampling_processors_at_temperature_zero_stay_greedy_and_take_request_temperatures(
+        proposer):
+    """temperature 0 with a temperature processor: greedy by default (and exact), and a request
+    may still ask for its own temperature; rounds shared with such a row sample, the greedy rows
+    one-hot, so they stay greedy token for token."""
     over = ["logits=[temperature,top_k,top_p,min_p]", "logits.temperature.value=0"]
-    plain = Pipeline.from_config(["proposer=none", *over])
-    spec = Pipeline.from_config(["proposer=draft", *over])
-    assert spec.greedy and spec.pm.get_plugin("logits.top_k") is None     # skipped under greedy
-    assert [r.token_ids for r in spec.generate(PROMPTS, max_new_tokens=24)] == \
-        [r.token_ids for r in plain.generate(PROMPTS, max_new_tokens=24)]
+    plain = Pipeline.from_config(["proposer=none"])
+    spec = Pipeline.from_config([f"proposer={proposer}", *over])
+    assert spec.greedy and spec.samples_on_request
+    greedy = [r.token_ids for r in plain.generate(PROMPTS, max_new_tokens=24)]
+    assert [r.token_ids for r in spec.generate(PROMPTS, max_new_tokens=24)] == greedy
+    own = {"temperature": 0.8, "top_k": 5}
+    mixed = spec.generate(PROMPTS, max_new_tokens=24, sampling=[own, None, own, None], seed=3)
+    assert [mixed[1].token_ids, mixed[3].token_ids] == [greedy[1], greedy[3]]
+    tuned = Pipeline.from_config([f"proposer={proposer}", "logits=[temperature,top_k,top_p,min_p]",
+                                  "logits.temperature.value=0.8", "logits.top_k.k=5"])
+    sampled = tuned.generate(PROMPTS, max_new_tokens=24, seed=3)
+    assert [mixed[0].token_ids, mixed[2].token_ids] == [sampled[0].token_ids, sampled[2].token_ids]
+    assert [mixed[0].token_ids, mixed[2].token_ids] != [greedy[0], greedy[2]]
 
 
 def test_logprobs_equal_plain_decoding_and_are_trimmed_with_the_text():

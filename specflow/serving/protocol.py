@@ -471,6 +471,6 @@ def configured_sampling(cfg) -> dict:
             out[name] = float(node.get("penalty"))
         elif name in ("frequency_penalty", "presence_penalty"):
             out[name] = float(node.get("value"))
-    out["greedy"] = not any(k in out for k in ("top_p", "top_k", "min_p")) and \
-        out.get("temperature", 0) == 0
+    # greedy: no request can sample (a temperature processor, even at 0, lets one ask for its own)
+    out["greedy"] = not any(k in out for k in ("temperature", "top_p", "top_k", "min_p"))
     return out

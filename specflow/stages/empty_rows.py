@@ -64,11 +64,14 @@ class ShapeCall:
                                      # shaping (a stage may edit them in place afterwards): not
                                      # finite where the model itself left no usable token
     paths: list[list[int]] | None = None   # [B'] a tree's rows: the node path each row shapes
+    sampling: list[dict | None] | None = None   # [B'] requests' own sampling settings, or None
+    greedy: bool = False             # a greedy round (sampling processors skipped)
 
     def one_row(self, logits: torch.Tensor, row: int) -> ShapingBatch:
         """The ShapingBatch of one row of this call, over `logits` [1, P, V] (for a replay)."""
         return ShapingBatch(logits, [self.token_ids[row]], self.draft_token_ids[row:row + 1],
-                            self.first_draft_index, [self.request_ids[row]], self.source)
+                            self.first_draft_index, [self.request_ids[row]], self.source,
+                            None if self.sampling is None else [self.sampling[row]], self.greedy)
 
 
 class EmptyRowLog:

@@ -116,6 +116,8 @@ class LogitProcessor:
 
     @hookimpl
     def specflow_process_logits(self, shaping):
+        if self.samples and shaping.greedy:
+            return      # a greedy round of a pipeline that samples on request: argmax unchanged
         values = shaping.row_values(self.key, getattr(self.cfg, self.field))
         if values is None:
             shaping.logits = self.process(shaping.logits)                      # [B, P, V]
@@ -160,6 +162,16 @@ class MinP(LogitProcessor):
 
     def apply(self, logits, value):
         return apply_min_p(logits, float(value))
+
+
+def has_temperature(logits_cfg) -> bool:
+    """Whether the pipeline runs a temperature processor (so a request may set its own)."""
+    return any(node.get("name") == "temperature" for node in (logits_cfg or {}).values())
+
+
+def asks_to_sample(sampling: list[dict | None] | None) -> bool:
+    """Whether a row of this round asked for its own temperature above 0."""
+    return any(row and row.get("temperature", 0) > 0 for row in sampling or ())
 
 
 def is_greedy(logits_cfg) -> bool:

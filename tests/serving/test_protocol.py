@@ -88,6 +88,13 @@ def test_requests_set_the_sampling_processors_the_server_runs():
         is None
     with pytest.raises(protocol.BadRequest, match="started with greedy decoding"):
         parse({"prompt": "x", "temperature": 0.8}, configured=greedy)
+    # greedy by default, with a temperature processor: a request may ask for its own temperature
+    at_zero = protocol.configured_sampling(OmegaConf.create(
+        {"logits": {"temperature": {"name": "temperature", "value": 0},
+                    "top_k": {"name": "top_k", "k": 20}}}))
+    assert not at_zero["greedy"]
+    assert parse({"prompt": "x", "temperature": 0.7, "top_k": 5}, configured=at_zero).sampling \
+        == {"temperature": 0.7, "top_k": 5}
 
 
 def test_prompt_length_limit():

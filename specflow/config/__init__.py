@@ -118,8 +118,50 @@ def normalize_overrides(overrides: Sequence[str]) -> list[str]:
                      item, flags=re.S)
         if m:
             item = f"{m.group(1)}={_quote_list(m.group(2))}"
+        m = re.match(r"^ab\.arms=(\{.*\})$", item, flags=re.S)
+        if m:      # the arms replace the experiment's (a plain override would merge into them)
+            out += ["~ab.arms", f"+ab.arms={_quote_arms(m.group(1))}"]
+            continue
         out.append(item)
     return out
+
+
+def _split_top(text: str, sep: str = ",") -> list[str]:
+    """`a, [b, c], 'd, e'` -> ['a', '[b, c]', "'d, e'"]: split at `sep` outside brackets and
+    quotes."""
+    parts, current, depth, quote = [], "", 0, None
+    for ch in text:
+        if quote:
+            quote = None if ch == quote and not current.endswith("\\") else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "[{":
+            depth += 1
+        elif ch in "]}":
+            depth -= 1
+        elif ch == sep and depth == 0:
+            parts.append(current.strip())
+            current = ""
+            continue
+        current += ch
+    if current.strip():
+        parts.append(current.strip())
+    return parts
+
+
+def _quote_arms(value: str) -> str:
+    """`{none: [proposer=none], ngram: [proposer=ngram, logits=[top_k]]}` -> each arm's
+    overrides quoted for Hydra's grammar (which takes no bare `=` in a list); what does not read
+    as arms of lists is left to Hydra."""
+    arms = []
+    for part in _split_top(value.strip()[1:-1]):
+        name, colon, items = part.partition(":")
+        items = items.strip()
+        if not colon or not (items.startswith("[") and items.endswith("]")):
+            return value
+        quoted = [i if QUOTED.match(i) else hydra_quote(i) for i in _split_top(items[1:-1])]
+        arms.append(f"{name.strip()}: [{', '.join(quoted)}]")
+    return "{" + ", ".join(arms) + "}"
 
 
 def _quote_list(value: str) -> str:

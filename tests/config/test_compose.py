@@ -144,6 +144,20 @@ def test_prompt_with_grammar_characters_is_quoted_for_hydra():
     assert cfg.prompt == "def f(x): return {x: 1}, [2]"
 
 
+def test_ab_arms_from_the_command_line_replace_the_experiment_s():
+    arms = "ab.arms={a: [proposer=none], b: [proposer=ngram, logits=[temperature,top_k], " \
+           "'proposer.k=2']}"
+    once = normalize_overrides(["experiment=demo_proposers", arms, "ab.baseline=a"])
+    assert normalize_overrides(once) == once                  # a second pass changes nothing
+    cfg = compose(once)
+    assert {k: list(v) for k, v in cfg.ab.arms.items()} == {
+        "a": ["proposer=none"], "b": ["proposer=ngram", "logits=[temperature,top_k]", "proposer.k=2"]}
+    assert cfg.ab.name == "demo_proposers"                    # the rest of the experiment stays
+    cfg = compose(normalize_overrides(["ab.name=x", "ab.baseline=n",
+                                       "ab.arms={n: ['proposer=none'], g: [proposer=ngram]}"]))
+    assert list(cfg.ab.arms) == ["n", "g"]
+
+
 def test_cuda_without_a_gpu_is_one_clear_error():
     import torch
     if torch.cuda.is_available():

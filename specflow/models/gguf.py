@@ -142,11 +142,12 @@ def _convert(file: pathlib.Path, folder: pathlib.Path, what: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from specflow.console import console
+    from specflow.console import err_console
 
     folder.parent.mkdir(parents=True, exist_ok=True)
-    console.print(f"[dim]specflow: converting {file.name} to a model folder in {folder} "
-                  f"(once)[/dim]")
+    # stderr: a caller's $(...) takes stdout as the folder (make llama-cpp)
+    err_console.print(f"[dim]specflow: converting {file.name} to a model folder in {folder} "
+                      f"(once)[/dim]")
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=".converting-", dir=folder.parent))
     quiet = os.environ.get("TQDM_DISABLE")
     os.environ["TQDM_DISABLE"] = "1"        # transformers' dequantizing bar: the line above says it

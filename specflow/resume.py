@@ -119,9 +119,12 @@ def merged_stats(earlier: Sequence[dict], now: dict) -> dict:
 
 
 def run_resumable(pipe, prompts: Sequence[str], out: str | os.PathLike, progress: bool,
-                  rerun: str = "rerun into the same folder") -> tuple[list[dict], dict, int]:
+                  rerun: str = "rerun into the same folder",
+                  warm_up: Callable[[int], Any] | None = None) -> tuple[list[dict], dict, int]:
     """Generate what is not yet in out/requests.jsonl (appending as requests finish).
 
+    warm_up(n): called with the number of requests left, untimed, just before they are generated
+    (an A/B arm's warm-up, specflow/app/warmup.py); not called when none are left.
     Returns (every request's record in prompt order, the aggregate stats, how many were resumed).
     A write that fails (a full disk) raises an InputError naming the file: the records written
     before it are kept, and `rerun` (how to resume, for the message) generates the rest.
@@ -152,6 +155,8 @@ def run_resumable(pipe, prompts: Sequence[str], out: str | os.PathLike, progress
             raise failed(exc) from None
         written += 1
 
+    if warm_up is not None:
+        warm_up(len(todo))
     try:
         with JsonlWriter(path, append=bool(done)) as sink:
             results = pipe.generate([prompts[i] for i in todo], indices=todo, progress=progress,

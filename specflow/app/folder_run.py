@@ -36,7 +36,7 @@ def run_into(cfg: DictConfig, folder: str | os.PathLike, *, owner: str, setting:
              metrics_extra: dict[str, Any] | None = None,
              before_run: Callable[[str], None] | None = None,
              on_start: Callable[[int], None] | None = None,
-             write_config: bool = False) -> FolderRun:
+             write_config: bool = False, warm_up: bool = False) -> FolderRun:
     """Generate the config's prompts into `folder` (requests.jsonl, then metrics.json).
 
     owner / setting: who holds the folder and the option that moves it (for the refusal line);
@@ -44,7 +44,9 @@ def run_into(cfg: DictConfig, folder: str | os.PathLike, *, owner: str, setting:
     finished run in the folder is replaced (run) or kept and reported as skipped (ab);
     before_run(fingerprint): a check inside the lock before anything is generated, given the
     config's fingerprint (ab: the folder holds results of the same overrides);
-    on_start(n): called with the number of prompts once the pipeline is built.
+    on_start(n): called with the number of prompts once the pipeline is built;
+    warm_up: before the first timed request, the engine decodes a few tokens of a prompt of its
+    own, untimed (specflow/app/warmup.py; `specflow ab` arms), unless nothing is left to run.
     """
     from omegaconf import OmegaConf
 
@@ -71,7 +73,7 @@ def run_into(cfg: DictConfig, folder: str | os.PathLike, *, owner: str, setting:
                 _clear(out)
             rows, stats, resumed, config = run_on_vllm(
                 cfg, out, prompts=len(read_prompts(cfg)), rerun=rerun, on_start=on_start,
-                write_config=write_config, metrics_extra=metrics_extra)
+                write_config=write_config, metrics_extra=metrics_extra, warm_up=warm_up)
             return FolderRun(out, rows, stats, resumed, True, False, config)
         pipe = Pipeline(cfg)
         prompts = apply_chat_template(read_prompts(cfg), pipe.tokenizer, chat_mode(cfg))
@@ -81,7 +83,13 @@ def run_into(cfg: DictConfig, folder: str | os.PathLike, *, owner: str, setting:
             write_or_explain(out / "arm_config.yaml", atomic_write_text, OmegaConf.to_yaml(pipe.cfg), rerun)
         if on_start is not None:
             on_start(len(prompts))
-        rows, stats, resumed = run_resumable(pipe, prompts, out, progress=progress, rerun=rerun)
+        warm = None
+        if warm_up:
+            from specflow.app.warmup import warm_up_pipeline
+
+            warm = warm_up_pipeline(pipe, chat_mode(cfg))
+        rows, stats, resumed = run_resumable(pipe, prompts, out, progress=progress, rerun=rerun,
+                                             warm_up=warm)
         write_or_explain(out / "metrics.json", atomic_write_json, {
             **(metrics_extra or {}), "config": config, "greedy": pipe.greedy, "threads": pipe.threads,
             "packed": pipe.packed, "draft_packed": pipe.draft_packed, "kernels": pipe.kernels,

@@ -128,7 +128,7 @@ def run_job(cfg: DictConfig, task_overrides: list[str], out: str | os.PathLike, 
         arm_cfg, out, owner="specflow ab", setting="hydra.sweep.dir",
         rerun="rerun the same command", progress=progress, replace_finished=False,
         before_run=lambda fingerprint: check_rerun(pathlib.Path(out), fingerprint),
-        on_start=on_start, write_config=True,
+        on_start=on_start, write_config=True, warm_up=True,
         metrics_extra={"experiment": str(cfg.ab.name), "arm": str(cfg.ab.arm),
                        "rep": int(cfg.ab.rep), "arms": [str(a) for a in cfg.ab.arms],
                        "baseline": str(cfg.ab.baseline)})

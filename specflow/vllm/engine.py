@@ -83,23 +83,53 @@ class VllmRunner:
                 "overrides": os.environ.get(OVERRIDES_ENV)
                 if self.cfg.vllm.drafter == "specflow" else None}
 
-    def generate(self, todo: list[tuple[int, str]], on_result: Callable[[dict], None]) -> float:
+    def _params(self, max_tokens: int):
+        from vllm import SamplingParams
+
+        stop = self.cfg.stop
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                              stop=list(stop.get("strings") or []) or None,
+                              stop_token_ids=list(stop.get("token_ids") or []) or None,
+                              ignore_eos=not bool(stop.get("eos", True)),
+                              include_stop_str_in_output=bool(stop.get("include_stop_str")))
+
+    def warm_up(self, rows: int) -> int:
+        """Untimed, before the first timed call: WARMUP_TOKENS of the warm-up prompt in `rows`
+        rows (specflow/app/warmup.py), then vLLM's prefix cache emptied, so the timed requests
+        find warm passes but none of the warm-up's cached blocks. -> the requests it ran."""
+        from vllm.inputs import TokensPrompt
+
+        from specflow.app.prompts import chat_mode
+        from specflow.app.warmup import WARMUP_TOKENS, warmup_prompts
+
+        limit = self.cfg.model.get("max_model_len")
+        prompts = warmup_prompts(self.tokenizer, chat_mode(self.cfg),
+                                 min(rows, int(self.cfg.max_batch_size)),
+                                 int(limit) if limit else None)
+        if prompts:
+            self.llm.generate([TokensPrompt(prompt_token_ids=self.tokenizer.encode(p))
+                               for p in prompts], self._params(WARMUP_TOKENS), use_tqdm=False)
+            reset = getattr(self.llm, "reset_prefix_cache", None)
+            if callable(reset):
+                reset()
+        return len(prompts)
+
+    def generate(self, todo: list[tuple[int, str]], on_result: Callable[[dict], None],
+                 warm_up: bool = False) -> float:
         """Decode (index, prompt) pairs in one call (max_batch_size at a time, as vLLM
         schedules them); on_result gets each request's record. -> the call's wall seconds.
+        warm_up: the untimed warm-up runs first (self.warm_up).
 
         A request's seconds are its life in the engine, from first scheduled to last token (as
         specflow counts a request's rounds); its counts are vLLM's own for it, step by step."""
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         cfg = self.cfg
-        params = SamplingParams(temperature=0.0, max_tokens=int(cfg.max_new_tokens),
-                                stop=list(cfg.stop.get("strings") or []) or None,
-                                stop_token_ids=list(cfg.stop.get("token_ids") or []) or None,
-                                ignore_eos=not bool(cfg.stop.get("eos", True)),
-                                include_stop_str_in_output=bool(cfg.stop.get("include_stop_str")))
         if not todo:
             return 0.0
+        if warm_up:
+            self.warm_up(len(todo))
+        params = self._params(int(cfg.max_new_tokens))
         prompts = [TokensPrompt(prompt_token_ids=self.tokenizer.encode(p)) for _, p in todo]
         no_draft = "policy" if self.args["speculative_config"] else f"proposer={cfg.proposer.name}"
         start = time.perf_counter()
@@ -130,8 +160,10 @@ class VllmRunner:
 
 
 def run_on_vllm(cfg: DictConfig, out: pathlib.Path, *, prompts: int, rerun: str, on_start=None,
-                write_config: bool = False, metrics_extra: dict | None = None):
+                write_config: bool = False, metrics_extra: dict | None = None,
+                warm_up: bool = False):
     """`run_into` for engine=vllm -> (records in prompt order, aggregate, resumed, config).
+    warm_up: the engine's untimed warm-up before the first timed request (VllmRunner.warm_up).
 
     vLLM runs in a child process of its own with its engine inside that process (no second
     engine process fighting it for two cores), so each arm starts from a fresh vLLM: one process
@@ -157,7 +189,7 @@ def run_on_vllm(cfg: DictConfig, out: pathlib.Path, *, prompts: int, rerun: str,
         job.write_text(json.dumps({
             "cfg": OmegaConf.to_yaml(resolved_copy(cfg)), "out": str(out), "config": config,
             "rerun": rerun, "write_config": write_config, "metrics_extra": metrics_extra or {},
-            "error": str(error)}), encoding="utf-8")
+            "warm_up": warm_up, "error": str(error)}), encoding="utf-8")
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE",
                                                         str(cfg.vllm.kv_cache_gib))}
@@ -189,7 +221,7 @@ def run_on_vllm(cfg: DictConfig, out: pathlib.Path, *, prompts: int, rerun: str,
 
 
 def _run_here(cfg: DictConfig, out: pathlib.Path, config: str, rerun: str, write_config: bool,
-              metrics_extra: dict) -> None:
+              metrics_extra: dict, warm_up: bool = False) -> None:
     """The child's side: one engine, the missing requests, then metrics.json."""
     from specflow.app.prompts import chat_mode, read_prompts
     from specflow.experiments.workloads import apply_chat_template
@@ -211,7 +243,7 @@ def _run_here(cfg: DictConfig, out: pathlib.Path, config: str, rerun: str, write
             sink.write(row)
             rows[row["index"]] = row
 
-        runner.generate(todo, record)
+        runner.generate(todo, record, warm_up=warm_up)
     ordered = [rows[i] for i in range(len(prompts))]
     total = Counters()      # the counts of every request; the wall time of the calls that ran them
     calls: dict[str, float] = {}
@@ -236,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     job = json.loads(pathlib.Path((argv or sys.argv[1:])[0]).read_text(encoding="utf-8"))
     try:
         _run_here(OmegaConf.create(job["cfg"]), pathlib.Path(job["out"]), job["config"],
-                  job["rerun"], job["write_config"], job["metrics_extra"])
+                  job["rerun"], job["write_config"], job["metrics_extra"], job.get("warm_up", False))
     except SpecflowError as exc:
         pathlib.Path(job["error"]).write_text(str(exc), encoding="utf-8")
         return 2

@@ -23,7 +23,8 @@ from specflow.stages.proposers.ngram import ngram_draft
 from specflow.stages.stop import TrimResult
 from specflow.stages.verify import verify
 from specflow.stages.verify_tree import verify_tree
-from specflow.state import PAD, DecodeBatch, Proposal, RoundResult, ShapingBatch, VerifyOutput
+from specflow.state import (PAD, DecodeBatch, HiddenStates, Proposal, RoundResult, ShapingBatch,
+                            VerifyOutput)
 from specflow.version import __version__
 
 __all__ = [
@@ -32,7 +33,7 @@ __all__ = [
     "ngram_draft",
     # writing plugins: the marker, the round's dataclasses, the registry, helpers
     "hookimpl", "HOOK_API_VERSION", "PAD", "DecodeBatch", "Proposal", "ShapingBatch",
-    "VerifyOutput", "TrimResult", "RoundResult", "Registry", "reset_plugins",
+    "VerifyOutput", "HiddenStates", "TrimResult", "RoundResult", "Registry", "reset_plugins",
     "atomic_write_json", "atomic_write_text",
     # errors (the CLI prints one line and exits 2 for any SpecflowError)
     "SpecflowError", "ConfigError", "InputError", "PluginError", "EmptyDistributionError",

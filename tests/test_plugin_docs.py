@@ -28,9 +28,9 @@ SYNTHETIC = ["model=synthetic", "draft=synthetic"]
 PROMPTS = ["abcab", "xyz"]
 
 
-def test_the_five_recipes_are_there():
-    assert list(RECIPES) == ["A proposer", "A logit processor", "A constraint", "A policy",
-                             "An observer"]
+def test_the_six_recipes_are_there():
+    assert list(RECIPES) == ["A proposer", "A proposer that reads hidden states",
+                             "A logit processor", "A constraint", "A policy", "An observer"]
 
 
 def run(overrides, stage):
@@ -46,6 +46,30 @@ def test_proposer_recipe_is_exact_and_proposes():
     assert [r.token_ids for r in out] == [r.token_ids for r in plain]
     with pytest.raises(Exception, match="proposer.k=-1"):
         ns["EchoConfig"](k=-1)
+
+
+def test_hidden_state_recipe_reads_the_states_drafts_and_stays_exact():
+    """On the demo target (a transformers model with hidden states), batch 1 and 3."""
+    ns = RECIPES["A proposer that reads hidden states"]
+    prompts = ["def fib(n):", "class Stack:\n    def push(self, x):", "import os\n"]
+    plain = Pipeline.from_config(["proposer=none"]).generate(prompts, max_new_tokens=12)
+    for batch in (1, 3):
+        pipe = Pipeline.from_config(["proposer=none", "policy.k=1", "draft=none"])
+        head = ns["StateHead"](ns["StateHeadConfig"](), pipe.ctx)
+        seen = []
+
+        class Spy:
+            @hookimpl
+            def specflow_target_states(self, states):
+                seen.append(states.hidden.shape[-1])
+
+        pipe.register(head)
+        pipe.register(Spy())
+        out = pipe.generate(prompts, max_new_tokens=12, max_batch_size=batch)
+        assert [r.token_ids for r in out] == [r.token_ids for r in plain]
+        assert pipe.last_stats["num_draft_tokens"] > 0
+        assert seen and set(seen) == {pipe.target.hidden_size}
+        assert head.states == {}                       # every request's states released
 
 
 def test_processor_recipe_bans_immediate_repeats():

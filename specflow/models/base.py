@@ -79,6 +79,10 @@ class Backend(abc.ABC):
     vocab_size: int
     eos_token_id: int | None = None
     max_length: int | None = None        # context window in tokens, None = unbounded
+    # for stages that read hidden states (specflow_hidden_layers): decoder layers (index
+    # num_layers is the final normed state) and the width of one layer's state; 0 = none
+    num_layers: int = 0
+    hidden_size: int = 0
     supports_rollback: bool = True       # False for recurrent caches: speculation is refused
     device: torch.device = torch.device("cpu")
     tokenizer: Tokenizer

@@ -202,6 +202,8 @@ def test_serve_prints_its_banner_once_bound_and_a_taken_port_is_one_line(tmp_pat
         banner = proc.stdout.readline()
         port = int(re.match(r"specflow serve: http://127\.0\.0\.1:(\d+) \(", banner).group(1))
         assert port > 0, banner
+        # off a terminal too, a line says it is loading before the address comes
+        assert proc.stderr.readline().startswith("specflow serve: loading ")
         for _ in range(100):
             try:
                 assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200

@@ -56,19 +56,20 @@ def test_hidden_state_recipe_reads_the_states_drafts_and_stays_exact():
     for batch in (1, 3):
         pipe = Pipeline.from_config(["proposer=none", "policy.k=1", "draft=none"])
         head = ns["StateHead"](ns["StateHeadConfig"](), pipe.ctx)
-        seen = []
-
         class Spy:
+            seen: list[int] = []
+
             @hookimpl
             def specflow_target_states(self, states):
-                seen.append(states.hidden.shape[-1])
+                self.seen.append(states.hidden.shape[-1])
 
+        spy = Spy()
         pipe.register(head)
-        pipe.register(Spy())
+        pipe.register(spy)
         out = pipe.generate(prompts, max_new_tokens=12, max_batch_size=batch)
         assert [r.token_ids for r in out] == [r.token_ids for r in plain]
         assert pipe.last_stats["num_draft_tokens"] > 0
-        assert seen and set(seen) == {pipe.target.hidden_size}
+        assert spy.seen and set(spy.seen) == {pipe.target.hidden_size}
         assert head.states == {}                       # every request's states released
 
 

@@ -371,13 +371,18 @@ def serve(cfg) -> None:
     """Bind the address, build the pipeline from the composed config and serve it until SIGTERM /
     Ctrl-C. The banner comes once the socket is bound and the pipeline built."""
     _, uvicorn = _imports()
+    from specflow.app.progress import Heartbeat, stderr_line
     from specflow.console import console
     from specflow.pipeline import Pipeline
 
     server_cfg = cfg.server
     sock = bind_socket(str(server_cfg.host), int(server_cfg.port))
     try:
-        pipe = Pipeline(cfg)
+        model = server_cfg.get("model_name") or cfg.model.get("path") or cfg.model.name
+        stderr_line(f"specflow serve: loading {model} and choosing its settings; it answers once it "
+            f"prints its address")
+        with Heartbeat(stderr_line, "loading the model", every=30.0):
+            pipe = Pipeline(cfg)
         app = create_app(pipe, server_cfg)
 
         class Server(uvicorn.Server):
@@ -398,8 +403,7 @@ def serve(cfg) -> None:
         server = Server(config)
         shown = str(server_cfg.host)
         url = f"http://[{shown}]:{port}" if ":" in shown else f"http://{shown}:{port}"
-        console.print(f"specflow serve: {url} (model "
-                      f"{server_cfg.get('model_name') or cfg.model.get('path') or cfg.model.name}, "
+        console.print(f"specflow serve: {url} (model {model}, "
                       f"proposer={cfg.proposer.name}, policy={cfg.policy.name}); Ctrl-C or SIGTERM "
                       f"drains and stops", markup=False, highlight=False)
         server.run(sockets=[sock])

@@ -141,27 +141,36 @@ PART_SEQUENCES = 256      # prompts decoded and saved together in continuations_
 
 
 def continuations_in_parts(pipe, prompts: list[str], new_tokens: int, advance,
-                           recorder: StateRecorder, folder: pathlib.Path):
+                           recorder: StateRecorder, folder: pathlib.Path,
+                           note=lambda text: None):
     """continuations() with a recorder, PART_SEQUENCES prompts at a time, each part saved to
     `folder` (part-NNNN.pt, with its prompts) as soon as it is decoded; a part already there
     that holds the same prompts is loaded instead of decoded again, so an interrupted data phase
-    (Ctrl-C, a lost machine) resumes where it stopped -> (sequences, lengths, states)."""
+    (Ctrl-C, a lost machine) resumes where it stopped -> (sequences, lengths, states);
+    note(text) hears how many it read back."""
     folder.mkdir(parents=True, exist_ok=True)
     sequences, lens, states = [], [], []
+    reused = 0
     for i, at in enumerate(range(0, len(prompts), PART_SEQUENCES)):
         chunk = prompts[at:at + PART_SEQUENCES]
         path = folder / f"part-{i:04d}.pt"
         part = torch.load(path, weights_only=False) if path.is_file() else None
         if part is not None and part["prompts"] == chunk:
+            reused += len(chunk)
             for _ in chunk:
                 advance()
         else:
+            if reused and at == reused:
+                note(f"resuming the data phase: {reused} of {len(prompts)} sequences were "
+                     f"decoded earlier (read from {folder}); decoding the rest")
             got = continuations(pipe, chunk, new_tokens, advance, recorder)
             part = dict(zip(("sequences", "lens", "states"), got), prompts=chunk)
             save_whole(part, path)
         sequences += part["sequences"]
         lens += part["lens"]
         states += part["states"]
+    if reused == len(prompts):
+        note(f"resuming: all {reused} sequences were decoded earlier (read from {folder})")
     return sequences, lens, states
 
 

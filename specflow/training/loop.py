@@ -85,8 +85,9 @@ def save_checkpoint(path: pathlib.Path, head, opt, step: int, gen: torch.Generat
 
 
 def train(head, windows: Windows, s: Settings, checkpoint: pathlib.Path, resume: bool,
-          advance) -> list[dict]:
-    """Train in place; returns the log (loss and per-step accuracy every checkpoint)."""
+          advance, note=lambda text: None) -> list[dict]:
+    """Train in place; returns the log (loss and per-step accuracy every checkpoint). note(text)
+    hears where a resumed run starts."""
     # denormal floats (tiny gradients and Adam moments late in training) run ~100x slower on
     # x86 CPUs: steps slowed from 0.5 s to 1.6 s before this
     torch.set_flush_denormal(True)
@@ -105,6 +106,7 @@ def train(head, windows: Windows, s: Settings, checkpoint: pathlib.Path, resume:
                               f"train_head.resume=false") from None
         gen.set_state(state["rng"])
         start = int(state["step"])
+        note(f"resuming training at step {start} of {s.steps} from {checkpoint}")
         advance(start)
     log: list[dict] = []
     head.train()

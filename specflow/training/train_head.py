@@ -97,7 +97,8 @@ def head_shape_for(target, cfg: TrainHeadConfig, vocab: int):
 
 def run(cfg, prompts: list[str], progress) -> dict:
     """Everything train-head does; `progress(description, total)` returns an advance(n, **info)
-    callable for each phase. Returns the summary written into config.json."""
+    callable for each phase, and `progress.note(text)`, where it has one, hears what a resumed
+    run picked up (specflow/app/progress.py). Returns the summary written into config.json."""
     from omegaconf import OmegaConf
 
     from specflow.models.eagle_head import target_dims, train_layer_ids
@@ -142,9 +143,12 @@ def _train(cfg, th: TrainHeadConfig, out: pathlib.Path, settings: dict, prompts:
     if not th.resume:                     # start over: what an earlier run decoded goes
         shutil.rmtree(parts, ignore_errors=True)
         (out / TURNS).unlink(missing_ok=True)
+    note = getattr(progress, "note", lambda text: None)
     if th.resume and cache.is_file():
         seqs = torch.load(cache, weights_only=False)
         check_recorded_width(cache, seqs, shape)
+        note(f"resuming: the data phase is done ({len(seqs)} target-written sequences, "
+             f"{seqs.positions()} positions, read from {cache})")
     else:
         cut = data.cut_prompts(prompts, target.tokenizer, th.prompt_tokens, th.prompts)
         if not cut:
@@ -158,7 +162,8 @@ def _train(cfg, th: TrainHeadConfig, out: pathlib.Path, settings: dict, prompts:
         pipe.register(recorder, "train-head.states")
         adv = progress("target writes continuations", len(cut))
         sequences, lens, states = data.continuations_in_parts(pipe, cut, th.new_tokens,
-                                                              lambda: adv(1), recorder, parts)
+                                                              lambda: adv(1), recorder, parts,
+                                                              note)
         seqs = data.recorded_sequences(sequences, lens, states, len(shape.layer_ids))
         del states
         data.save_whole(seqs, cache)
@@ -185,7 +190,7 @@ def _train(cfg, th: TrainHeadConfig, out: pathlib.Path, settings: dict, prompts:
     windows = loop.Windows(train_seqs, lm, th.seq, th.ttt_steps)
     adv = progress("training (training-time test)", th.steps)
     t0 = time.perf_counter()
-    log = loop.train(head, windows, schedule, out / "checkpoint.pt", th.resume, adv)
+    log = loop.train(head, windows, schedule, out / "checkpoint.pt", th.resume, adv, note)
     trained = time.perf_counter() - t0
     figure = loop.heldout_acceptance(head, loop.Windows(held, lm, th.seq, 4), 4) if len(held) \
         else None
@@ -222,7 +227,10 @@ def chat_prompts(run_cfg, th: TrainHeadConfig, progress, saved: pathlib.Path) ->
     from specflow.training import user_turns
 
     if saved.is_file():
-        return json.loads(saved.read_text())
+        prompts = json.loads(saved.read_text())
+        getattr(progress, "note", lambda text: None)(
+            f"resuming: {len(prompts)} user turns the target wrote earlier, read from {saved}")
+        return prompts
     pipe = Pipeline(user_turns.sampling_config(run_cfg))
     try:
         adv = progress("target writes user turns", th.chat_turns)

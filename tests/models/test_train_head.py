@@ -271,10 +271,20 @@ def test_an_interrupted_data_phase_resumes_from_the_parts_it_saved(hf_models, tm
         return decode(pipe, prompts, *args, **kw)
     monkeypatch.setattr(data, "continuations", counted)
 
+    class Heard:                                 # a progress that keeps the notes it hears
+        notes: list[str] = []
+
+        def __call__(self, *_args):
+            return quiet()
+
+        def note(self, text):
+            self.notes.append(text)
+
     def run(out):
         cfg = compose(TRAIN + [f"model.path={hf_models['llama']}", f"train_head.output={out}"],
                       "train_head")
-        train_head.run(cfg, read_prompts(cfg), quiet)
+        Heard.notes = []
+        train_head.run(cfg, read_prompts(cfg), Heard())
         return torch.load(out / "train_data.pt", weights_only=False)
 
     stop_at = 2
@@ -286,6 +296,11 @@ def test_an_interrupted_data_phase_resumes_from_the_parts_it_saved(hf_models, tm
     stop_at = 0
     resumed = run(tmp_path / "a")
     assert calls == [4, 4]                                    # the first part was loaded
+    assert Heard.notes == [f"resuming the data phase: 4 of 12 sequences were decoded earlier "
+                           f"(read from {tmp_path / 'a' / 'train_data.parts'}); decoding the rest"]
+    run(tmp_path / "a")                        # once more: data and training are both done
+    assert Heard.notes[0].startswith("resuming: the data phase is done (") and \
+        Heard.notes[1].startswith("resuming training at step ")
     assert not (tmp_path / "a" / "train_data.parts").exists()   # train_data.pt holds it all
     whole = run(tmp_path / "b")
     assert [t.tolist() for t in resumed.tokens] == [t.tolist() for t in whole.tokens]

@@ -32,6 +32,7 @@ from specflow.config import check_token_ids, compose, option, validate, whole_nu
 from specflow.engine import Engine
 from specflow.errors import ConfigError, InputError, PluginError
 from specflow.metrics import MetricsRecorder
+from specflow.models import choice_cache
 from specflow.models.base import Backend, SimClock
 from specflow.request import LOGPROB_FLOOR, GenerationResult, Request, Row
 from specflow.plugins import blame, check_hooks, get_registry, new_plugin_manager
@@ -93,7 +94,8 @@ class Pipeline:
 
     def __init__(self, cfg: DictConfig, plugins: Iterable[object] = ()):
         try:
-            self._construct(cfg, plugins)
+            with choice_cache.retiming(bool(cfg.get("retime", False))):
+                self._construct(cfg, plugins)
         except Exception as exc:
             blamed = blame(exc, "while the pipeline was built", pm=getattr(self, "pm", None))
             if blamed is None:
@@ -188,6 +190,10 @@ class Pipeline:
         proposer = self.pm.get_plugin(f"proposer.{named.name}") if named is not None else None
         if callable(getattr(proposer, "describe", None)):     # a draft head: its file and dtype
             built["proposer"] = proposer.describe()
+        named = self.cfg.get("policy")
+        policy = self.pm.get_plugin(f"policy.{named.name}") if named is not None else None
+        if callable(getattr(policy, "describe", None)) and (said := policy.describe()):
+            built["policy"] = said                 # goodput: where its timed costs came from
         return built
 
     @property
@@ -269,11 +275,12 @@ class Pipeline:
     def _build_draft(self, ctx: BuildContext):
         """The draft model, tuned by itself for its steps: its fullest scores a tree's frontier
         (proposer.topk positions; one for a chain) in every slot."""
-        draft = self._build("draft", ctx)
-        if draft is not None:
-            check_tree_width(self.cfg.get("proposer"), draft.max_length, "the draft model's")
-            draft.tune(rows=int(self.cfg.max_batch_size),
-                       positions=tree_width(self.cfg.get("proposer")), settings=self.cfg)
+        with choice_cache.retiming(bool(self.cfg.get("retime", False))):
+            draft = self._build("draft", ctx)
+            if draft is not None:
+                check_tree_width(self.cfg.get("proposer"), draft.max_length, "the draft model's")
+                draft.tune(rows=int(self.cfg.max_batch_size),
+                           positions=tree_width(self.cfg.get("proposer")), settings=self.cfg)
         return draft
 
     def _build(self, kind: str, ctx: BuildContext):

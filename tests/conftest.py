@@ -5,6 +5,9 @@ import os
 
 # tests see only specflow's built-ins unless a test installs a plugin itself
 os.environ.setdefault("SPECFLOW_DISABLE_PLUGIN_AUTOLOAD", "1")
+# tests time the choices made at start afresh (many fake the clock): nothing is read back from,
+# or kept in, the cache of timed choices (tests/models/test_choice_cache.py turns it on)
+os.environ.setdefault("SPECFLOW_CHOICE_CACHE", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -532,6 +532,10 @@ def _check_root(cfg: DictConfig) -> None:
     if native not in ("auto", True, False):
         raise ConfigError(f"native={native!r}; use auto (run passes through the decoder layers as "
                           f"one native call where that measures faster at start), true or false")
+    if not isinstance(cfg.get("retime", False), bool):
+        raise ConfigError(f"retime={cfg.retime!r}; use false (read back the times that the "
+                          f"choices at start measured in an earlier run on this machine) or true "
+                          f"(time them again)")
     device = str(cfg.get("device", "cpu"))
     if not DEVICES.match(device):
         raise ConfigError(f"device={device!r} is not a device; use cpu, cuda, cuda:N or auto")

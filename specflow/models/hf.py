@@ -304,7 +304,12 @@ class HFBackend(Backend):
         self._bool_mask = cfg.attn_implementation == "sdpa"
         # Mistral attends to the last `sliding_window` keys only; the explicit mask says so
         self.window = getattr(config, "sliding_window", None) if config.model_type == "mistral" else None
-        self.lean = self._lean_forward(cfg.forward, role, cfg.device_map)
+        from specflow.models import choice_cache
+
+        # where each timed choice's times came from (models/choice_cache.py): describe()'s
+        # `choices`, "cache" or "timed"
+        with choice_cache.recording() as self.choices:
+            self.lean = self._lean_forward(cfg.forward, role, cfg.device_map)
         self.num_layers = num_layers
         self.hidden_size = config.hidden_size
         self.graphs = None                  # a GraphRunner once tune() knows the fullest pass
@@ -340,29 +345,49 @@ class HFBackend(Backend):
         so; models/packing.py). A draft model: `native`, and `pack` timed at its steps of 1, 2,
         4, ... rows and its fullest. Only the lean forward on a CPU has anything to choose;
         elsewhere a number of threads is still applied."""
+        from specflow.models import choice_cache
         from specflow.models.native_choice import choose_native
         from specflow.models.packing import choose_draft_pack, choose_pack
         from specflow.models.threads import choose_threads
 
         pack = settings.get("pack", "auto")
-        if self.role != "draft":
-            self.threads = choose_threads(settings.get("threads", "auto"), self)
-        choose_native(settings.get("native", "auto"), self, positions, rows)
-        if self.role == "draft":
-            self.packed = choose_draft_pack(pack, self, positions, rows)
-        else:
-            self.packed = choose_pack(pack, self, positions, rows)
+        with choice_cache.recording() as seen:
+            if self.role != "draft":
+                self.threads = choose_threads(settings.get("threads", "auto"), self)
+            choose_native(settings.get("native", "auto"), self, positions, rows)
+            if self.role == "draft":
+                self.packed = choose_draft_pack(pack, self, positions, rows)
+            else:
+                self.packed = choose_pack(pack, self, positions, rows)
+        for choice, source in seen.items():
+            if self.choices.get(choice) != "timed":
+                self.choices[choice] = source
         if self._want_graphs:     # static steps up to the fullest pass, in power-of-two buckets
             from specflow.models.graph_step import GraphRunner
 
             self.graphs = GraphRunner(self.lean, self.cache, self.device, rows, positions)
             self.bucket = self.graphs.bucket
 
+    def choice_key(self) -> dict:
+        """What a pass of this backend costs depends on besides the machine, for the times
+        kept on disk (models/choice_cache.py): the model's files, its dtype, the cache's slots
+        and capacity, and the state the choices made so far left (threads, product forms,
+        layout, native passes: describe())."""
+        from specflow.models import choice_cache
+
+        state = {k: v for k, v in self.describe().items() if k != "choices"}
+        return {"model": choice_cache.files(self.model.name_or_path),
+                "dtype": str(self.model.dtype), "slots": self.cache.slots,
+                "capacity": self.cache.max_capacity, "window": self.window,
+                "torch_threads": torch.get_num_threads(), "state": state}
+
     def describe(self) -> dict:
         """forward (lean | hf), threads (tune's choice for the target; otherwise torch's CPU
         threads now), packed (tune's choice), kernels (the product forms the lean forward
-        timed and chose; None without it) and native_pass (the pass sizes that run all decoder
-        layers in one native call, models/native_pass.py; None where none do)."""
+        timed and chose; None without it), native_pass (the pass sizes that run all decoder
+        layers in one native call, models/native_pass.py; None where none do) and choices
+        (each timed choice -> "cache" where its times were read back from an earlier run's,
+        "timed" where they were measured now: models/choice_cache.py)."""
         threads = self.threads if self.threads is not None else torch.get_num_threads()
         out = {"forward": "lean" if self.lean is not None else "hf",
                "threads": threads, "packed": bool(self.packed),
@@ -372,6 +397,8 @@ class HFBackend(Backend):
         if self.lean is not None and self.lean.grouped_from is not None:
             out["attention"] = (f"one query: grouped products from {self.lean.grouped_from} "
                                 f"keys, rows x cached length (kernels.pick_one_query_attention)")
+        if self.choices:
+            out["choices"] = dict(sorted(self.choices.items()))
         if self.graphs is not None:
             out["graphs"] = {"captured": self.graphs.capture,
                              "buckets": sorted(self.graphs.steps),

@@ -34,6 +34,7 @@ on this project's machines".
 """
 from __future__ import annotations
 
+import collections
 import functools
 import time
 from dataclasses import dataclass
@@ -208,7 +209,8 @@ def pick(weights: list[torch.Tensor], repeats: int = 3, budget_s: float = 2.0) -
     a form timed in a block of its own could lose to a burst of a neighbour's load).
 
     Cached per (device, dtype, threads, shapes), so a second backend of the same model measures
-    nothing. CUDA (and any non-CPU device) takes F.linear without measuring.
+    nothing, and the times on disk per machine (models/choice_cache.py), so a second run does
+    not either. CUDA (and any non-CPU device) takes F.linear without measuring.
     """
     w0 = weights[0]
     if w0.device.type != "cpu":
@@ -219,6 +221,10 @@ def pick(weights: list[torch.Tensor], repeats: int = 3, budget_s: float = 2.0) -
         return _PICKED[key]
     timings = []
     deadline = time.perf_counter() + budget_s
+    shapes = collections.Counter(tuple(w.shape) for w in weights)
+    kept = {"dtype": str(w0.dtype), "threads": torch.get_num_threads(),     # choice_cache's key
+            "native": native.available(w0.dtype), "repeats": repeats,
+            "weights": sorted([*shape, n] for shape, n in shapes.items())}
 
     def once(form: str, x: dict[int, torch.Tensor]) -> float:
         """Seconds of one product of each weight by x[K]."""
@@ -232,12 +238,10 @@ def pick(weights: list[torch.Tensor], repeats: int = 3, budget_s: float = 2.0) -
         """The form of least summed time over `rows`, the forms timed in turns."""
         xs = [{w.shape[1]: torch.randn(r, w.shape[1], dtype=w.dtype) for w in weights}
               for r in rows]
-        with torch.inference_mode():
-            for form in forms:                 # warm-up: first calls pick and allocate
-                for x in xs:
-                    once(form, x)
+        with torch.inference_mode():           # (warm_up: first calls pick and allocate)
             best = in_turns([lambda f=f: [once(f, x) for x in xs] for f in forms], repeats,
-                            deadline)
+                            deadline, warm_up=True, choice="kernels.pick",
+                            key={**kept, "forms": forms, "rows": rows})
         for form, times in zip(forms, best):
             timings.extend((form, r, round(t * 1e3, 3)) for r, t in zip(rows, times))
         return min(zip(forms, best), key=lambda fb: sum(fb[1]))[0]
@@ -303,7 +307,8 @@ def pick_one_query_attention(heads: int, kv_heads: int, head_dim: int, dtype: to
     rows of 64, 2608 against 296 for 16 rows of 256 (float16 alike, about half the gap; in
     float32 the fused kernel wins). So the rows x length at which one row turns over is the
     threshold. The two forms are timed in turns (models/turns.py). Cached per (shape, dtype,
-    threads); a GPU and float32 keep the fused kernel, unmeasured."""
+    threads), the times on disk too (models/choice_cache.py); a GPU and float32 keep the fused
+    kernel, unmeasured."""
     if device.type != "cpu" or dtype == torch.float32:
         return None
     key = (heads, kv_heads, head_dim, dtype, torch.get_num_threads())
@@ -327,7 +332,10 @@ def pick_one_query_attention(heads: int, kv_heads: int, head_dim: int, dtype: to
                 fn(*args)                                                  # warm-up
             (fused_s,), (grouped_s,) = in_turns(
                 [lambda fn=fn, a=args: [_median_seconds(fn, a, reps // ROUNDS)] for fn in forms],
-                ROUNDS)
+                ROUNDS, choice="kernels.attention",
+                key={"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
+                     "dtype": str(dtype), "threads": torch.get_num_threads(), "length": length,
+                     "reps": reps, "gqa": bool(gqa)})
             wins.append(grouped_s < fused_s)
     start = next((i for i in range(len(wins)) if all(wins[i:])), None)
     _GROUPED_FROM[key] = None if start is None else ATTENTION_LENGTHS[start]

@@ -13,8 +13,9 @@ So where the product pick went to a library form for one row or for a few, `auto
 passes at the pipeline's two ends (one row at one position; every slot at k+1 positions), the
 native pass and the eager layers in turns (models/turns.py), and runs natively where the two
 ends' native/eager ratios average at most 1 (as `pack` weighs its ends, models/packing.py; a tie
-goes native). Where the native product won both, the native pass wins too (its products are the
-faster ones), and nothing is timed. `true` runs every pass it can natively, `false` none.
+goes native; the times are kept for later runs, models/choice_cache.py). Where the native
+product won both, the native pass wins too (its products are the faster ones), and nothing is
+timed. `true` runs every pass it can natively, `false` none.
 
 Private to the transformers backend: `HFBackend.tune` calls `choose_native` before choosing
 `pack` (a packed weight never takes the native pass, so packing is timed against the dense
@@ -22,6 +23,7 @@ layout's faster way); `HFBackend.describe` reports the pass sizes that run nativ
 """
 from __future__ import annotations
 
+from specflow.models import choice_cache
 from specflow.models.native_pass import NativePass
 from specflow.models.turns import in_turns, mean_ratio, time_ends
 
@@ -53,6 +55,8 @@ def choose_native(setting, backend, positions: int, rows: int = 1) -> bool | Non
         lean.native_layers = on
         return time_ends(backend, rows, positions, REPS)
 
-    native, eager = in_turns([lambda: timed(True), lambda: timed(False)], ROUNDS)
+    native, eager = in_turns([lambda: timed(True), lambda: timed(False)], ROUNDS,
+                             **choice_cache.of(backend, "native", rows=rows, positions=positions,
+                                               reps=REPS, rounds=ROUNDS))
     lean.native_layers = mean_ratio(native, eager) <= 1                           # a tie: native
     return lean.native_layers

@@ -8,7 +8,8 @@ fit the cache loses there) or less (a model far larger than the cache, whose one
 its weights: packed streams them faster on some CPUs). A pipeline runs passes between two ends: one
 row at one position (plain decoding of a lone request) and a full batch at k+1 positions
 (max_batch_size rows; k = 0 without speculation). `auto` times a pass at each end both ways when
-the pipeline is built, the layouts taking turns, and packs when the two ends' packed/dense ratios
+the pipeline is built, the layouts taking turns (the times kept for later runs:
+models/choice_cache.py), and packs when the two ends' packed/dense ratios
 average below 1 (for plain decoding of one row both ends are that pass): each end counts for its
 own relative cost, where a sum of times let the full batch's pass decide alone (SmolLM2 at 16 rows
 x 5 positions: dense 19 + 215 ms, packed 43 + 193, a coin toss by the sum, while every pass between
@@ -32,6 +33,7 @@ The figures behind this (per machine): docs/decisions.md, "Measured on this proj
 """
 from __future__ import annotations
 
+from specflow.models import choice_cache
 from specflow.models.kernels import can_pack
 from specflow.models.turns import in_turns, mean_ratio, time_ends
 
@@ -58,9 +60,10 @@ def _untimed(setting, backend, positions: int, rows: int) -> bool | None:
     return None
 
 
-def _in_both_layouts(lean, measure, **how) -> list[list[float]]:
+def _in_both_layouts(lean, measure, kept: dict, **how) -> list[list[float]]:
     """measure() with the dense weights and packed (lean.pack(**how), undone after), the
-    layouts in turns (models/turns.py): [dense times, packed times]."""
+    layouts in turns (models/turns.py): [dense times, packed times]; `kept`: in_turns()'s
+    choice and key (models/choice_cache.py)."""
     def timed(packs: bool) -> list[float]:
         if packs:
             lean.pack(**how)
@@ -70,7 +73,7 @@ def _in_both_layouts(lean, measure, **how) -> list[list[float]]:
             if packs:
                 lean.unpack()
 
-    return in_turns([lambda: timed(False), lambda: timed(True)], ROUNDS)
+    return in_turns([lambda: timed(False), lambda: timed(True)], ROUNDS, **kept)
 
 
 def choose_pack(setting, backend, positions: int, rows: int = 1) -> bool:
@@ -79,8 +82,10 @@ def choose_pack(setting, backend, positions: int, rows: int = 1) -> bool:
     if (decided := _untimed(setting, backend, positions, rows)) is not None:
         return decided
     lean = backend.lean
-    dense, packed = _in_both_layouts(lean, lambda: time_ends(backend, rows, positions,
-                                                              REPS // ROUNDS))
+    dense, packed = _in_both_layouts(
+        lean, lambda: time_ends(backend, rows, positions, REPS // ROUNDS),
+        choice_cache.of(backend, "pack", rows=rows, positions=positions, reps=REPS,
+                        rounds=ROUNDS))
     if mean_ratio(packed, dense) < 1:
         lean.pack()
     return lean.packed
@@ -107,7 +112,9 @@ def choose_draft_pack(setting, backend, positions: int, rows: int = 1) -> bool:
                      (positions, rows)}, key=lambda p: (p[0] * p[1], p))
     dense, packed = _in_both_layouts(
         lean, lambda: [backend.time_pass(rows=q, positions=p, reps=DRAFT_REPS // ROUNDS)
-                       for p, q in points], keep_dense=True, from_rows=1)
+                       for p, q in points],
+        choice_cache.of(backend, "draft_pack", points=points, reps=DRAFT_REPS, rounds=ROUNDS),
+        keep_dense=True, from_rows=1)
     wins = [pk < dn for pk, dn in zip(packed, dense)]
     start = next((i for i in range(len(points)) if all(wins[i:])), None)
     if start is None:

@@ -9,12 +9,14 @@ speed (docs/decisions.md, "Measured on this project's machines"), and every smal
 step pays it. `auto` therefore times the target's one-position pass (`Backend.time_pass`) with
 the threads torch would use and with one thread, in turns (models/turns.py), and keeps the
 faster. It is decided once: contention that starts later is not followed (set `threads=1` on a
-machine shared with other work).
+machine shared with other work), and the times are kept for later runs on the machine
+(models/choice_cache.py; `retime=true` times them again).
 """
 from __future__ import annotations
 
 import torch
 
+from specflow.models import choice_cache
 from specflow.models.turns import in_turns
 
 ROUNDS = 3    # turns of each count, 3 passes each (models/turns.py)
@@ -44,7 +46,8 @@ def choose_threads(setting, backend) -> int:
             torch.set_num_threads(n)
             return [backend.time_pass(reps=3)]
 
-        best = in_turns([lambda n=n: timed(n) for n in counts], rounds=ROUNDS)
+        best = in_turns([lambda n=n: timed(n) for n in counts], rounds=ROUNDS,
+                        **choice_cache.of(backend, "threads", counts=counts, rounds=ROUNDS))
         chosen = min(zip(counts, best), key=lambda cb: cb[1])[0]
     torch.set_num_threads(chosen)
     lean = getattr(backend, "lean", None)

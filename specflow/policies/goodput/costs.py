@@ -12,10 +12,13 @@ under load. Timed passes at two sizes give the slope before any round runs.
   one row over CATCH_UP_POSITIONS (what a draft model's catch-up costs per token fed). A proposer
   that answers None drafts without a model (n-gram lookup): its drafting is learned online only,
   from a prior relative to a target pass.
+
+Given a key for the proposer (`measure(key=...)`), what was timed is kept for later runs on the
+machine beside the target's own key (models/choice_cache.py), like the choices made at start.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Callable
 
 REPS = 5                   # timed passes per measurement (their median)
@@ -63,9 +66,30 @@ def draft_costs(step: StepSeconds, rows: int, width: int) -> MeasuredCosts:
     return out
 
 
-def measure(target, rows: int, positions: int, step: StepSeconds, width: int) -> MeasuredCosts:
+def measure(target, rows: int, positions: int, step: StepSeconds, width: int,
+            key: dict | None = None) -> MeasuredCosts:
     """Everything the policy times at build. Drafting is timed only beside a timed target: its
-    costs are priced against the target's, in the same seconds."""
+    costs are priced against the target's, in the same seconds. With `key` (what the drafting
+    depends on: the proposer's settings, the draft model's own key) and a target that has one
+    (`choice_key()`), the seconds are kept for later runs (models/choice_cache.py)."""
+    own = getattr(target, "choice_key", None)
+    if key is None or own is None or getattr(target, "clock", None) is not None:
+        return _measure(target, rows, positions, step, width)
+    from specflow.models import choice_cache
+
+    def usable(kept) -> bool:
+        return isinstance(kept, dict) and set(kept) == {"target", "draft", "branch", "catch_up"}
+
+    kept = choice_cache.recall(
+        "goodput.costs", {"target": own(), "rows": rows, "positions": positions,
+                          "width": width, "reps": REPS, **key},
+        lambda: asdict(_measure(target, rows, positions, step, width)), usable)
+    pair = lambda v: None if v is None else (float(v[0]), float(v[1]))   # noqa: E731
+    return MeasuredCosts(pair(kept["target"]), pair(kept["draft"]), float(kept["branch"]),
+                         float(kept["catch_up"]))
+
+
+def _measure(target, rows: int, positions: int, step: StepSeconds, width: int) -> MeasuredCosts:
     timed = target_cost(target, rows, positions)
     if timed is None:
         return MeasuredCosts()

@@ -195,8 +195,33 @@ class GoodputPolicy:
     def specflow_pipeline_built(self, pipeline):
         # every stage is registered: time the target's passes and ask the proposer for its
         # draft step's (a real target only: a simulated clock is the truth)
-        self.use_costs(measure(self.target, self.slots, self.cfg.k_max + 1,
-                                        self.step_seconds, self.tree_width))
+        from specflow.models import choice_cache
+
+        with choice_cache.recording() as self.choices:
+            self.use_costs(measure(self.target, self.slots, self.cfg.k_max + 1,
+                                   self.step_seconds, self.tree_width,
+                                   key=self._cost_key(pipeline)))
+
+    def describe(self) -> dict:
+        """metrics.json `backends.policy`: where the costs timed at build came from ("cache":
+        read back from an earlier run's, "timed": measured now; models/choice_cache.py)."""
+        choices = getattr(self, "choices", None)
+        return {"choices": dict(choices)} if choices else {}
+
+    def _cost_key(self, pipeline) -> dict | None:
+        """What the timed drafting depends on, for the seconds kept on disk
+        (models/choice_cache.py): the proposer's settings, the draft model's key (once built)
+        and a head's description; None (keep nothing) without a pipeline or a target key."""
+        from omegaconf import OmegaConf
+
+        if pipeline is None or not hasattr(self.target, "choice_key"):
+            return None
+        draft = pipeline.ctx._draft
+        proposer = pipeline.cfg.get("proposer")
+        return {"proposer": None if proposer is None else OmegaConf.to_container(proposer,
+                                                                                 resolve=True),
+                "draft": draft.choice_key() if hasattr(draft, "choice_key") else None,
+                "head": pipeline.backends.get("proposer")}
 
     @hookimpl
     def specflow_draft_length(self, batch):

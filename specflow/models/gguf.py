@@ -121,17 +121,17 @@ def gguf_folder(path: str, role: str = "model") -> str:
     if not file.is_file():
         raise ConfigError(f"{what} is not a file; point {role}.path at a .gguf file or a model "
                           f"folder")
-    arch = _architecture(file, what)
+    stat = file.stat()
+    key = hashlib.sha256(f"{file.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
+    folder = cache_root() / "gguf" / f"{file.stem}-{key[:12]}"
+    if (folder / "config.json").is_file():      # converted (and so checked) when it was this file
+        return str(folder)
+    arch = _architecture(file, what)             # reading the file's tensor table: seconds
     supported = _supported()
     if arch not in supported:
         raise ConfigError(f"{what} holds a {arch!r} model, an architecture transformers cannot "
                           f"read from GGUF (it reads {', '.join(sorted(supported))}); convert "
                           f"it to an HF folder another way")
-    stat = file.stat()
-    key = hashlib.sha256(f"{file.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
-    folder = cache_root() / "gguf" / f"{file.stem}-{key[:12]}"
-    if (folder / "config.json").is_file():
-        return str(folder)
     _convert(file, folder, what)
     return str(folder)
 

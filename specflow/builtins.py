@@ -67,12 +67,22 @@ def hf_draft(cfg, ctx):
     return draft
 
 
+def check_draft_preflight(cfg, prompts=None):
+    from specflow.models.preflight import check_draft
+    check_draft(cfg)
+
+
+def check_target_preflight(cfg, prompts=None):
+    from specflow.models.preflight import check_prompts
+    check_prompts(cfg, prompts)
+
+
 @hookimpl
 def specflow_register(registry):
     add = registry.add
     add("model", "synthetic", synthetic_target, SyntheticModelConfig)
-    add("model", "hf", hf_target, HFModelConfig)
-    add("draft", "hf", hf_draft, HFModelConfig)
+    add("model", "hf", hf_target, HFModelConfig, preflight=check_target_preflight)
+    add("draft", "hf", hf_draft, HFModelConfig, preflight=check_draft_preflight)
     add("draft", "synthetic", synthetic_draft, SyntheticDraftConfig)
     add("draft", "none", nothing, NamedOnly)
     add("proposer", "none", NoneProposer, NoneProposerConfig)

@@ -156,6 +156,9 @@ def run_task(cfg) -> None:
     if not quiet:
         print_results([GenerationResult.from_json(r) for r in run.rows])
         console.print(metrics_table(run.stats))
+    if run.chat and cfg.get("prompt") is not None:
+        console.print(f"[dim]the prompt went in as a user turn of the model's chat template "
+                      f"(chat={cfg.get('chat', 'auto')}; chat=off sends it as is)[/]")
     if run.resumed:
         console.print(f"[dim]resumed: {run.resumed} requests came from the interrupted run[/]")
     console.print(f"[dim]wrote {out}/requests.jsonl and {out}/metrics.json[/]")
@@ -275,6 +278,7 @@ def train_head_task(cfg) -> None:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, \
         TimeRemainingColumn
 
+    from specflow.app.progress import BarPhases, PlainPhases, silent, stderr_line
     from specflow.app.prompts import read_prompts
     from specflow.config import decode_escapes, validate
     from specflow.console import console
@@ -283,18 +287,16 @@ def train_head_task(cfg) -> None:
     try:
         cfg = validate(decode_escapes(cfg))
         prompts = read_prompts(cfg)
-        with Progress(TextColumn("{task.description}"), BarColumn(),
-                      TextColumn("{task.completed}/{task.total}"), TextColumn("{task.fields[info]}"),
-                      TimeElapsedColumn(), TimeRemainingColumn(), console=console,
-                      disable=os.environ.get("SPECFLOW_QUIET") == "1") as bar:
-            def phase(description: str, total: int):
-                task = bar.add_task(description, total=total, info="")
-
-                def advance(n: int = 1, loss: float | None = None, acc: float | None = None):
-                    info = "" if loss is None else f"loss {loss:.3f}  step-1 acc {acc:.2f}"
-                    bar.update(task, advance=n, info=info)
-                return advance
-            summary = train_head.run(cfg, prompts, phase)
+        if os.environ.get("SPECFLOW_QUIET") == "1":
+            summary = train_head.run(cfg, prompts, silent)
+        elif not console.is_terminal:       # nohup, CI, a pipe: a plain line every 30 s
+            summary = train_head.run(cfg, prompts, PlainPhases(stderr_line))
+        else:
+            with Progress(TextColumn("{task.description}"), BarColumn(),
+                          TextColumn("{task.completed}/{task.total}"),
+                          TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
+                          TimeRemainingColumn(), console=console) as bar:
+                summary = train_head.run(cfg, prompts, BarPhases(bar))
     except SpecflowError as exc:
         raise SystemExit(fail(str(exc))) from None
     fig = summary.get("heldout_greedy") or {}

@@ -89,6 +89,19 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def preflight(cfg: DictConfig, prompts: list[str] | None = None) -> None:
+    """The selected components' checks that need no weights (a draft's tokenizer against the
+    target's; the prompts' lengths, when given), run before any model loads: a mistake is one
+    line in seconds instead of after minutes of loading."""
+    registry = get_registry()
+    for kind in ("model", "draft", *groups.STAGES):
+        node = cfg.get(kind)
+        if node is not None and "name" in node:
+            check = registry.get(kind, node.name).preflight
+            if check is not None:
+                check(cfg, prompts)
+
+
 class Pipeline:
     """A composed speculative decoding pipeline. Build with `Pipeline.from_config(overrides=[...])`."""
 
@@ -129,6 +142,7 @@ class Pipeline:
         self.hidden_layers: tuple[int, ...] = ()   # target layers whose states stages read
         ctx = BuildContext(cfg=cfg, slots=int(cfg.max_batch_size), clock=self.clock,
                            device=resolve_device(str(cfg.device)), hook=self.hook)
+        preflight(self.cfg)
         ctx.target = self.target = self._build("model", ctx)
         self._check_k_fits(cfg)
         check_token_ids(cfg, self.target.vocab_size)   # stop ids, bad words, logit bias keys

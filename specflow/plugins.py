@@ -31,13 +31,17 @@ KINDS = groups.KINDS
 
 @dataclass(frozen=True)
 class Component:
-    """A named building block: ``factory(cfg, ctx)`` builds it, ``schema`` validates its config."""
+    """A named building block: ``factory(cfg, ctx)`` builds it, ``schema`` validates its config,
+    and ``preflight(cfg, prompts)``, when given, checks what needs no weights (tokenizers,
+    config files; the run's prompts when known, else None) before any model of the pipeline
+    loads."""
 
     kind: str
     name: str
     factory: Callable[..., Any]
     schema: type | None
     plugin: str
+    preflight: Callable[..., None] | None = None
 
 
 class Registry:
@@ -47,7 +51,8 @@ class Registry:
         self._items: dict[str, dict[str, Component]] = {kind: {} for kind in KINDS}
         self._current_plugin = "?"
 
-    def add(self, kind: str, name: str, factory: Callable[..., Any], schema: type | None = None) -> None:
+    def add(self, kind: str, name: str, factory: Callable[..., Any], schema: type | None = None,
+            preflight: Callable[..., None] | None = None) -> None:
         if kind not in self._items:
             raise PluginError(f"plugin {self._current_plugin!r} registers kind {kind!r}; "
                               f"known kinds: {', '.join(KINDS)}")
@@ -56,7 +61,8 @@ class Registry:
             raise PluginError(f"{kind} option {name!r} is registered twice: by plugin "
                               f"{existing.plugin!r} and by plugin {self._current_plugin!r}; "
                               f"rename one of them")
-        self._items[kind][name] = Component(kind, name, factory, schema, self._current_plugin)
+        self._items[kind][name] = Component(kind, name, factory, schema, self._current_plugin,
+                                            preflight)
 
     def get(self, kind: str, name: str) -> Component:
         try:

@@ -88,6 +88,9 @@ def _files(tmp: pathlib.Path) -> None:
     _gguf(tmp / "rwkv.gguf", "rwkv6")
     whole = _gguf(tmp / "whole.gguf", "llama").read_bytes()
     (tmp / "cut.gguf").write_bytes(whole[:len(whole) - 100])
+    (tmp / "two-ggufs").mkdir(exist_ok=True)
+    for name in ("a.Q4_0.gguf", "b.Q8_0.gguf"):
+        (tmp / "two-ggufs" / name).write_bytes(whole)
 
 
 def _gguf(dst: pathlib.Path, arch: str) -> pathlib.Path:
@@ -243,6 +246,19 @@ ROWS = [
      "policy=adaptive runs inside vLLM only as specflow's drafter", None),
     ("a config vLLM refuses", ["engine=vllm", "proposer=none", "model.max_model_len=100000"],
      "folder_run", "vLLM refused this arm (ValidationError", None),
+    ("a folder of GGUF files", ["model=hf", "model.path={tmp}/two-ggufs", "proposer=ngram"],
+     "build", "has no config.json but holds GGUF files (a.Q4_0.gguf, b.Q8_0.gguf); point "
+     "model.path at the one to load, e.g. model.path=", None),
+    ("the demo draft under another target", ["model=hf", "model.path={draft}"], "build",
+     "proposer=draft (the default proposer) needs a draft model with the target's tokenizer, "
+     "and none ships for model.path=", None),
+    ("a transformers prompt longer than the context", ["proposer=none", "model.max_model_len=4",
+                                                       "prompt=abcdefghij"],
+     "generate:['abcdefghij']", "has 5 tokens but the model's context is 4; shorten the prompt",
+     None),
+    ("unknown chat setting", [*SYN, "chat=yes"], "compose",
+     "chat='yes'; use auto (wrap prompt= in the tokenizer's chat template when it has one), on "
+     "or off", None),
 ]
 
 

@@ -29,6 +29,7 @@ class FolderRun:
     greedy: bool = True
     skipped: bool = False             # a finished run was found and kept (nothing ran)
     config: str | None = None         # the config fingerprint the records carry
+    chat: bool = False                # the prompts were wrapped in the chat template
 
 
 def run_into(cfg: DictConfig, folder: str | os.PathLike, *, owner: str, setting: str,
@@ -53,7 +54,7 @@ def run_into(cfg: DictConfig, folder: str | os.PathLike, *, owner: str, setting:
     from specflow.app.prompts import chat_mode, read_prompts
     from specflow.experiments.workloads import apply_chat_template
     from specflow.io import atomic_write_json, atomic_write_text, folder_lock
-    from specflow.pipeline import Pipeline
+    from specflow.pipeline import Pipeline, preflight
     from specflow.resume import config_fingerprint, run_resumable
 
     out = pathlib.Path(folder)
@@ -75,8 +76,11 @@ def run_into(cfg: DictConfig, folder: str | os.PathLike, *, owner: str, setting:
                 cfg, out, prompts=len(read_prompts(cfg)), rerun=rerun, on_start=on_start,
                 write_config=write_config, metrics_extra=metrics_extra, warm_up=warm_up)
             return FolderRun(out, rows, stats, resumed, True, False, config)
+        raw = read_prompts(cfg)
+        preflight(cfg, raw)           # tokenizers and prompt lengths, before the weights load
         pipe = Pipeline(cfg)
-        prompts = apply_chat_template(read_prompts(cfg), pipe.tokenizer, chat_mode(cfg))
+        prompts = apply_chat_template(raw, pipe.tokenizer, chat_mode(cfg))
+        chat = prompts != raw
         if finished:                        # a finished run here: this one replaces it
             _clear(out)
         if write_config:
@@ -91,12 +95,13 @@ def run_into(cfg: DictConfig, folder: str | os.PathLike, *, owner: str, setting:
         rows, stats, resumed = run_resumable(pipe, prompts, out, progress=progress, rerun=rerun,
                                              warm_up=warm)
         write_or_explain(out / "metrics.json", atomic_write_json, {
-            **(metrics_extra or {}), "config": config, "greedy": pipe.greedy, "threads": pipe.threads,
+            **(metrics_extra or {}), "config": config, "greedy": pipe.greedy, "chat_template": chat,
+            "threads": pipe.threads,
             "packed": pipe.packed, "draft_packed": pipe.draft_packed, "kernels": pipe.kernels,
             "backends": pipe.backends,
             "aggregate": stats,
             "resumed_requests": resumed, "requests": [r["stats"] for r in rows]}, rerun, len(rows))
-    return FolderRun(out, rows, stats, resumed, pipe.greedy, False, config)
+    return FolderRun(out, rows, stats, resumed, pipe.greedy, False, config, chat)
 
 
 def _clear(out: pathlib.Path) -> None:

@@ -6,9 +6,16 @@ import sys
 from specflow.errors import InputError
 
 
+CHAT_MODES = ("auto", "on", "off")
+
+
 def chat_mode(cfg) -> str:
-    """The workload's chat-template setting, or off for an explicit prompt."""
-    if cfg.get("prompt") is not None or cfg.get("workload") is None:
+    """Whether prompts are wrapped in the tokenizer's chat template (auto | on | off): `chat` for
+    an explicit prompt (`prompt=...`, `prompt=-`; auto by default, so an instruct model gets a
+    user turn, as it expects), else the workload's own setting (off where it has none)."""
+    if cfg.get("prompt") is not None:
+        return str(cfg.get("chat", "auto"))
+    if cfg.get("workload") is None:
         return "off"
     return str(cfg.workload.get("chat", "off"))
 

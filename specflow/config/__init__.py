@@ -520,6 +520,9 @@ def _check_root(cfg: DictConfig) -> None:
         raise ConfigError(f"show_progress={cfg.show_progress!r} must be true or false")
     if cfg.get("prompt") is not None and not isinstance(cfg.prompt, str):
         raise ConfigError(f"prompt={cfg.prompt!r} must be text; quote it")
+    if str(cfg.get("chat", "auto")) not in ("auto", "on", "off"):
+        raise ConfigError(f"chat={cfg.chat!r}; use auto (wrap prompt= in the tokenizer's chat "
+                          f"template when it has one), on or off")
     threads = cfg.get("threads", "auto")
     if threads != "auto":
         whole_number(threads, "threads", 1, 4096, "give threads=auto (the faster of all cores "

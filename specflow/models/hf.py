@@ -142,6 +142,12 @@ def check_model_dir(path: str, name: str, role: str = "model") -> None:
         raise ConfigError(f"{what} is an empty folder; point {role}.path at a folder that "
                           f"save_pretrained wrote (config.json, weights, tokenizer)")
     config = folder / "config.json"
+    ggufs = sorted(n for n in names if n.lower().endswith(".gguf"))
+    if not config.is_file() and ggufs:
+        example = folder / ggufs[0]
+        raise ConfigError(f"{what} has no config.json but holds GGUF "
+                          f"file{'s' if len(ggufs) > 1 else ''} ({', '.join(ggufs)}); point "
+                          f"{role}.path at the one to load, e.g. {role}.path={example}")
     if not config.is_file():
         raise ConfigError(f"{what} has no config.json, so it is not a saved model; point "
                           f"{role}.path at a folder that save_pretrained wrote (config.json, "
@@ -220,6 +226,8 @@ def load_model(cfg: HFModelConfig, device: torch.device, role: str = "model"):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    from specflow.models.preflight import take_tokenizer
+
     hf_logging.disable_progress_bar()   # specflow shows its own progress (GGUF conversion too)
 
     path = resolve_path(cfg.path, role)
@@ -233,7 +241,9 @@ def load_model(cfg: HFModelConfig, device: torch.device, role: str = "model"):
         raise ConfigError(f"cannot load the config of {role} {name!r}: {_brief(exc)}; restore "
                           f"config.json from the model's source") from exc
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+        tokenizer = take_tokenizer(path)      # loaded by a check before the weights, or now
+        if tokenizer is None:
+            tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     except Exception as exc:          # the tokenizers library raises plain Exception on bad files
         raise ConfigError(f"cannot load the tokenizer of {role} {name!r}: {_brief(exc)}; the "
                           f"folder needs the model's tokenizer files (tokenizer.json, "
@@ -533,17 +543,9 @@ class HFBackend(Backend):
 
 def check_same_tokenizer(target: HFBackend, draft: HFBackend) -> None:
     """A draft must share the target's tokenizer: vocabulary, special tokens, encodings."""
-    a, b = target.tokenizer.tok, draft.tokenizer.tok
-    problems = []
-    if len(a) != len(b):
-        problems.append(f"vocabulary {len(a)} vs {len(b)}")
-    for attr in ("eos_token_id", "bos_token_id", "pad_token_id", "unk_token_id"):
-        if getattr(a, attr, None) != getattr(b, attr, None):
-            problems.append(f"{attr} {getattr(a, attr, None)} vs {getattr(b, attr, None)}")
-    for sample in ("def fib(n):\n    return n", "Hello, world! 123", "  über   café\t"):
-        if a(sample)["input_ids"] != b(sample)["input_ids"]:
-            problems.append(f"encodings of {sample!r} differ")
-            break
+    from specflow.models.preflight import compare_tokenizers
+
+    problems = compare_tokenizers(target.tokenizer.tok, draft.tokenizer.tok)
     if problems:
         raise ConfigError(f"draft {draft.path!r} does not share the tokenizer of target "
                           f"{target.path!r} ({'; '.join(problems)}); pick a draft from the "

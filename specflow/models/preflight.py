@@ -1,0 +1,134 @@
+"""Checks that need only config files, tokenizers and the prompts, made before any weights load:
+a draft with another tokenizer (or the demo draft under another target), and a prompt longer
+than the model's context, are one line in seconds instead of after minutes of loading.
+
+The tokenizers loaded here are handed to the model load that follows (`take_tokenizer`), so a run
+reads each one once.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+
+from specflow.errors import ConfigError, InputError
+
+_loaded: dict[str, object] = {}      # resolved folder -> tokenizer, until its model loads
+
+
+def load_tokenizer(folder: str, trust_remote_code: bool = False):
+    """The transformers tokenizer of a resolved model folder (kept for the model's load), or
+    None when it cannot be loaded: the model's load then says why, in its own words."""
+    if folder not in _loaded:
+        from transformers import AutoTokenizer
+
+        try:
+            _loaded[folder] = AutoTokenizer.from_pretrained(
+                folder, trust_remote_code=trust_remote_code, local_files_only=True)
+        except Exception:     # the tokenizers library raises plain Exception on bad files
+            return None
+    return _loaded[folder]
+
+
+def take_tokenizer(folder: str):
+    """The tokenizer a check loaded for this folder, once (None when none did)."""
+    return _loaded.pop(folder, None)
+
+
+def compare_tokenizers(a, b) -> list[str]:
+    """How two tokenizers differ: vocabulary, special tokens, encodings ([] when they agree)."""
+    problems = []
+    if len(a) != len(b):
+        problems.append(f"vocabulary {len(a)} vs {len(b)}")
+    for attr in ("eos_token_id", "bos_token_id", "pad_token_id", "unk_token_id"):
+        if getattr(a, attr, None) != getattr(b, attr, None):
+            problems.append(f"{attr} {getattr(a, attr, None)} vs {getattr(b, attr, None)}")
+    for sample in ("def fib(n):\n    return n", "Hello, world! 123", "  über   café\t"):
+        if a(sample)["input_ids"] != b(sample)["input_ids"]:
+            problems.append(f"encodings of {sample!r} differ")
+            break
+    return problems
+
+
+def _same_path(a: str, b: pathlib.Path) -> bool:
+    try:
+        return pathlib.Path(os.path.expanduser(a)).resolve() == b.resolve()
+    except (OSError, TypeError):
+        return False
+
+
+def _uses_transformers(node) -> bool:
+    return node is not None and node.get("name") == "hf" and bool(node.get("path"))
+
+
+def check_draft(cfg, prompts=None) -> None:
+    """proposer=draft's draft model against the target, from their tokenizers alone."""
+    from specflow.models.hf import DEMO_DIR, resolve_path
+
+    proposer, model, draft = cfg.get("proposer"), cfg.get("model"), cfg.get("draft")
+    if proposer is None or proposer.get("name") != "draft" or not _uses_transformers(model) \
+            or not _uses_transformers(draft):
+        return
+    target_path, draft_path = str(model.path), str(draft.path)
+    if _same_path(draft_path, DEMO_DIR / "draft") and not _same_path(target_path,
+                                                                      DEMO_DIR / "target"):
+        raise ConfigError(no_draft_ships(target_path))
+    a = load_tokenizer(resolve_path(target_path, "model"), bool(model.get("trust_remote_code")))
+    b = load_tokenizer(resolve_path(draft_path, "draft"), bool(draft.get("trust_remote_code")))
+    problems = compare_tokenizers(a, b) if a is not None and b is not None else []
+    if problems:
+        raise ConfigError(f"draft {draft_path!r} does not share the tokenizer of target "
+                          f"{target_path!r} ({'; '.join(problems)}); pick a draft from the "
+                          f"target's family")
+
+
+def no_draft_ships(target_path: str) -> str:
+    from specflow.models.eagle_head import demo_head_for
+
+    class _Target:
+        path = target_path
+
+    head = ("proposer=eagle (its shipped EAGLE-3 head)" if demo_head_for(_Target) else
+            "proposer=eagle with a head you train (specflow train-head)")
+    return (f"proposer=draft (the default proposer) needs a draft model with the target's "
+            f"tokenizer, and none ships for model.path={target_path!r} (draft=demo is the demo "
+            f"target's own draft); use {head}, proposer=ngram or proposer=none, or give a draft "
+            f"of the target's family: draft=hf draft.path=<folder>")
+
+
+def context_length(cfg, folder: str) -> int | None:
+    """The target's context as its backend will serve it: config.json's
+    max_position_embeddings, capped by model.max_model_len."""
+    from specflow.io import read_json
+
+    try:
+        config = read_json(pathlib.Path(folder) / "config.json", "config.json", "", ConfigError)
+    except ConfigError:
+        return None          # the model's load says what is wrong with it
+    limit = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    cap = cfg.model.get("max_model_len")
+    if cap is not None:
+        limit = min(limit or int(cap), int(cap))
+    return limit
+
+
+def check_prompts(cfg, prompts: list[str] | None) -> None:
+    """A transformers target's prompts (as the run will send them: in the chat template where
+    the config says so), each checked against the context before the weights load."""
+    from specflow.app.prompts import chat_mode
+    from specflow.experiments.workloads import apply_chat_template
+    from specflow.models.hf import HFTokenizer, resolve_path
+
+    model = cfg.get("model")
+    if not prompts or not _uses_transformers(model):
+        return
+    folder = resolve_path(str(model.path), "model")
+    tok = load_tokenizer(folder, bool(model.get("trust_remote_code")))
+    limit = context_length(cfg, folder) if tok is not None else None
+    if limit is None:
+        return
+    for i, prompt in enumerate(apply_chat_template(prompts, HFTokenizer(tok, frozenset()),
+                                                   chat_mode(cfg))):
+        n = len(tok(prompt)["input_ids"])
+        if n >= limit:
+            raise InputError(f"prompt {i} has {n} tokens but the model's context is {limit}; "
+                             f"shorten the prompt")

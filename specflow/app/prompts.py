@@ -6,20 +6,6 @@ import sys
 from specflow.errors import InputError
 
 
-CHAT_MODES = ("auto", "on", "off")
-
-
-def chat_mode(cfg) -> str:
-    """Whether prompts are wrapped in the tokenizer's chat template (auto | on | off): `chat` for
-    an explicit prompt (`prompt=...`, `prompt=-`; auto by default, so an instruct model gets a
-    user turn, as it expects), else the workload's own setting (off where it has none)."""
-    if cfg.get("prompt") is not None:
-        return str(cfg.get("chat", "auto"))
-    if cfg.get("workload") is None:
-        return "off"
-    return str(cfg.workload.get("chat", "off"))
-
-
 def read_prompts(cfg) -> list[str]:
     """The config's prompts, as text (a plugin's workload that raises is named with its package)."""
     from specflow.config import option

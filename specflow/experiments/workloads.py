@@ -51,6 +51,17 @@ class FileWorkload:
         return read_prompt_file(self.cfg.path, self.cfg.field, self.cfg.limit, self.cfg.where)
 
 
+def chat_mode(cfg) -> str:
+    """Whether prompts are wrapped in the tokenizer's chat template (auto | on | off): `chat` for
+    an explicit prompt (`prompt=...`, `prompt=-`; auto by default, so an instruct model gets a
+    user turn, as it expects), else the workload's own setting (off where it has none)."""
+    if cfg.get("prompt") is not None:
+        return str(cfg.get("chat", "auto"))
+    if cfg.get("workload") is None:
+        return "off"
+    return str(cfg.workload.get("chat", "off"))
+
+
 def apply_chat_template(prompts: list[str], tokenizer, mode: str) -> list[str]:
     """Wrap each prompt as one user turn with the tokenizer's chat template (`workload.chat`)."""
     tok = getattr(tokenizer, "tok", None)

@@ -114,8 +114,7 @@ def context_length(cfg, folder: str) -> int | None:
 def check_prompts(cfg, prompts: list[str] | None) -> None:
     """A transformers target's prompts (as the run will send them: in the chat template where
     the config says so), each checked against the context before the weights load."""
-    from specflow.app.prompts import chat_mode
-    from specflow.experiments.workloads import apply_chat_template
+    from specflow.experiments.workloads import apply_chat_template, chat_mode
     from specflow.models.hf import HFTokenizer, resolve_path
 
     model = cfg.get("model")

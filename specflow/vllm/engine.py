@@ -99,7 +99,7 @@ class VllmRunner:
         find warm passes but none of the warm-up's cached blocks. -> the requests it ran."""
         from vllm.inputs import TokensPrompt
 
-        from specflow.app.prompts import chat_mode
+        from specflow.experiments.workloads import chat_mode
         from specflow.app.warmup import WARMUP_TOKENS, warmup_prompts
 
         limit = self.cfg.model.get("max_model_len")
@@ -223,8 +223,8 @@ def run_on_vllm(cfg: DictConfig, out: pathlib.Path, *, prompts: int, rerun: str,
 def _run_here(cfg: DictConfig, out: pathlib.Path, config: str, rerun: str, write_config: bool,
               metrics_extra: dict, warm_up: bool = False) -> None:
     """The child's side: one engine, the missing requests, then metrics.json."""
-    from specflow.app.prompts import chat_mode, read_prompts
-    from specflow.experiments.workloads import apply_chat_template
+    from specflow.app.prompts import read_prompts
+    from specflow.experiments.workloads import apply_chat_template, chat_mode
     from specflow.io import JsonlWriter, atomic_write_json, atomic_write_text, write_or_explain
     from specflow.metrics import Counters
     from specflow.resume import finished_requests

@@ -7,7 +7,7 @@ import json
 import shutil
 
 from specflow.app.folder_run import run_into
-from specflow.app.prompts import chat_mode
+from specflow.experiments.workloads import chat_mode
 from specflow.config import compose
 from specflow.models.hf import DEMO_DIR
 

@@ -36,7 +36,6 @@ import hashlib
 import json
 import os
 import pathlib
-import tempfile
 from typing import Any, Callable, Iterator, Mapping
 
 RETIME_ENV = "SPECFLOW_RETIME"        # 1: time every choice again and rewrite what is kept
@@ -160,23 +159,16 @@ def _read(path: pathlib.Path, full: dict, check: Callable[[Any], bool] | None) -
 
 
 def _write(path: pathlib.Path, full: dict, value: Any) -> None:
-    """Write the entry under a temporary name and rename it into place (atomic: a concurrent
-    reader finds the old file or the new one, and of two writers one wins whole). A cache that
-    cannot be written leaves the run as it is."""
-    tmp = None
+    """Write the entry under a temporary name and rename it into place (specflow.io: a
+    concurrent reader finds the old file or the new one, and of two writers one wins whole),
+    with the permissions the umask gives. A cache that cannot be written leaves the run as it
+    is."""
+    from specflow.io import atomic_write_text
+
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-", suffix=".tmp")
-        with os.fdopen(fd, "w") as fh:
-            json.dump({"key": full, "value": value}, fh, sort_keys=True)
-        os.replace(tmp, path)
-        tmp = None
+        atomic_write_text(path, json.dumps({"key": full, "value": value}, sort_keys=True))
     except (OSError, TypeError, ValueError):
         pass
-    finally:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
 
 
 def recall(choice: str, key: Mapping, measure: Callable[[], Any],

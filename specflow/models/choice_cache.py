@@ -79,7 +79,9 @@ def recording() -> Iterator[dict[str, str]]:
         _records.reset(token)
 
 
-def _note(choice: str, source: str) -> None:
+def note(choice: str, source: str) -> None:
+    """Record where `choice`'s times came from in the recordings open now ("cache": read back,
+    here or from a chooser's own memo of this process; "timed")."""
     for seen in _records.get():
         if seen.get(choice) != "timed":
             seen[choice] = source
@@ -179,17 +181,17 @@ def recall(choice: str, key: Mapping, measure: Callable[[], Any],
     lists, dicts, strings): JSON's floats read back bit for bit, so a decision made from them is
     the one made from the fresh times."""
     if not enabled():
-        _note(choice, "timed")
+        note(choice, "timed")
         return measure()
     path, full = entry(choice, key)
     if not forced():
         found, value = _read(path, full, check)
         if found:
-            _note(choice, "cache")
+            note(choice, "cache")
             return value
     value = _canonical(measure())
     _write(path, full, value)
-    _note(choice, "timed")
+    note(choice, "timed")
     return value
 
 

@@ -43,7 +43,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from specflow.models import native
+from specflow.models import choice_cache, native
 from specflow.models.turns import in_turns
 
 Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]    # x [M, K], W [N, K] -> [M, N]
@@ -218,6 +218,7 @@ def pick(weights: list[torch.Tensor], repeats: int = 3, budget_s: float = 2.0) -
     key = (str(w0.device), w0.dtype, torch.get_num_threads(), native.available(w0.dtype),
            tuple(tuple(w.shape) for w in weights))
     if key in _PICKED:
+        choice_cache.note("kernels.pick", "cache")          # timed earlier in this process
         return _PICKED[key]
     timings = []
     deadline = time.perf_counter() + budget_s
@@ -313,6 +314,7 @@ def pick_one_query_attention(heads: int, kv_heads: int, head_dim: int, dtype: to
         return None
     key = (heads, kv_heads, head_dim, dtype, torch.get_num_threads())
     if key in _GROUPED_FROM:
+        choice_cache.note("kernels.attention", "cache")
         return _GROUPED_FROM[key]
     gqa = {"enable_gqa": True} if kv_heads != heads else {}
 

@@ -157,6 +157,9 @@ def test_pick_reads_its_forms_times_back(kept, monkeypatch):
     with choice_cache.recording() as seen:
         first = kernels.pick(weights, repeats=2)
     assert seen == {"kernels.pick": "timed"}
+    with choice_cache.recording() as seen:                # this process's own memo
+        assert kernels.pick(weights, repeats=2) is first
+    assert seen == {"kernels.pick": "cache"}
     monkeypatch.setattr(kernels, "_PICKED", {})
 
     def untimed(x, w):

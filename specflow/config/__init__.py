@@ -38,7 +38,7 @@ DTYPES = ("float32", "float16", "bfloat16", "auto")
 
 
 def _demo_path(which: str) -> str:
-    from specflow.models.hf import DEMO_DIR
+    from specflow.paths import DEMO_DIR
     return str(DEMO_DIR / which)
 
 

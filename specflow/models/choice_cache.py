@@ -132,7 +132,7 @@ def _canonical(value: Any) -> Any:
 
 
 def folder() -> pathlib.Path:
-    from specflow.models.gguf import cache_root
+    from specflow.paths import cache_root
 
     return cache_root() / FOLDER
 

@@ -170,7 +170,7 @@ def demo_head_for(target) -> str | None:
     a target specflow ships a head for: the embedded demo target, or SmolLM2-135M-Instruct (its
     GGUF, by file name: model=smollm2 or a path to the same file)."""
     from specflow.models.gguf import SMOLLM2_FILE
-    from specflow.models.hf import DEMO_DIR
+    from specflow.paths import DEMO_DIR
 
     try:
         same = pathlib.Path(target.path).resolve() == (DEMO_DIR / "target").resolve()

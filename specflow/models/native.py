@@ -68,7 +68,7 @@ def _library() -> ctypes.CDLL | None:
     compiler = _compiler()
     if compiler is None:
         return None
-    from specflow.models.gguf import cache_root
+    from specflow.paths import cache_root
 
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join(FLAGS).encode() + _cpu_key().encode()

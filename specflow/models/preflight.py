@@ -2,8 +2,8 @@
 a draft with another tokenizer (or the demo draft under another target), and a prompt longer
 than the model's context, are one line in seconds instead of after minutes of loading.
 
-The tokenizers loaded here are handed to the model load that follows (`take_tokenizer`), so a run
-reads each one once.
+The tokenizers loaded here are handed to the model load that follows (models/tokenizers.py), so
+a run reads each one once.
 """
 from __future__ import annotations
 
@@ -11,43 +11,7 @@ import os
 import pathlib
 
 from specflow.errors import ConfigError, InputError
-
-_loaded: dict[str, object] = {}      # resolved folder -> tokenizer, until its model loads
-
-
-def load_tokenizer(folder: str, trust_remote_code: bool = False):
-    """The transformers tokenizer of a resolved model folder (kept for the model's load), or
-    None when it cannot be loaded: the model's load then says why, in its own words."""
-    if folder not in _loaded:
-        from transformers import AutoTokenizer
-
-        try:
-            _loaded[folder] = AutoTokenizer.from_pretrained(
-                folder, trust_remote_code=trust_remote_code, local_files_only=True)
-        except Exception:     # the tokenizers library raises plain Exception on bad files
-            return None
-    return _loaded[folder]
-
-
-def take_tokenizer(folder: str):
-    """The tokenizer a check loaded for this folder, once (None when none did)."""
-    return _loaded.pop(folder, None)
-
-
-def compare_tokenizers(a, b) -> list[str]:
-    """How two tokenizers differ: vocabulary, special tokens, encodings ([] when they agree)."""
-    problems = []
-    if len(a) != len(b):
-        problems.append(f"vocabulary {len(a)} vs {len(b)}")
-    for attr in ("eos_token_id", "bos_token_id", "pad_token_id", "unk_token_id"):
-        if getattr(a, attr, None) != getattr(b, attr, None):
-            problems.append(f"{attr} {getattr(a, attr, None)} vs {getattr(b, attr, None)}")
-    for sample in ("def fib(n):\n    return n", "Hello, world! 123", "  über   café\t"):
-        if a(sample)["input_ids"] != b(sample)["input_ids"]:
-            problems.append(f"encodings of {sample!r} differ")
-            break
-    return problems
-
+from specflow.models.tokenizers import compare_tokenizers, load_tokenizer
 
 def _same_path(a: str, b: pathlib.Path) -> bool:
     try:
@@ -62,7 +26,8 @@ def _uses_transformers(node) -> bool:
 
 def check_draft(cfg, prompts=None) -> None:
     """proposer=draft's draft model against the target, from their tokenizers alone."""
-    from specflow.models.hf import DEMO_DIR, resolve_path
+    from specflow.models.hf import resolve_path
+    from specflow.paths import DEMO_DIR
 
     proposer, model, draft = cfg.get("proposer"), cfg.get("model"), cfg.get("draft")
     if proposer is None or proposer.get("name") != "draft" or not _uses_transformers(model) \

@@ -11,7 +11,7 @@ import pytest
 from specflow.config import compose
 from specflow.errors import ConfigError, InputError
 from specflow.models.hf import DEMO_DIR
-from specflow.models.preflight import _loaded, take_tokenizer
+from specflow.models.tokenizers import _loaded, take_tokenizer
 from specflow.pipeline import Pipeline, preflight
 
 

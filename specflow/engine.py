@@ -84,14 +84,11 @@ class Engine:
         if capacity > pipe.ctx.slots:
             raise InputError(f"max_batch_size={capacity} exceeds the pipeline's "
                              f"{pipe.ctx.slots} slots; set max_batch_size={capacity} in the config")
-        if pipe.running_engine is not None:
-            raise InputError("this pipeline already has a running engine (they would share its "
-                             "cache slots); close() it first, or build a second pipeline")
+        pipe.claim_slots(self)
         self.pipe = pipe
         self.capacity = capacity
-        self.recorder = pipe.recorder = recorder or MetricsRecorder(pipe.clock)
-        pipe.pm.register(self.recorder, name="metrics")
-        pipe.running_engine = self
+        self.recorder = recorder or MetricsRecorder(pipe.clock)
+        pipe.register(self.recorder, name="metrics")
         self.queue: deque[Request] = deque()
         self.free = list(range(capacity))
         self.active: dict[int, Row] = {}
@@ -205,10 +202,11 @@ class Engine:
             max_batch_size=self.capacity, shaper=pipe.shape,
             seeds=torch.tensor([r.request.seed for r in rows], dtype=torch.long)
             if pipe.draws_by_position else None, sampling=sampling)
-        result, trim, shaped = pipe.step(batch, self.round_index)
+        out = pipe.step(batch, self.round_index)
+        result, trim = out.round, out.trim
         self.round_index += 1
         if any(r.request.logprobs is not None for r in rows):
-            pipe.record_logprobs(rows, shaped, trim.committed, result.accepted_nodes)
+            pipe.record_logprobs(rows, out.shaped, trim.committed, result.accepted_nodes)
         for b, row in enumerate(rows):
             rid = row.request.request_id
             reason = result.finish_reasons[b]
@@ -320,8 +318,8 @@ class Engine:
             self._abort_all()
         finally:
             self.queue.clear()
-            self.pipe.pm.unregister(self.recorder)
-            self.pipe.running_engine = None
+            self.pipe.unregister(self.recorder)
+            self.pipe.release_slots(self)
 
     def _check_open(self) -> None:
         if self.closed:

@@ -44,7 +44,8 @@ from specflow.stages.request_settings import check_request_sampling
 from specflow.stages.score import TargetScorer
 from specflow.stages.layout import along_paths, check_proposal, deferred_problem
 from specflow.stages.tree import scored_nodes, tree_width
-from specflow.state import DecodeBatch, Proposal, RoundResult, Scores, ShapingBatch, VerifyOutput
+from specflow.state import DecodeBatch, Proposal, RoundResult, Scores, ShapingBatch, StepOutput, \
+    VerifyOutput
 
 
 @dataclass
@@ -138,7 +139,7 @@ class Pipeline:
         # tensors already; True: copied there too (a device's path, for the host-read tests)
         self.copy_outputs_to_host = False
         self.sampling_settings: list[str] = []   # what a request may set for itself (sampling=)
-        self.running_engine: Engine | None = None  # the Engine using the cache slots (one at a time)
+        self._engine: Engine | None = None      # the Engine using the cache slots (one at a time)
         self.hidden_layers: tuple[int, ...] = ()   # target layers whose states stages read
         ctx = BuildContext(cfg=cfg, slots=int(cfg.max_batch_size), clock=self.clock,
                            device=resolve_device(str(cfg.device)), hook=self.hook)
@@ -316,6 +317,29 @@ class Pipeline:
         if stage is not None:
             self.pm.register(stage, name=name)
 
+    # --- the engine that runs it --------------------------------------------------------------
+
+    @property
+    def running_engine(self) -> Engine | None:
+        """The Engine that holds this pipeline's cache slots, if one is open."""
+        return self._engine
+
+    @property
+    def recorder(self) -> MetricsRecorder | None:
+        """The running engine's metrics (None when none runs)."""
+        return None if self._engine is None else self._engine.recorder
+
+    def claim_slots(self, engine: Engine) -> None:
+        """An engine takes the cache slots: one engine at a time, or they would share them."""
+        if self._engine is not None:
+            raise InputError("this pipeline already has a running engine (they would share its "
+                             "cache slots); close() it first, or build a second pipeline")
+        self._engine = engine
+
+    def release_slots(self, engine: Engine) -> None:
+        if self._engine is engine:
+            self._engine = None
+
     def register(self, plugin: object, name: str | None = None) -> None:
         """Add an observer or stage to this pipeline (a tracing plugin, a test probe); one that
         reads the target's hidden states (specflow_hidden_layers) gets them from the next pass."""
@@ -323,6 +347,10 @@ class Pipeline:
         check_hooks(self.pm)
         if hasattr(plugin, "specflow_hidden_layers"):
             self._ask_hidden_layers()
+
+    def unregister(self, plugin: object) -> None:
+        """Remove what register() added (an engine's metrics when it closes)."""
+        self.pm.unregister(plugin)
 
     # --- the shaping call draft and target share ---------------------------------------------
 
@@ -604,16 +632,16 @@ class Pipeline:
         raise PluginError(f"proposer {name!r} (or a plugin answering specflow_propose; "
                           f"configured one from {owner}) {problem}: fix the proposer")
 
-    def step(self, batch: DecodeBatch, round_index: int):
-        """One round over a running batch (its rows' committed tokens grow in place) -> (the
-        RoundResult, the stop trimmer's TrimResult, the target's shaped distributions [B, P, V]
-        that record_logprobs reads). What the engine calls between admitting and finishing."""
+    def step(self, batch: DecodeBatch, round_index: int) -> StepOutput:
+        """One round over a running batch (its rows' committed tokens grow in place) -> the
+        round's record, the stop trimmer's verdict and the target's shaped distributions that
+        record_logprobs reads. What the engine calls between admitting and finishing."""
         try:
             return self._run_round(batch, round_index)
         finally:        # nothing recorded outlives its round (an error, Ctrl-C included)
             self.empty_rows.clear()
 
-    def _run_round(self, batch: DecodeBatch, round_index: int):
+    def _run_round(self, batch: DecodeBatch, round_index: int) -> StepOutput:
         """policy -> propose -> score -> shape -> verify -> trim -> sync -> observe."""
         hook, clock = self.hook, RoundClock(self.clock)
         k, skip_reasons = self._draft_lengths(batch)                                 # [B]
@@ -652,7 +680,7 @@ class Pipeline:
         result.seconds = clock.seconds(prefill=proposal.catch_up_seconds)
         hook.specflow_observe(result=result)
         hook.specflow_round_end(result=result, pipeline=self)
-        return result, trim, shaped
+        return StepOutput(result, trim, shaped)
 
     def _draft_lengths(self, batch: DecodeBatch) -> tuple[torch.Tensor, list[str | None]]:
         """The policy's k [B], capped by what each row may still commit, the node price on the

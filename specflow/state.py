@@ -352,3 +352,13 @@ class RoundResult:
         B = len(num_drafts)
         return cls(0, list(range(B)), list(num_drafts), list(num_accepted),
                    [[1] * (a + 1) for a in num_accepted], [None] * B, B)
+
+
+@dataclass
+class StepOutput:
+    """What Pipeline.step returns for one round: the round's record, the stop trimmer's verdict,
+    and the target's shaped distributions (read for logprobs)."""
+
+    round: RoundResult
+    trim: object                   # stages.stop.TrimResult: committed tokens, finish reasons
+    shaped: torch.Tensor           # [B, P, V] the target's shaped logits of the round

@@ -72,6 +72,16 @@ def check_draft_preflight(cfg, prompts=None):
     check_draft(cfg)
 
 
+def check_eagle(cfg):
+    from specflow.models.eagle_head import check_config
+    check_config(cfg)
+
+
+def check_train_layers(cfg):
+    from specflow.models.eagle_head import check_train_layers
+    check_train_layers(cfg)
+
+
 def check_target_preflight(cfg, prompts=None):
     from specflow.models.preflight import check_prompts
     check_prompts(cfg, prompts)
@@ -81,14 +91,15 @@ def check_target_preflight(cfg, prompts=None):
 def specflow_register(registry):
     add = registry.add
     add("model", "synthetic", synthetic_target, SyntheticModelConfig)
-    add("model", "hf", hf_target, HFModelConfig, preflight=check_target_preflight)
+    add("model", "hf", hf_target, HFModelConfig, preflight=check_target_preflight,
+        check=check_train_layers)
     add("draft", "hf", hf_draft, HFModelConfig, preflight=check_draft_preflight)
     add("draft", "synthetic", synthetic_draft, SyntheticDraftConfig)
     add("draft", "none", nothing, NamedOnly)
     add("proposer", "none", NoneProposer, NoneProposerConfig)
     add("proposer", "draft", DraftModelProposer, DraftProposerConfig)
     add("proposer", "ngram", NgramProposer, NgramProposerConfig)
-    add("proposer", "eagle", EagleProposer, EagleProposerConfig)
+    add("proposer", "eagle", EagleProposer, EagleProposerConfig, check=check_eagle)
     add("logits", "temperature", logits.Temperature, logits.TemperatureConfig)
     add("logits", "top_k", logits.TopK, logits.TopKConfig)
     add("logits", "top_p", logits.TopP, logits.TopPConfig)

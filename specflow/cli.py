@@ -264,7 +264,7 @@ def calibrate_task(cfg) -> None:
     out = pathlib.Path(HydraConfig.get().runtime.output_dir)
     atomic_write_json(out / "calibration.json", {"rows": rows, **result})
     png = plots.plot_calibration(rows, result["crossover"], out / "calibration.png")
-    console.print(calibrate_table(rows, result))
+    console.print(calibrate_table(rows, result, [calibrate.classify(r) for r in rows]))
     if refused is not None:
         console.print(f"[dim]wrote {out}/calibration.json, {png}; no policy written[/]")
         raise SystemExit(fail(str(refused)))

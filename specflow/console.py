@@ -96,9 +96,10 @@ def sim_policy_table(rows: list[dict], title: str) -> Table:
     return t
 
 
-def calibrate_table(rows: list[dict], result: dict) -> Table:
+def calibrate_table(rows: list[dict], result: dict, verdicts: list[str]) -> Table:
     """The sweep: per batch size each arm's throughput (median, min - max over repetitions), the
-    speedup on / off (median [interval over repetitions]) and whether it clearly pays."""
+    speedup on / off (median [interval over repetitions]) and whether it clearly pays
+    (`verdicts`: each row's pays / loses / unclear, experiments.calibrate.classify)."""
     cross = result["crossover"]
     unit = rows[0]["none"]["unit"] if rows else "s"
     if result.get("refused"):
@@ -112,20 +113,18 @@ def calibrate_table(rows: list[dict], result: dict) -> Table:
                 f"tokens/{unit} on (min-max)", "on / off [interval]", "verdict",
                 f"latency p50 off / on ({unit}/token)", "latency p95 off / on", "α"):
         t.add_column(col, justify="right")
-    from specflow.experiments.calibrate import classify
-
     def spread(a: dict) -> str:
         if "throughput_min" not in a:
             return _f(a["throughput"], 1)
         return f"{a['throughput']:.1f} ({a['throughput_min']:.1f}-{a['throughput_max']:.1f})"
 
     verdict = {"pays": "pays", "loses": "loses", "unclear": "[yellow]unclear[/]"}
-    for r in rows:
+    for r, said in zip(rows, verdicts):
         off, on = r["none"], r["spec"]
         sp = r.get("speedup") or {"median": on["throughput"] / off["throughput"]}
         interval = f" [{sp['lo']:.2f}-{sp['hi']:.2f}]" if "lo" in sp else ""
         t.add_row(str(r["batch"]), f"{r.get('requests', r['batch'])} x {r.get('repetitions', 1)}",
-                  spread(off), spread(on), f"{sp['median']:.2f}{interval}", verdict[classify(r)],
+                  spread(off), spread(on), f"{sp['median']:.2f}{interval}", verdict[said],
                   f"{off['latency_p50']:.4f} / {on['latency_p50']:.4f}",
                   f"{off['latency_p95']:.4f} / {on['latency_p95']:.4f}", _f(on["alpha"], 2))
     return t

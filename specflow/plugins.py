@@ -32,9 +32,10 @@ KINDS = groups.KINDS
 @dataclass(frozen=True)
 class Component:
     """A named building block: ``factory(cfg, ctx)`` builds it, ``schema`` validates its config,
-    and ``preflight(cfg, prompts)``, when given, checks what needs no weights (tokenizers,
-    config files; the run's prompts when known, else None) before any model of the pipeline
-    loads."""
+    ``check(cfg)``, when given, checks at compose time what the composed config and the files it
+    names say (a head folder against the target's config.json), and ``preflight(cfg, prompts)``
+    what needs tokenizers or the prompts (the run's when known, else None), before any model of
+    the pipeline loads."""
 
     kind: str
     name: str
@@ -42,6 +43,7 @@ class Component:
     schema: type | None
     plugin: str
     preflight: Callable[..., None] | None = None
+    check: Callable[..., None] | None = None
 
 
 class Registry:
@@ -52,7 +54,8 @@ class Registry:
         self._current_plugin = "?"
 
     def add(self, kind: str, name: str, factory: Callable[..., Any], schema: type | None = None,
-            preflight: Callable[..., None] | None = None) -> None:
+            preflight: Callable[..., None] | None = None,
+            check: Callable[..., None] | None = None) -> None:
         if kind not in self._items:
             raise PluginError(f"plugin {self._current_plugin!r} registers kind {kind!r}; "
                               f"known kinds: {', '.join(KINDS)}")
@@ -62,7 +65,7 @@ class Registry:
                               f"{existing.plugin!r} and by plugin {self._current_plugin!r}; "
                               f"rename one of them")
         self._items[kind][name] = Component(kind, name, factory, schema, self._current_plugin,
-                                            preflight)
+                                            preflight, check)
 
     def get(self, kind: str, name: str) -> Component:
         try:

@@ -35,6 +35,8 @@ FREE_TEXT_LIST_KEYS = ("constraint.choices", "stop.strings", "logits.bad_words.w
 REQUIRED_GROUPS = groups.REQUIRED       # `~model` and the like are refused at compose time
 DEVICES = re.compile(r"^(cpu|auto|cuda(:\d+)?|mps)$")
 DTYPES = ("float32", "float16", "bfloat16", "auto")
+ENGINES = ("specflow", "vllm")          # who decodes: specflow's pipeline, or an installed vLLM
+DRAFTERS = ("own", "specflow")          # engine=vllm: vLLM's method, or specflow's drafter in it
 
 
 def _demo_path(which: str) -> str:
@@ -476,9 +478,24 @@ def validate(cfg: DictConfig) -> DictConfig:
                 for key in list(cfg[kind].keys()):
                     cfg[kind][key], _ = _schema_node(kind, cfg[kind][key], f"{kind}.{key}")
     _check_root(cfg)
-    from specflow.models.eagle_head import check_config
-    check_config(cfg)     # proposer.path's head, train_head.layers: vs the target's config.json
+    _check_components(cfg)
     return cfg
+
+
+def _check_components(cfg: DictConfig) -> None:
+    """The selected components' own compose-time checks (Component.check): each knows what its
+    settings must agree with (proposer=eagle's head folder with the target's config.json)."""
+    from specflow.plugins import get_registry
+
+    registry = get_registry()
+    for kind in (*SINGLE_GROUPS, *MULTI_GROUPS):
+        nodes = cfg.get(kind)
+        if not nodes:
+            continue
+        for node in nodes.values() if kind in MULTI_GROUPS else [nodes]:
+            check = registry.get(kind, node.name).check
+            if check is not None:
+                check(cfg)
 
 
 MAX_BATCH_SIZE = 4096         # running sequences; every slot reserves cache rows
@@ -547,7 +564,6 @@ def _check_root(cfg: DictConfig) -> None:
         raise ConfigError(f"dtype={dtype!r} is not supported; use one of {', '.join(DTYPES)}")
     if cfg.get("server") is not None:
         check_server(cfg.server)
-    from specflow.vllm.arm import check_engine
     check_engine(cfg)
     check_token_ids(cfg)
 
@@ -644,3 +660,20 @@ def option(cfg: DictConfig, kind: str):
 def resolved_copy(cfg: DictConfig) -> DictConfig:
     """A copy with every interpolation resolved; any `${` left in the values is text."""
     return OmegaConf.create(_escaped(OmegaConf.to_container(cfg, resolve=True)))
+
+
+def check_engine(cfg: DictConfig) -> None:
+    """`engine` and `vllm.*`, at compose time (no vLLM import)."""
+    engine = cfg.get("engine", "specflow")
+    if engine not in ENGINES:
+        raise ConfigError(f"engine={engine!r}; use engine=specflow (specflow's pipeline) or "
+                          f"engine=vllm (an installed vLLM decodes the same config)")
+    node = cfg.get("vllm") or {}
+    drafter = node.get("drafter", "own")
+    if drafter not in DRAFTERS:
+        raise ConfigError(f"vllm.drafter={drafter!r}; use own (vLLM's method for the proposer) or "
+                          f"specflow (specflow's proposer and policy inside vLLM)")
+    gib = node.get("kv_cache_gib", 2)
+    if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not gib > 0:
+        raise ConfigError(f"vllm.kv_cache_gib={gib!r} must be a positive number of GiB for "
+                          f"vLLM's CPU KV cache, e.g. vllm.kv_cache_gib=2")

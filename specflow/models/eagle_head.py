@@ -189,9 +189,9 @@ def missing_head(target_path: str) -> ConfigError:
 
 
 def check_config(cfg) -> None:
-    """At compose time (config.validate), before any model loads: proposer=eagle's head folder
-    (exists, has a head's config.json and weights, fits the target) and train_head.layers, against
-    the target folder's config.json when it is local (target_dims); load_head checks again."""
+    """proposer=eagle's check at compose time (Component.check), before any model loads: its
+    head folder (exists, has a head's config.json and weights, fits the target), against the
+    target folder's config.json when it is local (target_dims); load_head checks again."""
     proposer = cfg.get("proposer")
     if proposer is not None and proposer.get("name") == "eagle":
         dims = target_dims(cfg)
@@ -200,6 +200,11 @@ def check_config(cfg) -> None:
             raise missing_head(dims.path)
         if path is not None:
             check_head_folder(str(path), dims)
+
+
+def check_train_layers(cfg) -> None:
+    """A transformers target's check at compose time: train-head's layers against its
+    config.json (a config without train_head has nothing to check)."""
     if cfg.get("train_head") is not None:
         train_layer_ids(cfg.train_head.get("layers"), target_dims(cfg))
 

@@ -15,6 +15,7 @@ import hashlib
 import os
 import pathlib
 import shutil
+import sys
 import tempfile
 
 from specflow.errors import ConfigError
@@ -138,12 +139,10 @@ def _convert(file: pathlib.Path, folder: pathlib.Path, what: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from specflow.console import err_console
-
     folder.parent.mkdir(parents=True, exist_ok=True)
     # stderr: a caller's $(...) takes stdout as the folder (make llama-cpp)
-    err_console.print(f"[dim]specflow: converting {file.name} to a model folder in {folder} "
-                      f"(once)[/dim]")
+    print(f"specflow: converting {file.name} to a model folder in {folder} (once)",
+          file=sys.stderr, flush=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=".converting-", dir=folder.parent))
     quiet = os.environ.get("TQDM_DISABLE")
     os.environ["TQDM_DISABLE"] = "1"        # transformers' dequantizing bar: the line above says it

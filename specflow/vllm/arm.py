@@ -18,27 +18,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from specflow.errors import ConfigError
 
-ENGINES = ("specflow", "vllm")
-DRAFTERS = ("own", "specflow")
-
-
-def check_engine(cfg: DictConfig) -> None:
-    """`engine` and `vllm.*`, at compose time (no vLLM import)."""
-    engine = cfg.get("engine", "specflow")
-    if engine not in ENGINES:
-        raise ConfigError(f"engine={engine!r}; use engine=specflow (specflow's pipeline) or "
-                          f"engine=vllm (an installed vLLM decodes the same config)")
-    node = cfg.get("vllm") or {}
-    drafter = node.get("drafter", "own")
-    if drafter not in DRAFTERS:
-        raise ConfigError(f"vllm.drafter={drafter!r}; use own (vLLM's method for the proposer) or "
-                          f"specflow (specflow's proposer and policy inside vLLM)")
-    gib = node.get("kv_cache_gib", 2)
-    if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not gib > 0:
-        raise ConfigError(f"vllm.kv_cache_gib={gib!r} must be a positive number of GiB for "
-                          f"vLLM's CPU KV cache, e.g. vllm.kv_cache_gib=2")
-
-
 def import_vllm():
     try:
         import vllm
@@ -142,6 +121,8 @@ def check_arm(cfg: DictConfig) -> dict[str, Any]:
     """Everything about an engine=vllm run that can be refused before vLLM starts: vLLM
     importable, the arm's method, specflow's drafter buildable. -> LLM(...)'s arguments."""
     import importlib.util
+
+    from specflow.config import check_engine
 
     check_engine(cfg)
     args = engine_arguments(cfg)

@@ -173,9 +173,11 @@ def test_table_shows_spread_and_refusal():
     from rich.console import Console
 
     from specflow.console import calibrate_table
+    from specflow.experiments.calibrate import classify
     con = Console(width=250, record=True)
     con.print(calibrate_table(NOISY_BATCH_1, {"crossover": None, "ranges": None, "path": None,
-                                              "refused": "noise"}))
+                                              "refused": "noise"},
+                              [classify(r) for r in NOISY_BATCH_1]))
     text = con.export_text()
     assert "NOT WRITTEN" in text and "unclear" in text and "0.95 [0.70-1.30]" in text
     assert "8 x 3" in text and "100.0 (100.0-100.0)" in text and "95.0 (70.0-130.0)" in text

@@ -90,6 +90,22 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def build_component(kind: str, node, ctx: BuildContext):
+    """The registered component a config node names, built by its factory from its typed config
+    (the one way a pipeline, and specflow's drafter inside vLLM, make their stages); an error
+    in a plugin's factory names the plugin and its package."""
+    component = get_registry().get(kind, node.name)
+    obj = option({kind: node}, kind) if component.schema is not None else node
+    try:
+        return component.factory(obj, ctx)
+    except Exception as exc:   # a plugin's factory: name the plugin and its package
+        module = getattr(component.factory, "__module__", None)
+        blamed = blame(exc, f"building {kind}={node.name}", module, component.plugin)
+        if blamed is None:
+            raise
+        raise blamed from exc
+
+
 def preflight(cfg: DictConfig, prompts: list[str] | None = None) -> None:
     """The selected components' checks that need no weights (a draft's tokenizer against the
     target's; the prompts' lengths, when given), run before any model loads: a mistake is one
@@ -302,16 +318,7 @@ class Pipeline:
         return self._build_node(kind, self.cfg[kind], ctx)
 
     def _build_node(self, kind: str, node, ctx: BuildContext):
-        component = self.registry.get(kind, node.name)
-        obj = option({kind: node}, kind) if component.schema is not None else node
-        try:
-            return component.factory(obj, ctx)
-        except Exception as exc:   # a plugin's factory: name the plugin and its package
-            module = getattr(component.factory, "__module__", None)
-            blamed = blame(exc, f"building {kind}={node.name}", module, component.plugin)
-            if blamed is None:
-                raise
-            raise blamed from exc
+        return build_component(kind, node, ctx)
 
     def _register(self, stage, name: str) -> None:
         if stage is not None:

@@ -50,10 +50,10 @@ class HistoryStages:
 
     @classmethod
     def build(cls, overrides: Sequence[str], k_max: int, slots: int) -> "HistoryStages":
-        from specflow.config import compose, option
+        from specflow.config import compose
         from specflow.models.base import SimClock
-        from specflow.pipeline import BuildContext
-        from specflow.plugins import check_hooks, get_registry, new_plugin_manager
+        from specflow.pipeline import BuildContext, build_component
+        from specflow.plugins import check_hooks, new_plugin_manager
 
         overrides = [*overrides, f"max_batch_size={slots}"]
         cfg = compose(overrides)
@@ -84,13 +84,10 @@ class HistoryStages:
                                   f"run inside vLLM; use {INSTEAD['draft']}")
 
         ctx.build_draft = no_draft_model
-        registry = get_registry()
         for kind in ("proposer", "policy"):
             node = cfg[kind]
-            component = registry.get(kind, node.name)
-            obj = option({kind: node}, kind) if component.schema is not None else node
             try:
-                stage = component.factory(obj, ctx)
+                stage = build_component(kind, node, ctx)
             except NeedsDraftModel:
                 raise
             except ConfigError as exc:       # a factory that wanted the target (ctx.target)

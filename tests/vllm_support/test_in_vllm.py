@@ -229,3 +229,18 @@ def test_without_the_plugin_the_drafter_still_refuses_with_the_line_on_stderr():
     assert done.returncode != 0
     assert any(line.startswith(f"specflow: error: {BAD_OVERRIDES[0][1]}")
                for line in done.stderr.splitlines()), done.stderr[-3000:]
+
+
+def test_the_warm_up_changes_no_output_or_count_of_a_vllm_arm(tmp_path):
+    """specflow ab's warm-up (an untimed call, then vLLM's prefix cache emptied) leaves the timed
+    requests' tokens and vLLM's counts for them as they are without it."""
+    cfg = compose(["model=demo", "workload=code", "workload.limit=3", "max_new_tokens=32",
+                   "engine=vllm", "vllm.drafter=specflow", "proposer=ngram"])
+    runs = [run_into(cfg, tmp_path / str(warm), owner="test", setting="hydra.run.dir",
+                     rerun="rerun", progress=False, replace_finished=True, warm_up=warm)
+            for warm in (False, True)]
+    assert "Successfully reset prefix cache" in (tmp_path / "True" / "vllm.log").read_text()
+    for key in ("token_ids", "finish_reason"):
+        assert [r[key] for r in runs[0].rows] == [r[key] for r in runs[1].rows]
+    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        assert [r["stats"][key] for r in runs[0].rows] == [r["stats"][key] for r in runs[1].rows]

@@ -72,8 +72,12 @@ def test_sampling_processors_at_temperature_zero_stay_greedy_and_take_request_te
     plain = Pipeline.from_config(["proposer=none"])
     spec = Pipeline.from_config([f"proposer={proposer}", *over])
     assert spec.greedy and spec.samples_on_request
-    greedy = [r.token_ids for r in plain.generate(PROMPTS, max_new_tokens=24)]
-    assert [r.token_ids for r in spec.generate(PROMPTS, max_new_tokens=24)] == greedy
+    plain_out = plain.generate(PROMPTS, max_new_tokens=24, logprobs=2)
+    greedy = [r.token_ids for r in plain_out]
+    spec_out = spec.generate(PROMPTS, max_new_tokens=24, logprobs=2)
+    assert [r.token_ids for r in spec_out] == greedy
+    for a, b in zip(plain_out, spec_out):     # greedy rounds skip the sampling processors, the
+        assert np.allclose(a.logprobs, b.logprobs, atol=1e-4)      # target's as the draft's
     own = {"temperature": 0.8, "top_k": 5}
     mixed = spec.generate(PROMPTS, max_new_tokens=24, sampling=[own, None, own, None], seed=3)
     assert [mixed[1].token_ids, mixed[3].token_ids] == [greedy[1], greedy[3]]

@@ -44,7 +44,7 @@ class ChainLayout:
     def shape(self, shape, logits: torch.Tensor, batch, drafts: torch.Tensor) -> torch.Tensor:
         """The target's K+1 positions through the pipeline's shape(): [B, K+1, V]."""
         return shape(logits, batch.token_ids, drafts, 0, batch.request_ids, "target",
-                     sampling=batch.sampling)
+                     sampling=batch.sampling, greedy=batch.greedy)
 
     def accepted_paths(self, verified: VerifyOutput) -> list[list[int]] | None:
         """The accepted node indices per row, for the round's record: None for a chain (its

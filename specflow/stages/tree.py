@@ -51,7 +51,7 @@ class TreeLayout:
         chain it is)."""
         if self.is_chain:
             return shape(logits, batch.token_ids, drafts, 0, batch.request_ids, "target",
-                         sampling=batch.sampling)
+                         sampling=batch.sampling, greedy=batch.greedy)
         return shape_tree(shape, logits, batch, drafts, self)
 
     def accepted_paths(self, verified) -> list[list[int]]:
@@ -183,7 +183,8 @@ def shape_tree(shape, logits: torch.Tensor, batch, drafts: torch.Tensor,
     shaped_paths = shape(logits[row_t.to(device)[:, None], pos.to(device)],
                          [batch.token_ids[b] for b in rows], sub, 0,
                          [batch.request_ids[b] for b in rows], "target", paths=paths,
-                         sampling=None if batch.sampling is None else [batch.sampling[b] for b in rows])
+                         sampling=None if batch.sampling is None else [batch.sampling[b] for b in rows],
+                         greedy=batch.greedy)
     # each path's positions up to its leaf, as flat indices built on the host (a boolean mask
     # on the device would be a read)
     used = (torch.arange(D + 1)[None, :] <= lens[:, None]).flatten().nonzero()[:, 0]   # [U]

@@ -24,7 +24,7 @@ from specflow.stages.proposers.eagle import EagleProposer, EagleProposerConfig
 from specflow.stages.proposers.ngram import NgramProposer, NgramProposerConfig
 from specflow.stages.proposers.none import NoneProposer, NoneProposerConfig
 from specflow.stages.stop import StopConfig, StopTrimmer
-from specflow.stages.verify import StandardVerifier, StandardVerifierConfig
+from specflow.stages.verifier import StandardVerifier, StandardVerifierConfig
 
 
 @dataclass

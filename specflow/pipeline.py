@@ -680,7 +680,7 @@ class Pipeline:
             round_index=round_index, request_ids=batch.request_ids, num_drafts=num_drafts,
             num_accepted=verified.num_accepted.tolist(), committed=trim.committed,
             finish_reasons=trim.finish_reasons, batch_size=batch.size, skip_reasons=skip_reasons,
-            sim_time=clock.sim_time(), drawn=trim.consumed, num_asked=asked,
+            sim_time=clock.sim_time(), drawn=trim.consumed, num_asked=asked, layout=layout,
             **layout.round_fields(accepted))
         hook.specflow_sync_cache(batch=batch, result=result)
         clock.mark("sync")

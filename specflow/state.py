@@ -335,6 +335,9 @@ class RoundResult:
     # still commit). A proposer may draft fewer (an n-gram lookup without a match drafts none):
     # the positions it left empty commit nothing, as a rejected draft would. None: num_drafts
     num_asked: list[int] | None = None
+    # the round's draft layout (stages/layout.py ChainLayout, stages/tree_round.py RoundTree):
+    # what the cache sync asks to keep what the round accepted; None where no round made it
+    layout: Any = field(default=None, repr=False, compare=False)
 
     def path_starts(self, token_ids: list[list[int]]) -> list[int]:
         """[B] after a tree round (token_ids already extended by the commits): where each row's

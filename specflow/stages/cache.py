@@ -31,9 +31,6 @@ class TargetCacheSync:
 
     @hookimpl
     def specflow_sync_cache(self, batch, result):
-        if getattr(result, "accepted_nodes", None) is not None:
-            # a tree pass cached the root (the last token before this round's commits) at
-            # len - committed - 1 and node i right after it: keep the accepted path's nodes
-            base = result.path_starts(batch.token_ids)
-            self.target.keep_cached(batch.slots.tolist(), base, result.accepted_nodes)
+        if result.layout is not None:      # a tree keeps its accepted path's entries
+            result.layout.keep_cached(self.target, batch, result)
         self.target.truncate(batch.slots, [len(ids) - 1 for ids in batch.token_ids])

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specflow.stages.chain import score_chain, verify_chain, verify_chain_by_position
 from specflow.state import PAD, Proposal, VerifyOutput
 
 
@@ -58,6 +59,21 @@ class ChainLayout:
     def round_fields(self, accepted: list[list[int]] | None) -> dict:
         """RoundResult's tree fields: none for a chain."""
         return {"accepted_nodes": None, "num_examined": None, "tree_depths": None}
+
+    # --- what the stages ask of a layout ------------------------------------------------------
+
+    def score(self, scorer, batch, proposal, hidden: list) -> torch.Tensor:
+        """The target pass over each row's uncached tokens and its drafts: [B, K+1, V]."""
+        return score_chain(scorer, batch, proposal, hidden)
+
+    def verify(self, batch, proposal, target_probs: torch.Tensor) -> VerifyOutput:
+        return verify_chain(batch, proposal, target_probs)
+
+    def verify_by_position(self, batch, proposal, target_probs: torch.Tensor) -> VerifyOutput:
+        return verify_chain_by_position(batch, proposal, target_probs)
+
+    def keep_cached(self, target, batch, result) -> None:
+        """After the round: a chain's pass cached the accepted drafts where they belong."""
 
 
 def check_proposal(proposal: Proposal, batch, ks: list[int], target):
@@ -155,9 +171,9 @@ def layout_of(proposal: Proposal):
         if proposal.parents is None:
             proposal.layout = ChainLayout(num_nodes)
         else:
-            from specflow.stages.tree import tree_layout
+            from specflow.stages.tree_round import round_tree
 
-            proposal.layout = tree_layout(proposal.parents.cpu(), num_nodes)
+            proposal.layout = round_tree(proposal.parents.cpu(), num_nodes)
     return proposal.layout
 
 

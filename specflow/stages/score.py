@@ -36,15 +36,11 @@ class TargetScorer:
     @hookimpl
     def specflow_score(self, batch, proposal):
         hidden: list[HiddenStates] = []
-        if proposal.parents is not None:
-            drafts = proposal.host_draft_token_ids()          # [B, N] trees are laid out on
-            logits = self._score_tree(batch, proposal, drafts, hidden)           # the host
-        else:      # drafts a proposer counted stay where it made them; else the host copy
-            logits = self._score_chain(batch, proposal.round_drafts(), proposal.host_counts(),
-                                       hidden)
+        logits = layout_of(proposal).score(self, batch, proposal, hidden)         # [B, P, V]
         return Scores(logits, hidden) if self.hidden_layers else logits
 
-    def _score_chain(self, batch, drafts, counts: list[int], hidden):
+    def score_chain(self, batch, drafts, counts: list[int], hidden):
+        """Each row's uncached committed tokens and its drafts [B, K]: [B, K+1, V]."""
         B, K = drafts.shape
         cached = [self.target.cache_length(s) for s in batch.slots.tolist()]
         inputs, lens, last = uncached_inputs(batch.token_ids, cached, drafts, counts)  # [B, P+K]
@@ -56,13 +52,13 @@ class TargetScorer:
         pick = pick.to(logits.device)                                               # [B, K+1]
         return logits.gather(1, pick[..., None].expand(B, K + 1, logits.shape[-1]))  # [B, K+1, V]
 
-    def _score_tree(self, batch, proposal, drafts, hidden):
-        """One pass over each row's last committed token and its tree: [B, N+1, V]. A row whose
-        cache lags further (a plugin's doing; never in a steady round) is prefilled first."""
+    def score_tree(self, batch, drafts, layout, hidden):
+        """One pass over each row's last committed token and its tree (drafts [B, N] on the
+        host): [B, N+1, V]. A row whose cache lags further (a plugin's doing; never in a steady
+        round) is prefilled first."""
         _, states = catch_up(self.target, batch.slots.tolist(), batch.token_ids, 1,
                              self.hidden_layers)
         hidden.extend(states or ())
-        layout = layout_of(proposal)
         inputs = torch.cat([batch.last_tokens()[:, None], drafts], 1)          # [B, N+1]
         lens = torch.tensor(layout.num_nodes) + 1                               # [B]
         return self._forward(batch.slots, inputs, lens, hidden, layout)         # [B, N+1, V]

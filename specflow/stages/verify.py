@@ -12,7 +12,7 @@ Randomness: `generator` may be one torch.Generator for the batch, or a list with
 a list, row b consumes exactly k_b uniforms and V exponentials from its own generator, so a seeded
 request gets the same tokens whatever batch it shares (the per-row draws are the only loop).
 
-The pipeline's verifier stage (`StandardVerifier`) uses this rule under `verifier.rule=rejection`.
+The pipeline's verifier stage (`StandardVerifier`, stages/verifier.py) uses this rule under `verifier.rule=rejection`.
 Its default, `rule=coupled`, keys every draw to (seed, position) instead (`specflow.stages.sampling`):
 the token committed at a position is the one plain sampling draws there, drafts are sampled with
 the same draws, and a draft is accepted when it is that token. That is exact by construction and
@@ -24,16 +24,11 @@ drafter-invariant speculative decoding").
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 
-from specflow.errors import ConfigError
-from specflow.plugins import hookimpl
-from specflow.stages.layout import layout_of
 from specflow.stages.sampling import Generators, position_exponentials, row_uniforms, sample_categorical
-from specflow.stages.verify_tree import verify_tree
-from specflow.state import PAD, VerifyOutput
+from specflow.state import PAD
 
 def verify(draft_token_ids: torch.Tensor, target_probs: torch.Tensor,
            draft_probs: torch.Tensor | None = None, greedy: bool = False,
@@ -109,71 +104,9 @@ def verify(draft_token_ids: torch.Tensor, target_probs: torch.Tensor,
     return out, num_accepted
 
 
-RULES = ("coupled", "rejection")
-
-
-@dataclass
-class StandardVerifierConfig:
-    name: str = "standard"
-    # how sampling verifies (greedy is one rule): coupled = the token plain sampling draws at
-    # each (seed, position), drafts drawn with the same draws (reproducible whatever k, batch or
-    # load); rejection = Leviathan/Chen rejection sampling from per-request generator streams
-    rule: str = "coupled"
-
-    def __post_init__(self) -> None:
-        if self.rule not in RULES:
-            raise ConfigError(f"verifier.rule={self.rule!r} is not a rule; use coupled (reproducible "
-                              f"per seed whatever the draft length) or rejection")
-
-
 def position_targets(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """The target's distributions [B, P, V] turned into weights whose argmax is the token plain
     sampling draws at each position: p / E(seed, position). Greedy verification of these
     weights commits exactly the plain-sampled tokens (drafts drawn with the same E match them
     as often as the draws allow), so the committed stream is Categorical(p) at every position."""
     return probs / position_exponentials(seeds, positions, probs.shape[-1])        # [B, P, V]
-
-
-def verify_by_position(batch, proposal, target_probs) -> VerifyOutput:
-    """verifier.rule=coupled under sampling: greedy matching against each position's plain
-    sample. Position j of a chain is committed length + j; a tree's position after node i is
-    committed length + its depth."""
-    starts = torch.tensor([len(ids) for ids in batch.token_ids], dtype=torch.long)      # [B]
-    layout = None if proposal.parents is None else layout_of(proposal)
-    if layout is None:
-        offsets = torch.arange(target_probs.shape[1])[None, :]                         # [1, K+1]
-    else:
-        offsets = layout.depth                                                          # [B, N+1]
-    positions = (starts[:, None] + offsets).to(target_probs.device)                    # [B, P]
-    weights = position_targets(target_probs, batch.seeds, positions)                   # [B, P, V]
-    if layout is not None:
-        out, num_accepted, path = verify_tree(proposal.draft_token_ids, proposal.parents, weights,
-                                              greedy=True, layout=layout)
-        return VerifyOutput(out, num_accepted, path)
-    out, num_accepted = verify(proposal.draft_token_ids, weights, greedy=True)
-    return VerifyOutput(out, num_accepted)
-
-
-class StandardVerifier:
-    """Lossless verification: greedy exact match; under sampling, the plain sample at each
-    (seed, position) (rule=coupled) or rejection sampling (rule=rejection)."""
-
-    def __init__(self, cfg=None, ctx=None):
-        self.cfg = cfg
-
-    @hookimpl
-    def specflow_verify(self, batch, proposal, target_probs):
-        if batch.draws_by_position:
-            return verify_by_position(batch, proposal, target_probs)
-        if proposal.parents is not None:             # a tree: multi-draft verification
-            out, num_accepted, path = verify_tree(
-                proposal.draft_token_ids, proposal.parents, target_probs, proposal.draft_probs,
-                greedy=batch.greedy, generator=None if batch.greedy else batch.generators,
-                layout=layout_of(proposal))
-            return VerifyOutput(out, num_accepted, path)
-        num_drafts = None if batch.greedy else proposal.host_counts()    # host: no device read
-        out, num_accepted = verify(proposal.draft_token_ids, target_probs, proposal.draft_probs,
-                                   greedy=batch.greedy,
-                                   generator=None if batch.greedy else batch.generators,
-                                   num_drafts=num_drafts)
-        return VerifyOutput(out, num_accepted)

@@ -255,11 +255,11 @@ class Pipeline:
                         for i in layers})
         if not asked:
             return
-        if not getattr(self.target, "supports_hidden_states", False):
+        if not self.target.supports_hidden_states:
             raise ConfigError(f"a stage reads the target's hidden states (layers {asked}), but "
                               f"the target backend {type(self.target).__name__} does not hand "
                               f"them out; use model=demo or model=hf")
-        top = getattr(self.target, "num_layers", None)
+        top = self.target.num_layers
         outside = [i for i in asked if i < 0 or (top is not None and i > top)]
         if outside:
             fix = "non-negative indices" if top is None else \

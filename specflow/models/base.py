@@ -80,9 +80,9 @@ class Backend(abc.ABC):
     eos_token_id: int | None = None
     max_length: int | None = None        # context window in tokens, None = unbounded
     # for stages that read hidden states (specflow_hidden_layers): decoder layers (index
-    # num_layers is the final normed state) and the width of one layer's state; 0 = none
-    num_layers: int = 0
-    hidden_size: int = 0
+    # num_layers is the final normed state) and the width of one layer's state; None: not said
+    num_layers: int | None = None
+    hidden_size: int | None = None
     supports_rollback: bool = True       # False for recurrent caches: speculation is refused
     device: torch.device = torch.device("cpu")
     tokenizer: Tokenizer
@@ -115,6 +115,21 @@ class Backend(abc.ABC):
     # --- what the backend may choose for itself, and what one pass costs ---------------------
 
     supports_hidden_states: bool = False   # forward(..., hidden_layers=...) is implemented
+    dtype: torch.dtype = torch.float32     # the weights' compute dtype (a head may follow it)
+
+    # --- the weights a draft head shares or copies (None: this backend has none to give) ------
+
+    def input_embeddings(self) -> torch.Tensor | None:
+        """[V, E] the token embedding table (an EAGLE-3 head embeds its inputs with it)."""
+        return None
+
+    def output_head(self) -> torch.Tensor | None:
+        """[V, E] the LM head's weight, dense (a head trains from it)."""
+        return None
+
+    def final_norm(self) -> torch.Tensor | None:
+        """[E] the final RMSNorm's weight (a head starts from it)."""
+        return None
 
     def tune(self, rows: int, positions: int, settings) -> None:
         """Choose what this backend may choose for itself (CPU threads, its weights' layout)

@@ -503,7 +503,7 @@ def load_head(path: str, target, device: torch.device, dtype: torch.dtype | None
         except Exception as exc:
             raise ConfigError(f"{what}: {file.name} is damaged ({type(exc).__name__}); copy the "
                               f"head again") from exc
-    embed = target.model.get_input_embeddings().weight
+    embed = target.input_embeddings()                                              # [V, E]
     head = Eagle3Head(shape, embed)
     weights.pop("embed_tokens.weight", None)           # the target's embedding is used
     if shape.draft_vocab_size == shape.vocab_size:

@@ -423,6 +423,24 @@ class HFBackend(Backend):
     supports_trees = True
     supports_hidden_states = True     # the inputs of any layer, from the same pass
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    def input_embeddings(self) -> torch.Tensor:
+        return self.model.get_input_embeddings().weight                               # [V, E]
+
+    def output_head(self) -> torch.Tensor:
+        """Dense: a packed layout (pack=auto) is undone first, as train-head reads it after
+        decoding its data."""
+        if self.lean is not None:
+            self.lean.unpack()
+        return self.model.get_output_embeddings().weight                              # [V, E]
+
+    def final_norm(self) -> torch.Tensor | None:
+        norm = getattr(getattr(self.model, "model", None), "norm", None)
+        return None if norm is None else norm.weight                                   # [E]
+
     # (rows, positions) -> the padded sizes a plan is run at; None: exact (CPU: eager passes,
     # padding would be computed for nothing). A CUDA-graph backend sets buckets.
     bucket = None

@@ -168,23 +168,20 @@ def _train(cfg, th: TrainHeadConfig, out: pathlib.Path, settings: dict, prompts:
         del states
         data.save_whole(seqs, cache)
         shutil.rmtree(parts, ignore_errors=True)          # train_data.pt holds them all now
-    if target.lean is not None:      # decoding may have packed the weights the head copies
-        target.lean.unpack()
     check_prompts = data.cut_prompts(prompts, target.tokenizer, th.prompt_tokens, 2)
     generated = time.perf_counter() - started
     torch.set_num_threads(threads)
     train_seqs, held = seqs.split(th.heldout)
-    embed = target.model.get_input_embeddings().weight.detach().float()
+    embed = target.input_embeddings().detach().float()                              # [V, E]
     head = init_head(shape, embed, th.seed).float()
     used = data.draft_vocabulary(train_seqs, shape.draft_vocab_size, shape.vocab_size)
     head.set_vocab(used)
     with torch.no_grad():   # start from the target's own output layer: its final norm and the
-        head.norm.weight.copy_(target.model.model.norm.weight.float())     # draft vocabulary's
-        head.lm_head.weight.copy_(                                         # rows of its LM head
-            target.model.get_output_embeddings().weight.detach().float()[used])
+        head.norm.weight.copy_(target.final_norm().float())                # draft vocabulary's
+        head.lm_head.weight.copy_(target.output_head().detach().float()[used])   # LM head rows
     head.to(target.device)      # trains where the target runs (device=cuda: on the GPU)
     head.embed = head.embed.to(target.device)
-    lm = target.model.get_output_embeddings().weight.detach().float()[used.to(target.device)]
+    lm = target.output_head().detach().float()[used.to(target.device)]              # [Vd, E]
     schedule = loop.Settings(steps=th.steps, batch=th.batch, seq=th.seq, ttt_steps=th.ttt_steps,
                              lr=th.lr, checkpoint_every=th.checkpoint_every, seed=th.seed)
     windows = loop.Windows(train_seqs, lm, th.seq, th.ttt_steps)

@@ -48,8 +48,8 @@ def head_dtype(setting: str, target) -> torch.dtype | None:
     keeps the head as saved: beside a float32 target on a CPU, a float16 head's step reads half
     the bytes."""
     chosen = HEAD_DTYPES[setting]
-    if chosen is None and target.model.dtype in (torch.float16, torch.bfloat16):
-        return target.model.dtype
+    if chosen is None and target.dtype in (torch.float16, torch.bfloat16):
+        return target.dtype
     return chosen
 
 
@@ -77,8 +77,7 @@ class EagleProposer:
         from specflow.models.eagle_head import demo_head_for, load_head, missing_head
 
         target = ctx.target
-        if not getattr(target, "supports_hidden_states", False) or \
-                getattr(target, "model", None) is None:
+        if not target.supports_hidden_states or target.input_embeddings() is None:
             raise ConfigError(f"proposer=eagle reads the hidden states of a transformers target; "
                               f"model={ctx.cfg.model.name} has none: use model=demo (or hf), or "
                               f"proposer=draft")

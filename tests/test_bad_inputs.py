@@ -259,6 +259,9 @@ ROWS = [
     ("unknown chat setting", [*SYN, "chat=yes"], "compose",
      "chat='yes'; use auto (wrap prompt= in the tokenizer's chat template when it has one), on "
      "or off", None),
+    ("retime not true or false", [*SYN, "retime=sometimes"], "compose",
+     "retime='sometimes'; use false (read back the times that the choices at start measured in "
+     "an earlier run on this machine) or true (time them again)", None),
 ]
 
 

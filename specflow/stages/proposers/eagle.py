@@ -76,8 +76,8 @@ class EagleProposer:
     def __init__(self, cfg: EagleProposerConfig, ctx):
         from specflow.models.eagle_head import demo_head_for, load_head, missing_head
 
-        target = ctx.target
-        if not target.supports_hidden_states or target.input_embeddings() is None:
+        target = ctx.target            # None inside vLLM (vllm/stages.py): refused in one line
+        if target is None or not target.supports_hidden_states or target.input_embeddings() is None:
             raise ConfigError(f"proposer=eagle reads the hidden states of a transformers target; "
                               f"model={ctx.cfg.model.name} has none: use model=demo (or hf), or "
                               f"proposer=draft")

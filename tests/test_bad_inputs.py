@@ -246,6 +246,9 @@ ROWS = [
      "policy=adaptive runs inside vLLM only as specflow's drafter", None),
     ("a config vLLM refuses", ["engine=vllm", "proposer=none", "model.max_model_len=100000"],
      "folder_run", "vLLM refused this arm (ValidationError", None),
+    ("a bad SPECFLOW_VLLM_OVERRIDES in vLLM's own LLM or vllm serve", ["proposer=ngarm"],
+     "vllm_front_end", "Could not find 'proposer/ngarm'; valid options for proposer: draft, "
+     "eagle, ngram, none", None),
     ("a folder of GGUF files", ["model=hf", "model.path={tmp}/two-ggufs", "proposer=ngram"],
      "build", "has no config.json but holds GGUF files (a.Q4_0.gguf, b.Q8_0.gguf); point "
      "model.path at the one to load, e.g. model.path=", None),
@@ -294,9 +297,37 @@ def _skip_cuda(name):
         pytest.skip("needs vLLM: `make test-vllm` runs it")
 
 
+def _vllm_serve_refuses(tmp_path: pathlib.Path, overrides: list[str], line: str) -> None:
+    """`vllm serve` with specflow's drafter and bad overrides: exit 2 and the one line, from
+    vLLM's front end (specflow's vLLM plugin), before an engine process starts."""
+    import json
+
+    pytest.importorskip("vllm")
+    from vllm_support.test_in_vllm import VLLM_COMMAND
+
+    from specflow.models.hf import DEMO_DIR
+
+    command = tmp_path / "vllm_command.py"
+    command.write_text(VLLM_COMMAND, encoding="utf-8")
+    env = {**os.environ, "SPECFLOW_VLLM_OVERRIDES": " ".join(overrides),
+           "VLLM_CPU_KVCACHE_SPACE": "1"}
+    done = subprocess.run(
+        [sys.executable, str(command), "serve", str(DEMO_DIR / "target"), "--enforce-eager",
+         "--dtype", "float32", "--speculative-config",
+         json.dumps({"method": "custom_class", "model": "specflow.vllm.SpecflowProposer",
+                     "num_speculative_tokens": 3})],
+        capture_output=True, text=True, env=env, timeout=300)
+    last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ""
+    assert done.returncode == 2, (done.stdout + done.stderr)[-3000:]
+    assert last.startswith("specflow: error:") and line in last, last
+    assert "Traceback" not in done.stdout + done.stderr
+
+
 @pytest.mark.parametrize("name,args,api,cli_msg,api_msg", ROWS, ids=[r[0] for r in ROWS])
 def test_cli(tmp_path, request, name, args, api, cli_msg, api_msg):
     _skip_cuda(name)
+    if api == "vllm_front_end":
+        return _vllm_serve_refuses(tmp_path, args, cli_msg)
     _files(tmp_path)
     env = {**os.environ, "SPECFLOW_DISABLE_PLUGIN_AUTOLOAD": "1"}
     if api == "plugin":
@@ -348,6 +379,12 @@ def test_api(tmp_path, request, name, args, api, cli_msg, api_msg):
                                                                      max_new_tokens=8)
         elif api == "build":
             Pipeline.from_config(args)
+        elif api == "vllm_front_end":  # what specflow's vLLM plugin checks (no vLLM needed)
+            from specflow.vllm.plugin import check_vllm_config
+            from specflow.vllm.testing import vllm_config
+            request.getfixturevalue("monkeypatch").setenv("SPECFLOW_VLLM_OVERRIDES",
+                                                          " ".join(args))
+            check_vllm_config(vllm_config())
         elif api == "folder_run":      # engine=vllm runs go through the app layer
             from specflow.app.folder_run import run_into
             run_into(compose(args), tmp_path / "run", owner="test", setting="hydra.run.dir",

@@ -490,5 +490,22 @@ def main(argv: list[str] | None = None) -> int:
         return fail("interrupted", 130)
 
 
+def entry() -> None:
+    """The `specflow` console script: main(), and after a finished `specflow run` an exit
+    without the interpreter's teardown, which takes about a second of a short run (unloading
+    torch's and transformers' modules), once what the run wrote is flushed. Other commands
+    (launchers with child processes, servers) exit as usual."""
+    command = sys.argv[1:2]           # main() hands sys.argv to Hydra, which rewrites it
+    code = main()
+    if code == 0 and command == ["run"]:
+        import logging
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(0)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -31,6 +31,7 @@ class TargetCacheSync:
 
     @hookimpl
     def specflow_sync_cache(self, batch, result):
-        if result.layout is not None:      # a tree keeps its accepted path's entries
-            result.layout.keep_cached(self.target, batch, result)
+        layout = getattr(result, "layout", None)    # a round's result (a test may pass none)
+        if layout is not None:               # a tree keeps its accepted path's entries
+            layout.keep_cached(self.target, batch, result)
         self.target.truncate(batch.slots, [len(ids) - 1 for ids in batch.token_ids])

@@ -9,6 +9,7 @@ import json
 import threading
 
 import pytest
+import torch
 
 from specflow import ConfigError, Pipeline
 from specflow.models import choice_cache, kernels
@@ -173,6 +174,7 @@ def test_pick_reads_its_forms_times_back(kept, monkeypatch):
 
 
 DEMO = ["model=demo", "proposer=draft", "max_batch_size=2", "native=auto", "threads=1"]
+START_THREADS = 2        # torch's threads when a pipeline is built (a tune leaves its own choice)
 
 
 @pytest.fixture
@@ -191,6 +193,7 @@ def counted_passes(monkeypatch):
 
 
 def built(*overrides: str) -> Pipeline:
+    torch.set_num_threads(START_THREADS)     # as a new process starts, whatever ran before here
     pipe = Pipeline.from_config([*DEMO, *overrides])
     assert pipe.draft is not None                         # built (and tuned) on first use
     return pipe

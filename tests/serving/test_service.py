@@ -44,7 +44,7 @@ def test_admit_names_the_field_and_the_status_of_each_refusal(service):
 def test_health_and_models_need_no_running_engine(service):
     status, body = service.health()
     assert status == 200 and body["status"] == "ok"
-    assert service.models()["data"][0]["id"] == "synthetic"
+    assert service.models()["data"][0]["id"] == service.model
 
 
 def test_a_request_runs_through_submit_and_complete():

@@ -242,8 +242,7 @@ class Engine:
         while self.queue and self.free:
             req = self.queue.popleft()
             slot = self.free.pop(0)
-            samples = not pipe.greedy or pipe.samples_on_request
-            gen = None if not samples or pipe.draws_by_position else torch.Generator(
+            gen = None if not pipe.may_sample or pipe.draws_by_position else torch.Generator(
                 device=pipe.target.device).manual_seed(req.seed)
             self.active[slot] = row = Row(req, slot, list(req.prompt_ids), gen)
             admitted.append(row)

@@ -90,6 +90,12 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def retiming(cfg: DictConfig):
+    """Within: the choices made at start time their ways again where the config says `retime`
+    (models/choice_cache.py)."""
+    return choice_cache.retiming(bool(cfg.get("retime", False)))
+
+
 def build_component(kind: str, node, ctx: BuildContext):
     """The registered component a config node names, built by its factory from its typed config
     (the one way a pipeline, and specflow's drafter inside vLLM, make their stages); an error
@@ -110,13 +116,9 @@ def preflight(cfg: DictConfig, prompts: list[str] | None = None) -> None:
     """The selected components' checks that need no weights (a draft's tokenizer against the
     target's; the prompts' lengths, when given), run before any model loads: a mistake is one
     line in seconds instead of after minutes of loading."""
-    registry = get_registry()
-    for kind in ("model", "draft", *groups.STAGES):
-        node = cfg.get(kind)
-        if node is not None and "name" in node:
-            check = registry.get(kind, node.name).preflight
-            if check is not None:
-                check(cfg, prompts)
+    for component in get_registry().selected(cfg):
+        if component.preflight is not None:
+            component.preflight(cfg, prompts)
 
 
 class Pipeline:
@@ -124,7 +126,7 @@ class Pipeline:
 
     def __init__(self, cfg: DictConfig, plugins: Iterable[object] = ()):
         try:
-            with choice_cache.retiming(bool(cfg.get("retime", False))):
+            with retiming(cfg):
                 self._construct(cfg, plugins)
         except Exception as exc:
             blamed = blame(exc, "while the pipeline was built", pm=getattr(self, "pm", None))
@@ -147,7 +149,7 @@ class Pipeline:
         self.samples_on_request = self.greedy and has_temperature(cfg.get("logits"))
         # sampling draws keyed by (seed, position): the standard verifier's default rule (a
         # plugin verifier without `rule` gets per-request generator streams, as before)
-        self.draws_by_position = (not self.greedy or self.samples_on_request) and \
+        self.draws_by_position = self.may_sample and \
             (cfg.get("verifier") or {}).get("rule") == "coupled"
         self.clock = SimClock()
         self.empty_rows = EmptyRowLog()     # this round's shape() calls, checked after verify
@@ -306,7 +308,7 @@ class Pipeline:
     def _build_draft(self, ctx: BuildContext):
         """The draft model, tuned by itself for its steps: its fullest scores a tree's frontier
         (proposer.topk positions; one for a chain) in every slot."""
-        with choice_cache.retiming(bool(self.cfg.get("retime", False))):
+        with retiming(self.cfg):      # built on first use, after the pipeline
             draft = self._build("draft", ctx)
             if draft is not None:
                 check_tree_width(self.cfg.get("proposer"), draft.max_length, "the draft model's")
@@ -757,6 +759,11 @@ class Pipeline:
             call.unusable = next(pieces).bool()
         flagged = None if checks is None else next(pieces).bool().tolist()
         return VerifyOutput(*host), flagged
+
+    @property
+    def may_sample(self) -> bool:
+        """Whether any round may sample: a sampling pipeline, or one that samples on request."""
+        return not self.greedy or self.samples_on_request
 
     def round_is_greedy(self, sampling: list[dict | None] | None) -> bool:
         """Greedy pipelines decode greedily, unless one samples on request and a row of this

@@ -67,6 +67,19 @@ class Registry:
         self._items[kind][name] = Component(kind, name, factory, schema, self._current_plugin,
                                             preflight, check)
 
+    def selected(self, cfg) -> list[Component]:
+        """The components a composed config selects, group by group (a multi-select group's in
+        its order): whose checks (Component.check, .preflight) a config's run calls."""
+        out = []
+        for kind in groups.KINDS:
+            nodes = cfg.get(kind)
+            if not nodes:
+                continue
+            for node in nodes.values() if kind in groups.MULTI else [nodes]:
+                if "name" in node:
+                    out.append(self.get(kind, node.name))
+        return out
+
     def get(self, kind: str, name: str) -> Component:
         try:
             return self._items[kind][name]

@@ -487,15 +487,9 @@ def _check_components(cfg: DictConfig) -> None:
     settings must agree with (proposer=eagle's head folder with the target's config.json)."""
     from specflow.plugins import get_registry
 
-    registry = get_registry()
-    for kind in (*SINGLE_GROUPS, *MULTI_GROUPS):
-        nodes = cfg.get(kind)
-        if not nodes:
-            continue
-        for node in nodes.values() if kind in MULTI_GROUPS else [nodes]:
-            check = registry.get(kind, node.name).check
-            if check is not None:
-                check(cfg)
+    for component in get_registry().selected(cfg):
+        if component.check is not None:
+            component.check(cfg)
 
 
 MAX_BATCH_SIZE = 4096         # running sequences; every slot reserves cache rows

@@ -68,10 +68,11 @@ def retiming(on: bool = True) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def recording() -> Iterator[dict[str, str]]:
+def recording(seen: dict[str, str] | None = None) -> Iterator[dict[str, str]]:
     """Within: each recall() notes its choice -> "cache" (every lookup read back) or "timed"
-    (any of them measured) in the dict yielded (and in any recording() around this one)."""
-    seen: dict[str, str] = {}
+    (any of them measured) in `seen` (a new dict unless given; yielded), and in any recording()
+    around this one."""
+    seen = {} if seen is None else seen
     token = _records.set((*_records.get(), seen))
     try:
         yield seen

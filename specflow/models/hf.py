@@ -360,7 +360,7 @@ class HFBackend(Backend):
         from specflow.models.threads import choose_threads
 
         pack = settings.get("pack", "auto")
-        with choice_cache.recording() as seen:
+        with choice_cache.recording(self.choices):      # beside the product pick's
             if self.role != "draft":
                 self.threads = choose_threads(settings.get("threads", "auto"), self)
             choose_native(settings.get("native", "auto"), self, positions, rows)
@@ -368,9 +368,6 @@ class HFBackend(Backend):
                 self.packed = choose_draft_pack(pack, self, positions, rows)
             else:
                 self.packed = choose_pack(pack, self, positions, rows)
-        for choice, source in seen.items():
-            if self.choices.get(choice) != "timed":
-                self.choices[choice] = source
         if self._want_graphs:     # static steps up to the fullest pass, in power-of-two buckets
             from specflow.models.graph_step import GraphRunner
 
@@ -380,15 +377,14 @@ class HFBackend(Backend):
     def choice_key(self) -> dict:
         """What a pass of this backend costs depends on besides the machine, for the times
         kept on disk (models/choice_cache.py): the model's files, its dtype, the cache's slots
-        and capacity, and the state the choices made so far left (threads, product forms,
-        layout, native passes: describe())."""
+        and capacity, and the state the choices made so far left (threads, which are torch's
+        own until tune() chooses them, product forms, layout, native passes: describe())."""
         from specflow.models import choice_cache
 
         state = {k: v for k, v in self.describe().items() if k != "choices"}
         return {"model": choice_cache.files(self.model.name_or_path),
                 "dtype": str(self.model.dtype), "slots": self.cache.slots,
-                "capacity": self.cache.max_capacity, "window": self.window,
-                "torch_threads": torch.get_num_threads(), "state": state}
+                "capacity": self.cache.max_capacity, "window": self.window, "state": state}
 
     def describe(self) -> dict:
         """forward (lean | hf), threads (tune's choice for the target; otherwise torch's CPU

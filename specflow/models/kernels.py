@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import json
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -194,7 +195,7 @@ class Kernels:
         return f"packed (oneDNN) weights; dense ones {dense}" if self.pack else dense
 
 
-_PICKED: dict[tuple, Kernels] = {}
+_PICKED: dict[str, Kernels] = {}
 
 
 def pick(weights: list[torch.Tensor], repeats: int = 3, budget_s: float = 2.0) -> Kernels:
@@ -215,17 +216,16 @@ def pick(weights: list[torch.Tensor], repeats: int = 3, budget_s: float = 2.0) -
     w0 = weights[0]
     if w0.device.type != "cpu":
         return Kernels()
-    key = (str(w0.device), w0.dtype, torch.get_num_threads(), native.available(w0.dtype),
-           tuple(tuple(w.shape) for w in weights))
+    shapes = collections.Counter(tuple(w.shape) for w in weights)
+    kept = {"dtype": str(w0.dtype), "threads": torch.get_num_threads(),     # choice_cache's key
+            "native": native.available(w0.dtype), "repeats": repeats,
+            "weights": sorted([*shape, n] for shape, n in shapes.items())}
+    key = json.dumps(kept, sort_keys=True)                 # and this process's memo's
     if key in _PICKED:
         choice_cache.note("kernels.pick", "cache")          # timed earlier in this process
         return _PICKED[key]
     timings = []
     deadline = time.perf_counter() + budget_s
-    shapes = collections.Counter(tuple(w.shape) for w in weights)
-    kept = {"dtype": str(w0.dtype), "threads": torch.get_num_threads(),     # choice_cache's key
-            "native": native.available(w0.dtype), "repeats": repeats,
-            "weights": sorted([*shape, n] for shape, n in shapes.items())}
 
     def once(form: str, x: dict[int, torch.Tensor]) -> float:
         """Seconds of one product of each weight by x[K]."""

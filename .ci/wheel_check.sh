@@ -15,7 +15,7 @@ out="$("$tmp/venv/bin/specflow" run max_new_tokens=16 'prompt=def add(a, b):' hy
 echo "$out" | tail -n 5
 test -s "$tmp/run/metrics.json"
 # the native product's C source ships in the wheel (compiled on first use where a compiler is)
-"$tmp/venv/bin/python" -c "from specflow.models import native; assert native.SOURCE.is_file(), native.SOURCE; print('native product:', native.available())"
+"$tmp/venv/bin/python" -c "from specflow.backends.lean import native; assert native.SOURCE.is_file(), native.SOURCE; print('native product:', native.available())"
 # the example plugin packages, installed from wheels as an outside author's would be
 for plugin in specflow-suffix specflow-trace; do
   "$repo/.venv/bin/python" -m pip wheel -q --no-deps -w "$tmp/dist" "$repo/plugins/$plugin"

@@ -18,7 +18,7 @@ def main() -> None:
     sys.path.insert(0, str(src))
     sys.path.insert(1, str(src / "gguf-py"))
     sys.path.insert(0, str(ROOT))
-    from specflow.models.hf import DEMO_DIR
+    from specflow.backends.hf.backend import DEMO_DIR
 
     import conversion.base as base
     base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"

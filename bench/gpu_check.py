@@ -17,7 +17,7 @@ Both run in bfloat16 on CUDA. Then:
 5. float32 exactness: the same pair in fp32, draft and ngram against plain, batch 1 and 8;
 6. a profile of a target pass at contexts 64 and 512 (top ops by device and host time) and the
    synchronizing CUDA calls per round (torch.cuda.set_sync_debug_mode);
-7. CUDA graphs (models/graph_step.py): `none graphs` and `draft graphs` arms in 1 and 2 (the
+7. CUDA graphs (backends/lean/graph_step.py): `none graphs` and `draft graphs` arms in 1 and 2 (the
    target's chain passes and the draft's steps captured per bucket), and a target pass at
    contexts 64 / 512 / 1000 with graphs on and off. `--quick` (4 prompts x 64 tokens, batches 1
    and 8, no profile) fits the device budget with room for a rerun.
@@ -90,7 +90,7 @@ def build_pair(folder: pathlib.Path, dims: dict, device, dtype) -> tuple[pathlib
 
     import transformers as tf
 
-    from specflow.models.hf import DEMO_DIR
+    from specflow.backends.hf.backend import DEMO_DIR
 
     torch.manual_seed(0)
     cfg = tf.LlamaConfig(vocab_size=8192, max_position_embeddings=2048, rms_norm_eps=1e-5,
@@ -126,7 +126,7 @@ def build_pair(folder: pathlib.Path, dims: dict, device, dtype) -> tuple[pathlib
 
 def prompts_for(n: int) -> list[str]:
     from specflow.experiments.workloads import read_prompt_file
-    from specflow.models.hf import DEMO_DIR
+    from specflow.backends.hf.backend import DEMO_DIR
 
     prompts = read_prompt_file(str(DEMO_DIR / "prompts.jsonl"), "prompt")
     return (prompts * (1 + n // len(prompts)))[:n]
@@ -325,7 +325,7 @@ def profile(paths, args, device, dtype):
     from torch.profiler import profile as torch_profile
 
     from specflow import Pipeline
-    from specflow.models.hf import HFBackend, HFModelConfig
+    from specflow.backends.hf.backend import HFBackend, HFModelConfig
 
     name = str(dtype).split(".")[1]
     for forward in ("lean", "hf"):

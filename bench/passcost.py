@@ -35,9 +35,9 @@ sys.path.insert(0, str(ROOT))
 
 from specflow.console import console  # noqa: E402
 from specflow.io import atomic_write_json, atomic_write_text  # noqa: E402
-from specflow.models.hf import DEMO_DIR, HFBackend, HFModelConfig  # noqa: E402
-from specflow.models.native_choice import choose_native  # noqa: E402
-from specflow.models.packing import packable  # noqa: E402
+from specflow.backends.hf.backend import DEMO_DIR, HFBackend, HFModelConfig  # noqa: E402
+from specflow.backends.lean.native_choice import choose_native  # noqa: E402
+from specflow.backends.lean.packing import packable  # noqa: E402
 
 
 def sync(device: torch.device) -> None:

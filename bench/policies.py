@@ -22,7 +22,7 @@ from specflow import Pipeline  # noqa: E402
 from specflow.console import console  # noqa: E402
 from specflow.experiments.workloads import read_prompt_file  # noqa: E402
 from specflow.io import atomic_write_json, atomic_write_text  # noqa: E402
-from specflow.models.hf import DEMO_DIR  # noqa: E402
+from specflow.backends.hf.backend import DEMO_DIR  # noqa: E402
 
 ARMS = {
     "static k=0": ["proposer=none"],

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from specflow.experiments.workloads import read_prompt_file  # noqa: E402
 from specflow.io import atomic_write_json, atomic_write_text  # noqa: E402
-from specflow.models.hf import DEMO_DIR  # noqa: E402
+from specflow.backends.hf.backend import DEMO_DIR  # noqa: E402
 
 SPECFLOW = str(pathlib.Path(sys.executable).with_name("specflow"))
 

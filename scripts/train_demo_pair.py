@@ -4,7 +4,7 @@ Corpus: the Python standard library's own .py files (every machine has them offl
 packages. About 2% of the files (chosen by a stable hash of the path) are held out for benchmark
 prompts and never trained on.
 
-    python scripts/train_demo_pair.py --out specflow/models/demo
+    python scripts/train_demo_pair.py --out specflow/weights/demo
 
 Deterministic for a given seed, thread count and torch build. Writes, under --out:
     target/  draft/      config.json, model.safetensors (fp16), tokenizer files
@@ -177,7 +177,7 @@ def write_prompts(held: list[tuple[str, str]], tokenizer, path: pathlib.Path, n:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="specflow/models/demo")
+    ap.add_argument("--out", default="specflow/weights/demo")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=8192)

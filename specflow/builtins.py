@@ -8,8 +8,8 @@ from specflow.constraints.grammar import (ChoiceConfig, GrammarConstraint, JsonS
 from specflow.experiments.workloads import (DemoWorkload, DemoWorkloadConfig, FileWorkload,
                                             FileWorkloadConfig)
 from specflow.experiments.stdlib_corpus import StdlibWorkload, StdlibWorkloadConfig
-from specflow.models.hf import HFModelConfig
-from specflow.models.synthetic import SyntheticBackend, SyntheticDraftConfig, SyntheticModelConfig
+from specflow.backends.hf.backend import HFModelConfig
+from specflow.backends.synthetic import SyntheticBackend, SyntheticDraftConfig, SyntheticModelConfig
 from specflow.plugins import hookimpl
 from specflow.policies.adaptive import AdaptivePolicy, AdaptivePolicyConfig
 from specflow.policies.goodput import (GoodputPolicy, GoodputPolicyConfig, OraclePolicy,
@@ -52,12 +52,12 @@ def synthetic_draft(cfg: SyntheticDraftConfig, ctx):
 
 
 def hf_target(cfg, ctx):
-    from specflow.models.hf import HFBackend
+    from specflow.backends.hf.backend import HFBackend
     return HFBackend(cfg, ctx.device, ctx.slots, role="model")
 
 
 def hf_draft(cfg, ctx):
-    from specflow.models.hf import HFBackend, check_same_tokenizer
+    from specflow.backends.hf.backend import HFBackend, check_same_tokenizer
     from specflow.errors import ConfigError
     if not isinstance(ctx.target, HFBackend):
         raise ConfigError("draft=hf/demo pairs with a transformers target (model=hf or "
@@ -68,22 +68,22 @@ def hf_draft(cfg, ctx):
 
 
 def check_draft_preflight(cfg, prompts=None):
-    from specflow.models.preflight import check_draft
+    from specflow.backends.hf.preflight import check_draft
     check_draft(cfg)
 
 
 def check_eagle(cfg):
-    from specflow.models.eagle_head import check_config
+    from specflow.backends.heads.eagle import check_config
     check_config(cfg)
 
 
 def check_train_layers(cfg):
-    from specflow.models.eagle_head import check_train_layers
+    from specflow.backends.heads.eagle import check_train_layers
     check_train_layers(cfg)
 
 
 def check_target_preflight(cfg, prompts=None):
-    from specflow.models.preflight import check_prompts
+    from specflow.backends.hf.preflight import check_prompts
     check_prompts(cfg, prompts)
 
 

@@ -32,8 +32,8 @@ from specflow.config import check_token_ids, compose, option, validate, whole_nu
 from specflow.engine import Engine
 from specflow.errors import ConfigError, InputError, PluginError
 from specflow.metrics import MetricsRecorder
-from specflow.models import choice_cache
-from specflow.models.base import Backend, SimClock
+from specflow.backends import choice_cache
+from specflow.backends.contract import Backend, SimClock
 from specflow.request import LOGPROB_FLOOR, GenerationResult, Request, Row
 from specflow.plugins import blame, check_hooks, get_registry, new_plugin_manager
 from specflow.stages.cache import TargetCacheSync
@@ -92,7 +92,7 @@ def resolve_device(name: str) -> torch.device:
 
 def retiming(cfg: DictConfig):
     """Within: the choices made at start time their ways again where the config says `retime`
-    (models/choice_cache.py)."""
+    (backends/choice_cache.py)."""
     return choice_cache.retiming(bool(cfg.get("retime", False)))
 
 

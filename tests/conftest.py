@@ -6,7 +6,7 @@ import os
 # tests see only specflow's built-ins unless a test installs a plugin itself
 os.environ.setdefault("SPECFLOW_DISABLE_PLUGIN_AUTOLOAD", "1")
 # tests time the choices made at start afresh (many fake the clock): nothing is read back from,
-# or kept in, the cache of timed choices (tests/models/test_choice_cache.py turns it on)
+# or kept in, the cache of timed choices (tests/backends/test_choice_cache.py turns it on)
 os.environ.setdefault("SPECFLOW_CHOICE_CACHE", "0")
 
 import pytest  # noqa: E402
@@ -20,9 +20,9 @@ torch.set_num_threads(1)
 def _short_pack_timing():
     """pack=auto times whole passes when a pipeline is built (15 per end and layout: ~1.2 s of
     each demo-pair build with one thread). Tests build hundreds of pipelines and none depends on
-    which layout wins (tests/models/test_packing.py fixes the timings itself), so three passes
+    which layout wins (tests/backends/lean/test_packing.py fixes the timings itself), so three passes
     decide here; the choice is made by the same code either way."""
-    from specflow.models import packing
+    from specflow.backends.lean import packing
 
     saved = packing.REPS, packing.DRAFT_REPS
     packing.REPS = packing.DRAFT_REPS = 3
@@ -61,7 +61,7 @@ def linear_clock(monkeypatch):
     but report seconds from fixed lines (LINEAR_COSTS): a test that compares two timings (a
     wider step dearer than a narrower one, a head step cheaper than a target pass) cannot flip
     on a loaded machine, where a wall clock can time the wider pass faster."""
-    from specflow.models.base import Backend
+    from specflow.backends.contract import Backend
     from specflow.stages.proposers.eagle import EagleProposer
 
     real_pass, real_step = Backend.time_pass, EagleProposer.step_seconds

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from specflow import hookimpl
-from specflow.models.base import Backend
+from specflow.backends.contract import Backend
 from specflow.state import PAD, Proposal
 
 CHARS = "abcdefghijklmnopqrstuvwxyz .,!?\\n"

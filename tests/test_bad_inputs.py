@@ -30,7 +30,7 @@ def _mismatched_draft(tmp: pathlib.Path) -> str:
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from specflow.models.hf import DEMO_DIR
+    from specflow.backends.hf.backend import DEMO_DIR
 
     dst = tmp / "other-draft"
     if not dst.exists():
@@ -110,7 +110,7 @@ def _repeating_head(dst: pathlib.Path) -> None:
     """The shipped demo head's config.json, reading layer 2 twice (compose time reads no more)."""
     import json
 
-    from specflow.models.eagle_head import DEMO_HEAD
+    from specflow.backends.heads.eagle import DEMO_HEAD
 
     config = json.loads((DEMO_HEAD / "config.json").read_text())
     config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 2, 2]
@@ -305,7 +305,7 @@ def _vllm_serve_refuses(tmp_path: pathlib.Path, overrides: list[str], line: str)
     pytest.importorskip("vllm")
     from vllm_support.test_in_vllm import VLLM_COMMAND
 
-    from specflow.models.hf import DEMO_DIR
+    from specflow.backends.hf.backend import DEMO_DIR
 
     command = tmp_path / "vllm_command.py"
     command.write_text(VLLM_COMMAND, encoding="utf-8")

@@ -100,7 +100,7 @@ def test_the_config_layer_imports_no_backend_head_vllm_or_console_module():
     so specflow.config never reaches up into what it configures."""
     graph = _graph()
     config = [m for m in graph if m == "specflow.config" or m.startswith("specflow.config.")]
-    up = ("specflow.models", "specflow.vllm", "specflow.console", "specflow.stages",
+    up = ("specflow.backends", "specflow.vllm", "specflow.console", "specflow.stages",
           "specflow.serving", "specflow.pipeline", "specflow.engine")
     assert [(m, t) for m in config for t in sorted(graph[m]) if t.startswith(up)] == []
 
@@ -137,7 +137,7 @@ def test_the_engine_and_the_server_worker_use_only_public_names():
         assert private == []
 
 
-BACKEND_PRIVATE = ("specflow.models.packing", "specflow.models.kernels", "specflow.models.threads")
+BACKEND_PRIVATE = ("specflow.backends.lean.packing", "specflow.backends.lean.kernels", "specflow.backends.threads")
 
 
 def _all_imports(path: pathlib.Path) -> list[tuple[int, str]]:

@@ -7,7 +7,7 @@ from scipy import stats
 
 from specflow import Pipeline, hookimpl
 from specflow.experiments.workloads import read_prompt_file
-from specflow.models.hf import DEMO_DIR
+from specflow.backends.hf.backend import DEMO_DIR
 
 PROMPTS = read_prompt_file(str(DEMO_DIR / "prompts.jsonl"))[:4]
 GREEDY_PROCESSORS = ["repetition_penalty", "frequency_penalty", "presence_penalty",

@@ -20,7 +20,7 @@ from typing import Callable
 
 from specflow.config import compose
 from specflow.metrics import expected_tokens, predicted_speedup
-from specflow.models.synthetic import base_distribution, noise_for_acceptance
+from specflow.backends.synthetic import base_distribution, noise_for_acceptance
 from specflow.pipeline import Pipeline
 
 

@@ -3,7 +3,7 @@
 The target scorer and the draft model's proposer share these: a cache holds a prefix of a row's
 committed tokens, and a pass feeds the rest (normally only the last committed token) ahead of
 the round's own inputs (the drafts, for the target). The backend then turns the inputs into its
-ForwardPlan (models/plan.py).
+ForwardPlan (backends/plan.py).
 """
 from __future__ import annotations
 

@@ -76,7 +76,7 @@ class TrainHeadConfig:
 
 
 def head_shape_for(target, cfg: TrainHeadConfig, vocab: int):
-    from specflow.models.eagle_head import HeadShape, train_layer_ids
+    from specflow.backends.heads.eagle import HeadShape, train_layer_ids
 
     c = target.model.config
     layers = train_layer_ids(cfg.layers, target)
@@ -101,7 +101,7 @@ def run(cfg, prompts: list[str], progress) -> dict:
     run picked up (specflow/app/progress.py). Returns the summary written into config.json."""
     from omegaconf import OmegaConf
 
-    from specflow.models.eagle_head import target_dims, train_layer_ids
+    from specflow.backends.heads.eagle import target_dims, train_layer_ids
 
     th = TrainHeadConfig(**OmegaConf.to_container(cfg.train_head, resolve=True))
     out = pathlib.Path(th.output).expanduser()
@@ -120,8 +120,8 @@ def _train(cfg, th: TrainHeadConfig, out: pathlib.Path, settings: dict, prompts:
     target and the data are released when it returns."""
     from omegaconf import OmegaConf, open_dict
 
-    from specflow.models.eagle_head import init_head, save_head
-    from specflow.models.hf import HFBackend
+    from specflow.backends.heads.eagle import init_head, save_head
+    from specflow.backends.hf.backend import HFBackend
     from specflow.pipeline import Pipeline
     from specflow.training import data, loop, user_turns
 
@@ -208,7 +208,7 @@ def _train(cfg, th: TrainHeadConfig, out: pathlib.Path, settings: dict, prompts:
     }
     save_head(head, out, summary)
     if th.format == "speculators":          # the same weights under the speculators config
-        from specflow.models.speculators_format import write_speculators
+        from specflow.backends.heads.speculators_format import write_speculators
 
         write_speculators(out, out, verifier=str(target.path))
     return summary, check_prompts

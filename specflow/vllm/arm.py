@@ -31,7 +31,7 @@ def import_vllm():
 def speculative_config(cfg: DictConfig) -> tuple[dict | None, str | None]:
     """vLLM's speculative_config for the arm, and the overrides specflow's drafter reads inside
     vLLM (None unless vllm.drafter=specflow). One line for what vLLM cannot run."""
-    from specflow.models.hf import resolve_path
+    from specflow.backends.hf.backend import resolve_path
 
     proposer = cfg.proposer.name
     drafter = cfg.vllm.drafter
@@ -59,7 +59,7 @@ def speculative_config(cfg: DictConfig) -> tuple[dict | None, str | None]:
         return ({"method": "draft_model", "model": resolve_path(str(cfg.draft.path), "draft"),
                  "num_speculative_tokens": k}, None)
     if proposer == "eagle":
-        from specflow.models.eagle_head import demo_head_for, missing_head
+        from specflow.backends.heads.eagle import demo_head_for, missing_head
 
         head = cfg.proposer.get("path") or demo_head_for(SimpleNamespace(path=cfg.model.path))
         if head is None:
@@ -89,7 +89,7 @@ def stage_overrides(cfg: DictConfig) -> list[str]:
 
 def engine_arguments(cfg: DictConfig) -> dict[str, Any]:
     """LLM(...)'s arguments for the arm."""
-    from specflow.models.hf import resolve_path
+    from specflow.backends.hf.backend import resolve_path
 
     if cfg.get("logits"):
         raise ConfigError(f"engine=vllm runs greedy arms only (logits=[]), not "

@@ -57,7 +57,7 @@ class VllmRunner:
         from transformers import AutoTokenizer
         from vllm import LLM
 
-        from specflow.models.hf import HFTokenizer
+        from specflow.backends.hf.backend import HFTokenizer
 
         self.session = uuid.uuid4().hex[:12]
         tok = AutoTokenizer.from_pretrained(self.args["model"], local_files_only=True)

@@ -51,7 +51,7 @@ class HistoryStages:
     @classmethod
     def build(cls, overrides: Sequence[str], k_max: int, slots: int) -> "HistoryStages":
         from specflow.config import compose
-        from specflow.models.base import SimClock
+        from specflow.backends.contract import SimClock
         from specflow.pipeline import BuildContext, build_component
         from specflow.plugins import check_hooks, new_plugin_manager
 

@@ -9,7 +9,7 @@ import shutil
 from specflow.app.folder_run import run_into
 from specflow.experiments.workloads import chat_mode
 from specflow.config import compose
-from specflow.models.hf import DEMO_DIR
+from specflow.backends.hf.backend import DEMO_DIR
 
 TEMPLATE = "{% for m in messages %}<user>{{ m['content'] }}</user>{% endfor %}<bot>"
 

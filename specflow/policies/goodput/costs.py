@@ -14,7 +14,7 @@ under load. Timed passes at two sizes give the slope before any round runs.
   from a prior relative to a target pass.
 
 Given a key for the proposer (`measure(key=...)`), what was timed is kept for later runs on the
-machine beside the target's own key (models/choice_cache.py), like the choices made at start.
+machine beside the target's own key (backends/choice_cache.py), like the choices made at start.
 """
 from __future__ import annotations
 
@@ -71,11 +71,11 @@ def measure(target, rows: int, positions: int, step: StepSeconds, width: int,
     """Everything the policy times at build. Drafting is timed only beside a timed target: its
     costs are priced against the target's, in the same seconds. With `key` (what the drafting
     depends on: the proposer's settings, the draft model's own key) and a target that has one
-    (`choice_key()`), the seconds are kept for later runs (models/choice_cache.py)."""
+    (`choice_key()`), the seconds are kept for later runs (backends/choice_cache.py)."""
     own = getattr(target, "choice_key", None)
     if key is None or own is None or getattr(target, "clock", None) is not None:
         return _measure(target, rows, positions, step, width)
-    from specflow.models import choice_cache
+    from specflow.backends import choice_cache
 
     def usable(kept) -> bool:
         return isinstance(kept, dict) and set(kept) == {"target", "draft", "branch", "catch_up"}

@@ -19,7 +19,7 @@ class OraclePolicy(GoodputPolicy):
     """The goodput rule with the synthetic pair's true acceptance and costs (experiments only)."""
 
     def __init__(self, cfg: OraclePolicyConfig, ctx):
-        from specflow.models.synthetic import SyntheticBackend, acceptance_for_noise
+        from specflow.backends.synthetic import SyntheticBackend, acceptance_for_noise
 
         super().__init__(cfg, ctx)
         target, draft = ctx.target, ctx.draft

@@ -195,7 +195,7 @@ class GoodputPolicy:
     def specflow_pipeline_built(self, pipeline):
         # every stage is registered: time the target's passes and ask the proposer for its
         # draft step's (a real target only: a simulated clock is the truth)
-        from specflow.models import choice_cache
+        from specflow.backends import choice_cache
 
         with choice_cache.recording() as self.choices:
             self.use_costs(measure(self.target, self.slots, self.cfg.k_max + 1,
@@ -204,13 +204,13 @@ class GoodputPolicy:
 
     def describe(self) -> dict:
         """metrics.json `backends.policy`: where the costs timed at build came from ("cache":
-        read back from an earlier run's, "timed": measured now; models/choice_cache.py)."""
+        read back from an earlier run's, "timed": measured now; backends/choice_cache.py)."""
         choices = getattr(self, "choices", None)
         return {"choices": dict(choices)} if choices else {}
 
     def _cost_key(self, pipeline) -> dict | None:
         """What the timed drafting depends on, for the seconds kept on disk
-        (models/choice_cache.py): the proposer's settings, the draft model's key (once built)
+        (backends/choice_cache.py): the proposer's settings, the draft model's key (once built)
         and a head's description; None (keep nothing) without a pipeline or a target key."""
         from omegaconf import OmegaConf
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specflow.models.base import TreeAttention
+from specflow.backends.contract import TreeAttention
 from specflow.stages.tree import node_budgets
 from specflow.state import PAD
 

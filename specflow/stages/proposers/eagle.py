@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from specflow.errors import ConfigError
-from specflow.models.plan import make_plan
-from specflow.models.slot_cache import SlotKVCache
+from specflow.backends.plan import make_plan
+from specflow.backends.slot_cache import SlotKVCache
 from specflow.plugins import hookimpl
 from specflow.stages.proposers.draft import draft_steps
 from specflow.stages.proposers.draft_tree import Calibration, DraftTree, draft_trees, learn
@@ -74,7 +74,7 @@ class EagleProposerConfig:
 
 class EagleProposer:
     def __init__(self, cfg: EagleProposerConfig, ctx):
-        from specflow.models.eagle_head import demo_head_for, load_head, missing_head
+        from specflow.backends.heads.eagle import demo_head_for, load_head, missing_head
 
         target = ctx.target            # None inside vLLM (vllm/stages.py): refused in one line
         if target is None or not target.supports_hidden_states or target.input_embeddings() is None:

@@ -1,0 +1,565 @@
+"""The transformers backend: any attention-based AutoModelForCausalLM, batched over ragged rows.
+
+Each forward feeds every row its own new tokens at its own positions (explicit position ids and a
+4-D mask), into a SlotKVCache that rolls back per row by length. Models whose cache cannot roll
+back token by token (recurrent and hybrid state-space models) are refused with a clear message.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import pathlib
+from dataclasses import dataclass
+
+import torch
+
+from specflow.errors import ConfigError
+from specflow.backends.contract import Backend
+from specflow.backends.plan import ForwardPlan, make_plan
+from specflow.backends.slot_cache import SlotKVCache
+from specflow.paths import DEMO_DIR  # noqa: F401 - where callers have always found it
+from specflow.state import PAD, HiddenStates
+
+# model types whose per-sequence state is recurrent: a rejected draft cannot be un-read
+RECURRENT_MODEL_TYPES = {
+    "mamba", "mamba2", "falcon_mamba", "rwkv", "recurrent_gemma", "jamba", "zamba", "zamba2",
+    "bamba", "granitemoehybrid", "falcon_h1", "nemotron_h", "lfm2", "qwen3_next", "xlstm",
+    "minimax", "plamo2", "kimi_linear",
+}
+# padded tokens in one prefill forward: bounds its activations (a long prompt goes alone)
+PREFILL_TOKENS = 4096
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class HFModelConfig:
+    name: str = "hf"
+    path: str = "???"                 # a directory from_pretrained loads, or a hub id in the local cache
+    dtype: str = "float32"            # float32 | float16 | bfloat16 | auto (the checkpoint's)
+    device_map: str | None = None     # "auto": spread a large target over the GPUs (accelerate)
+    attn_implementation: str = "sdpa"
+    trust_remote_code: bool = False
+    forward: str = "auto"             # hf | lean | auto (lean where the architecture allows)
+    max_model_len: int | None = None  # the context served (default: the model's); the KV cache
+                                      # holds max_batch_size x this many positions
+    graphs: bool = False              # chain passes as static-shape steps per bucket, captured as
+                                      # CUDA graphs on a GPU (backends/lean/graph_step.py)
+
+    def __post_init__(self) -> None:
+        if self.max_model_len is not None and (isinstance(self.max_model_len, bool)
+                                               or int(self.max_model_len) < 2):
+            raise ConfigError(f"max_model_len={self.max_model_len!r}; give the context to serve "
+                              f"in tokens (at least 2), or null for the model's own")
+        if self.forward not in ("hf", "lean", "auto"):
+            raise ConfigError(f"forward={self.forward!r}; use hf, lean or auto")
+        if self.dtype not in (*DTYPES, "auto"):
+            raise ConfigError(f"model.dtype={self.dtype!r}; use float32, float16, bfloat16 or auto")
+        if self.attn_implementation not in ("sdpa", "eager"):
+            raise ConfigError(f"model.attn_implementation={self.attn_implementation!r}; use sdpa "
+                              f"or eager")
+
+
+class HFTokenizer:
+    """The few calls the pipeline makes, over a transformers tokenizer."""
+
+    def __init__(self, tok, eos_ids: frozenset[int]):
+        self.tok = tok
+        self.eos_token_id = tok.eos_token_id
+        self.eos_token_ids = eos_ids
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tok(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def __len__(self) -> int:
+        return len(self.tok)
+
+
+def resolve_path(path: str, role: str = "model") -> str:
+    """A local directory stays as is; a .gguf file (or `pkg:<module>/<file>`, a file inside an
+    installed package) becomes its converted folder; anything else must be a hub id already in
+    the local cache (resolved offline to its snapshot folder: nothing is downloaded at run time)."""
+    if path.startswith("pkg:"):           # a model file inside an installed package
+        from specflow.backends.hf.gguf import package_file
+
+        path = package_file(path, role)
+    if path.lower().endswith(".gguf"):     # converted once into an HF folder (backends/hf/gguf.py)
+        from specflow.backends.hf.gguf import gguf_folder
+
+        return gguf_folder(path, role)
+    if os.path.isdir(os.path.expanduser(path)):
+        return os.path.expanduser(path)
+    if path.startswith(("/", ".", "~")) or path.count("/") > 1 or path in ("", "???"):
+        raise ConfigError(f"model path {path!r} is not a directory; set model.path (or draft.path) "
+                          f"to a folder that AutoModelForCausalLM.from_pretrained can load")
+    return cached_snapshot(path, role)
+
+
+def cached_snapshot(repo_id: str, role: str = "model") -> str:
+    """The local snapshot folder of a hub id, looked up in the HF cache without any network."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        return snapshot_download(repo_id, local_files_only=True)
+    except HFValidationError:
+        raise ConfigError(f"model path {repo_id!r} is not a directory; set model.path (or "
+                          f"draft.path) to a folder that AutoModelForCausalLM.from_pretrained "
+                          f"can load") from None
+    except OSError:       # LocalEntryNotFoundError: not in the cache (no network is tried)
+        raise ConfigError(f"{role}.path={repo_id!r} is not a local folder and not in the local "
+                          f"Hugging Face cache ({constants.HF_HUB_CACHE}); nothing is downloaded "
+                          f"at run time: fetch it first (hf download {repo_id}) or set "
+                          f"{role}.path to a local folder") from None
+
+
+def _brief(exc: BaseException) -> str:
+    """`Type: first line` of an exception, cut to a readable length."""
+    lines = str(exc).strip().splitlines()
+    text = lines[0].strip().rstrip(".:;,") if lines else ""
+    if len(text) > 200:
+        stop = text.find(". ", 40, 200)
+        text = text[:stop] if stop > 0 else text[:200] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def check_model_dir(path: str, name: str, role: str = "model") -> None:
+    """Refuse a folder from_pretrained cannot load, naming the file: no config.json, a config
+    that is not JSON or has no model_type, a damaged safetensors file (header check only)."""
+
+    folder = pathlib.Path(path)
+    what = f"{role}.path={name!r}"
+    try:
+        names = {p.name for p in folder.iterdir()}
+    except OSError as exc:
+        raise ConfigError(f"{what} cannot be read ({exc.strerror}); check the folder's "
+                          f"permissions") from None
+    if not names:
+        raise ConfigError(f"{what} is an empty folder; point {role}.path at a folder that "
+                          f"save_pretrained wrote (config.json, weights, tokenizer)")
+    config = folder / "config.json"
+    ggufs = sorted(n for n in names if n.lower().endswith(".gguf"))
+    if not config.is_file() and ggufs:
+        example = folder / ggufs[0]
+        raise ConfigError(f"{what} has no config.json but holds GGUF "
+                          f"file{'s' if len(ggufs) > 1 else ''} ({', '.join(ggufs)}); point "
+                          f"{role}.path at the one to load, e.g. {role}.path={example}")
+    if not config.is_file():
+        raise ConfigError(f"{what} has no config.json, so it is not a saved model; point "
+                          f"{role}.path at a folder that save_pretrained wrote (config.json, "
+                          f"weights, tokenizer)")
+    from specflow.io import json_type, read_json
+
+    parsed = read_json(config, f"{what}: config.json", "restore config.json from the model's "
+                       "source", ConfigError)
+    if not isinstance(parsed, dict):
+        raise ConfigError(f"{what}: config.json holds a JSON {json_type(parsed)}, not an object; "
+                          f"restore config.json from the model's source")
+    if not parsed.get("model_type") or not isinstance(parsed["model_type"], str):
+        raise ConfigError(f"{what}: config.json has no model_type string, so transformers "
+                          f"cannot tell the architecture; restore config.json from the model's "
+                          f"source")
+    model_type = parsed["model_type"]
+    if "auto_map" not in parsed:              # remote code brings its own architecture
+        from transformers import __version__
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        if model_type not in CONFIG_MAPPING:
+            raise ConfigError(f"{what}: config.json has model_type={model_type!r}, which "
+                              f"transformers {__version__} does not know; upgrade transformers "
+                              f"or fix model_type in config.json")
+    if not names & TOKENIZER_FILES and not any(n.endswith((".model", ".tiktoken")) for n in names):
+        raise ConfigError(f"{what} has no tokenizer files (tokenizer.json, tokenizer_config.json, "
+                          f"...); save the model's tokenizer into the folder too "
+                          f"(tokenizer.save_pretrained)")
+    from safetensors import safe_open
+
+    for weights in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(weights), framework="pt") as fh:
+                fh.keys()
+        except Exception as exc:     # SafetensorError (and OSError): a torn or garbage file
+            raise ConfigError(f"{what}: {weights.name} is damaged ({_brief(exc)}); copy or "
+                              f"download the model again") from exc
+
+
+TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt",
+                   "merges.txt", "tekken.json"}
+# what from_pretrained raises on files it cannot use (an out-of-memory error is not one of them)
+LOAD_ERRORS = (OSError, ValueError, ImportError, RuntimeError, KeyError, EOFError)
+
+
+@contextlib.contextmanager
+def held_warnings():
+    """transformers' log records while loading, held back: shown once loading succeeds, dropped
+    when it fails (the one-line error says what went wrong; SPECFLOW_TRACEBACK=1 shows them)."""
+    import logging
+
+    lib = logging.getLogger("transformers")
+    held: list[logging.LogRecord] = []
+
+    class Hold(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            held.append(record)
+
+    saved = lib.handlers[:], lib.propagate
+    lib.handlers, lib.propagate = [Hold()], False
+    loaded = False
+    try:
+        yield
+        loaded = True
+    finally:
+        lib.handlers, lib.propagate = saved
+        if loaded or os.environ.get("SPECFLOW_TRACEBACK") == "1":
+            for record in held:
+                lib.handle(record)
+
+
+def load_model(cfg: HFModelConfig, device: torch.device, role: str = "model"):
+    import pickle
+
+    from safetensors import SafetensorError
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from specflow.backends.hf.tokenizers import take_tokenizer
+
+    hf_logging.disable_progress_bar()   # specflow shows its own progress (GGUF conversion too)
+
+    path = resolve_path(cfg.path, role)
+    name = path if os.path.isdir(os.path.expanduser(cfg.path)) else cfg.path   # hub id as given
+    check_model_dir(path, name, role)
+    # local_files_only: never reach for the network (remote code, tokenizer checks, shards)
+    kwargs = dict(trust_remote_code=cfg.trust_remote_code, local_files_only=True)
+    try:
+        config = AutoConfig.from_pretrained(path, **kwargs)
+    except LOAD_ERRORS as exc:
+        raise ConfigError(f"cannot load the config of {role} {name!r}: {_brief(exc)}; restore "
+                          f"config.json from the model's source") from exc
+    try:
+        tokenizer = take_tokenizer(path)      # loaded by a check before the weights, or now
+        if tokenizer is None:
+            tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    except Exception as exc:          # the tokenizers library raises plain Exception on bad files
+        raise ConfigError(f"cannot load the tokenizer of {role} {name!r}: {_brief(exc)}; the "
+                          f"folder needs the model's tokenizer files (tokenizer.json, "
+                          f"tokenizer_config.json) as save_pretrained writes them") from exc
+    refuse_recurrent(config, name)
+    dtype = "auto" if cfg.dtype == "auto" else DTYPES[cfg.dtype]
+    load = dict(kwargs, attn_implementation=cfg.attn_implementation, dtype=dtype)
+    if cfg.device_map:
+        load["device_map"] = cfg.device_map
+    try:
+        with held_warnings():
+            model = AutoModelForCausalLM.from_pretrained(path, config=config, **load)
+    except torch.OutOfMemoryError:
+        raise
+    except (*LOAD_ERRORS, SafetensorError, pickle.UnpicklingError) as exc:
+        if "ignore_mismatched_sizes" in str(exc) or "size mismatch" in str(exc):
+            raise ConfigError(f"cannot load {role} {name!r}: the shapes of its weights do not "
+                              f"match its config.json (hidden size, layers or vocabulary); the "
+                              f"folder mixes files of two models: restore config.json or the "
+                              f"weights") from exc
+        raise ConfigError(f"cannot load {role} {name!r}: {_brief(exc)}; check that the folder "
+                          f"holds the complete weights save_pretrained wrote") from exc
+    if not cfg.device_map:
+        model.to(device)
+    model.eval()
+    return model, tokenizer, name
+
+
+def refuse_recurrent(config, path: str) -> None:
+    layer_types = set(getattr(config, "layer_types", None) or [])
+    recurrent = (config.model_type in RECURRENT_MODEL_TYPES
+                 or layer_types & {"mamba", "linear_attention", "conv", "recurrent", "mamba2"})
+    if recurrent:
+        raise ConfigError(f"{path!r} (model_type={config.model_type}) keeps a recurrent state that "
+                          f"cannot be rolled back token by token, so rejected drafts cannot be "
+                          f"undone; specflow needs an attention model with a KV cache")
+
+
+class HFBackend(Backend):
+    name = "hf"
+    # what tune() chose: torch's CPU threads (the target only), whether the lean forward's
+    # weights are packed for oneDNN (any pass of a draft model: see packing.choose_draft_pack)
+    threads: int | None = None
+    packed: bool = False
+
+    def __init__(self, cfg: HFModelConfig, device: torch.device, slots: int, role: str = "model"):
+        self.role = role               # "model" (the target) or "draft": what tune() chooses
+        self.model, tok, self.path = load_model(cfg, device, role)
+        config = self.model.config
+        self.device = self.model.device
+        eos = getattr(self.model.generation_config, "eos_token_id", None) or tok.eos_token_id
+        eos_ids = frozenset(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+        self.tokenizer = HFTokenizer(tok, eos_ids)
+        self.eos_token_id = tok.eos_token_id if tok.eos_token_id is not None else next(iter(eos_ids), None)
+        self.eos_token_ids = eos_ids
+        self.vocab_size = config.vocab_size
+        self.max_length = getattr(config, "max_position_embeddings", None)
+        if cfg.max_model_len is not None:      # a shorter context: a smaller cache (never longer)
+            self.max_length = min(self.max_length or cfg.max_model_len, int(cfg.max_model_len))
+        num_layers = config.num_hidden_layers
+        # a little headroom past the context for the k+1 positions a last round may write
+        # (graphs: one column more, the scratch column padding positions write to)
+        self.cache = SlotKVCache(num_layers, slots,
+                                 (self.max_length or 1 << 16) + 64 + bool(cfg.graphs))
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._keeps_logits = "logits_to_keep" in params
+        self._bool_mask = cfg.attn_implementation == "sdpa"
+        # Mistral attends to the last `sliding_window` keys only; the explicit mask says so
+        self.window = getattr(config, "sliding_window", None) if config.model_type == "mistral" else None
+        from specflow.backends import choice_cache
+
+        # where each timed choice's times came from (backends/choice_cache.py): describe()'s
+        # `choices`, "cache" or "timed"
+        with choice_cache.recording() as self.choices:
+            self.lean = self._lean_forward(cfg.forward, role, cfg.device_map)
+        self.num_layers = num_layers
+        self.hidden_size = config.hidden_size
+        self.graphs = None                  # a GraphRunner once tune() knows the fullest pass
+        if cfg.graphs and (self.lean is None or self.window is not None):
+            why = "a sliding window" if self.lean is not None and self.window is not None \
+                else "no lean forward (model.forward=hf, or an architecture it does not cover)"
+            raise ConfigError(f"{role}.graphs=true runs the lean forward's static step, and "
+                              f"{self.path!r} has {why}; use {role}.graphs=false")
+        self._want_graphs = bool(cfg.graphs)
+
+    def _lean_forward(self, choice: str, role: str, device_map: str | None):
+        from specflow.backends.lean.forward import LeanLlama, unsupported_reason
+
+        if choice == "hf":
+            return None
+        reason = unsupported_reason(self.model.config)
+        if reason is None and device_map:
+            reason = f"device_map={device_map} (layers on several devices)"
+        if reason is None:
+            self._bool_mask = True
+            return LeanLlama(self.model)
+        if choice == "lean":
+            raise ConfigError(f"{role}.forward=lean does not support {self.path!r}: {reason}; "
+                              f"use {role}.forward=hf")
+        self.forward_note = f"transformers forward ({reason})"
+        return None
+
+    def tune(self, rows: int, positions: int, settings) -> None:
+        """The target: `threads` (auto: all cores or one, timed; backends/threads.py), then
+        `native` (auto: the native pass where the product pick left it out and it measures
+        faster at a one-row pass and the fullest, `positions` in each of `rows` rows;
+        backends/lean/native_choice.py), then `pack` (auto: packed when those two passes run faster
+        so; backends/lean/packing.py). A draft model: `native`, and `pack` timed at its steps of 1, 2,
+        4, ... rows and its fullest. Only the lean forward on a CPU has anything to choose;
+        elsewhere a number of threads is still applied."""
+        from specflow.backends import choice_cache
+        from specflow.backends.lean.native_choice import choose_native
+        from specflow.backends.lean.packing import choose_draft_pack, choose_pack
+        from specflow.backends.threads import choose_threads
+
+        pack = settings.get("pack", "auto")
+        with choice_cache.recording(self.choices):      # beside the product pick's
+            if self.role != "draft":
+                self.threads = choose_threads(settings.get("threads", "auto"), self)
+            choose_native(settings.get("native", "auto"), self, positions, rows)
+            if self.role == "draft":
+                self.packed = choose_draft_pack(pack, self, positions, rows)
+            else:
+                self.packed = choose_pack(pack, self, positions, rows)
+        if self._want_graphs:     # static steps up to the fullest pass, in power-of-two buckets
+            from specflow.backends.lean.graph_step import GraphRunner
+
+            self.graphs = GraphRunner(self.lean, self.cache, self.device, rows, positions)
+            self.bucket = self.graphs.bucket
+
+    def choice_key(self) -> dict:
+        """What a pass of this backend costs depends on besides the machine, for the times
+        kept on disk (backends/choice_cache.py): the model's files, its dtype, the cache's slots
+        and capacity, and the state the choices made so far left (threads, which are torch's
+        own until tune() chooses them, product forms, layout, native passes: describe())."""
+        from specflow.backends import choice_cache
+
+        state = {k: v for k, v in self.describe().items() if k != "choices"}
+        return {"model": choice_cache.files(self.model.name_or_path),
+                "dtype": str(self.model.dtype), "slots": self.cache.slots,
+                "capacity": self.cache.max_capacity, "window": self.window, "state": state}
+
+    def describe(self) -> dict:
+        """forward (lean | hf), threads (tune's choice for the target; otherwise torch's CPU
+        threads now), packed (tune's choice), kernels (the product forms the lean forward
+        timed and chose; None without it), native_pass (the pass sizes that run all decoder
+        layers in one native call, backends/lean/native_pass.py; None where none do) and choices
+        (each timed choice -> "cache" where its times were read back from an earlier run's,
+        "timed" where they were measured now: backends/choice_cache.py)."""
+        threads = self.threads if self.threads is not None else torch.get_num_threads()
+        out = {"forward": "lean" if self.lean is not None else "hf",
+               "threads": threads, "packed": bool(self.packed),
+               "kernels": self.lean.kernels.describe() if self.lean is not None else None}
+        if self.lean is not None:
+            out["native_pass"] = self.lean.native_pass_rows()
+        if self.lean is not None and self.lean.grouped_from is not None:
+            out["attention"] = (f"one query: grouped products from {self.lean.grouped_from} "
+                                f"keys, rows x cached length (kernels.pick_one_query_attention)")
+        if self.choices:
+            out["choices"] = dict(sorted(self.choices.items()))
+        if self.graphs is not None:
+            out["graphs"] = {"captured": self.graphs.capture,
+                             "buckets": sorted(self.graphs.steps),
+                             "capture_seconds": round(self.graphs.capture_seconds, 3)}
+        return out
+
+    def reset(self, slot: int) -> None:
+        self.cache.reset(slot)
+
+    def cache_length(self, slot: int) -> int:
+        return self.cache.lengths[slot]
+
+    supports_trees = True
+    supports_hidden_states = True     # the inputs of any layer, from the same pass
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    def input_embeddings(self) -> torch.Tensor:
+        return self.model.get_input_embeddings().weight                               # [V, E]
+
+    def output_head(self) -> torch.Tensor:
+        """Dense: a packed layout (pack=auto) is undone first, as train-head reads it after
+        decoding its data."""
+        if self.lean is not None:
+            self.lean.unpack()
+        return self.model.get_output_embeddings().weight                              # [V, E]
+
+    def final_norm(self) -> torch.Tensor | None:
+        norm = getattr(getattr(self.model, "model", None), "norm", None)
+        return None if norm is None else norm.weight                                   # [E]
+
+    # (rows, positions) -> the padded sizes a plan is run at; None: exact (CPU: eager passes,
+    # padding would be computed for nothing). A CUDA-graph backend sets buckets.
+    bucket = None
+
+    @torch.inference_mode()
+    def forward(self, slots: torch.Tensor, input_ids: torch.Tensor,
+                input_lens: torch.Tensor, hidden_layers: tuple[int, ...] = (),
+                logits: bool = True, tree=None):
+        """The Backend contract's forward; `logits=False` skips the LM head (a prefill: returns
+        None, or (None, hidden)); `tree` (TreeAttention) places and masks tree nodes."""
+        slot_list = slots.tolist()
+        plan = make_plan(slot_list, [self.cache.lengths[s] for s in slot_list], input_ids,
+                         input_lens.tolist(), self.device, tree, self.bucket)
+        return self.run(plan, tuple(hidden_layers), logits)
+
+    @torch.inference_mode()
+    def run(self, plan: ForwardPlan, hidden_layers: tuple[int, ...] = (), logits: bool = True):
+        """Run a plan (backends/plan.py) -> logits [B, T, V] float32 (None with logits=False) and,
+        with hidden_layers, the inputs of those layers [B, T, nE] (the real rows and positions
+        of a padded plan)."""
+        if self.graphs is not None and self.graphs.takes(plan, hidden_layers, logits):
+            return self.graphs.run(plan)                                             # [B, T, V]
+        self.cache.begin(plan)
+        mask = self._mask(plan)
+        ids, positions = plan.input_ids, plan.positions                               # [Bp, Tp]
+        B, T = plan.rows, plan.width
+        layers = tuple(sorted(hidden_layers))
+        if self.lean is not None:
+            captured: list[torch.Tensor] = []
+            # the mask is the plan's own (causal, or its tree's): no window, no bucket padding
+            plan_mask = plan.shape == (B, T) and not self._windowed(plan)
+            out = self.lean(ids, positions, mask, self.cache, logits_to_keep=0 if logits else 1,
+                            capture=layers, captured=captured, plan_mask=plan_mask)
+            self.cache.commit(plan.slot_list, plan.lens)
+            out = out[:B, :T].float() if logits else None                            # [B, T, V]
+            # the lean forward hands them out in layer order (the contract's ascending order)
+            return (out, torch.cat(captured, -1)[:B, :T]) if layers else out         # [B, T, nE]
+        extra = {self._cache_kw: self.cache}
+        if not logits and self._keeps_logits:
+            extra["logits_to_keep"] = 1      # prefill: skip the LM head over the whole prompt
+        out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
+                         use_cache=True, output_hidden_states=bool(layers), **extra)
+        self.cache.commit(plan.slot_list, plan.lens)
+        scores = out.logits[:B, :T].float() if logits else None                      # [B, T, V]
+        if layers:     # hidden_states[i] is the input of layer i (i < num_layers)
+            return scores, torch.cat([out.hidden_states[i] for i in layers], -1)[:B, :T]
+        return scores
+
+    def _windowed(self, plan: ForwardPlan) -> bool:
+        """Mistral's sliding window cuts keys from this plan's queries (its keys outnumber it)."""
+        return self.window is not None and plan.kv_len > self.window
+
+    def _mask(self, plan: ForwardPlan) -> torch.Tensor | None:
+        """The attention mask of a plan, [Bp, 1, Tp, kv_len] (bool, or additive for eager
+        attention), or None where one query attends to its whole cached row."""
+        tree, kv_len = plan.tree, plan.kv_len
+        Bp, Tp = plan.shape
+        windowed = self._windowed(plan)
+        # one query attending to the whole cached row (a tree node whose row holds only its
+        # ancestors: a priced tree that is a chain so far) needs no mask
+        if Bp == 1 and Tp == 1 and not windowed and (tree is None or (
+                kv_len == tree.visible_below[0] + tree.see.shape[2] and bool(tree.see.all()))):
+            return None
+        if tree is not None:
+            allowed = tree.allowed(kv_len, self.window).to(self.device)               # [B, T, L]
+            if allowed.shape[:2] != (Bp, Tp):      # a padded plan: padding queries see key 0
+                pad = torch.zeros(Bp, Tp, kv_len, dtype=torch.bool, device=self.device)
+                pad[..., 0] = True
+                pad[:allowed.shape[0], :allowed.shape[1]] = allowed
+                allowed = pad
+        else:
+            keys = torch.arange(kv_len, device=self.device)                           # [L]
+            allowed = keys[None, None, :] <= plan.positions[:, :, None]              # [Bp, Tp, L]
+            if windowed:
+                allowed &= keys[None, None, :] > plan.positions[:, :, None] - self.window
+        if self._bool_mask:
+            return allowed[:, None]
+        return torch.zeros(Bp, 1, Tp, kv_len, dtype=self.model.dtype, device=self.device
+                           ).masked_fill(~allowed[:, None], torch.finfo(self.model.dtype).min)
+
+    @torch.inference_mode()
+    def keep_cached(self, slots: list[int], base: list[int], picks: list[list[int]]) -> None:
+        self.cache.move_path_into_place(slots, base, picks)
+
+    def prefill(self, slot: int, ids: list[int]) -> None:
+        self.prefill_many([slot], [ids])
+
+    def prefill_many(self, slots: list[int], prompts: list[list[int]],
+                     hidden_layers: tuple[int, ...] = ()):
+        """The prompts in as few ragged forwards as fit PREFILL_TOKENS padded tokens each
+        (longest first, so rows of a forward have similar lengths and little padding).
+        With hidden_layers: -> the states of each forward (models.base.prefill_states)."""
+        order = sorted((i for i, ids in enumerate(prompts) if ids), key=lambda i: -len(prompts[i]))
+        groups: list[list[int]] = []
+        for i in order:    # a group's width is its first (longest) prompt
+            if groups and len(prompts[groups[-1][0]]) * (len(groups[-1]) + 1) <= PREFILL_TOKENS:
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+        states = []
+        for group in groups:
+            ids = torch.full((len(group), len(prompts[group[0]])), PAD, dtype=torch.long)  # [G, T]
+            for row, j in enumerate(group):
+                ids[row, :len(prompts[j])] = torch.tensor(prompts[j])
+            rows = [slots[j] for j in group]
+            lens = [len(prompts[j]) for j in group]
+            starts = [self.cache.lengths[s] for s in rows]
+            out = self.forward(torch.tensor(rows), ids, torch.tensor(lens), hidden_layers,
+                               logits=False)
+            if hidden_layers:
+                states.append(HiddenStates(rows, starts, lens, out[1], tuple(sorted(hidden_layers))))
+        return states if hidden_layers else None
+
+    def truncate(self, slots: torch.Tensor, lengths: list[int]) -> None:
+        self.cache.truncate(slots.tolist(), lengths)
+
+
+def check_same_tokenizer(target: HFBackend, draft: HFBackend) -> None:
+    """A draft must share the target's tokenizer: vocabulary, special tokens, encodings."""
+    from specflow.backends.hf.tokenizers import compare_tokenizers
+
+    problems = compare_tokenizers(target.tokenizer.tok, draft.tokenizer.tok)
+    if problems:
+        raise ConfigError(f"draft {draft.path!r} does not share the tokenizer of target "
+                          f"{target.path!r} ({'; '.join(problems)}); pick a draft from the "
+                          f"target's family")

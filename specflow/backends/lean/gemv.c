@@ -1,0 +1,650 @@
+/* Products of a few rows by a wide weight, at the speed of reading the weight (specflow.backends.lean.native).
+
+   Y[m, n] = sum_k X[m, k] * W[n, k], W row-major [N, K], X [M, K], Y [M, N]: float32, or
+   bfloat16 or float16 in and out (the weight widened to float32 as it is read, products and sums
+   in float32, each result rounded to the 16-bit type to nearest even, as torch's 16-bit products
+   do). float16 where the compiler has _Float16 (GCC 12+, Clang; specflow_has_f16()).
+
+   A decoding pass multiplies 1 to ~8 rows by every weight matrix once, so its cost is the time to
+   stream the weights from memory. Each thread takes a contiguous block of W's rows and reads them
+   in order, one row at a time (one memory stream per thread: measured faster than interleaving
+   two or four rows of W), against up to MC rows of X at once (X stays in L1). Portable C: GCC/Clang
+   vector extensions, 8 floats wide (AVX2, AVX-512 or NEON pairs under -march=native).
+
+   Every row of Y is computed by the same sequence of operations whatever M and the thread count
+   are, so a row's result does not depend on the rows beside it (as oneDNN's packed product). */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#include <omp.h>
+#if defined(__AVX2__) || defined(__F16C__) || defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+#define MC 6      /* the most rows of X one walk of a weight row takes (see ROWS_OF_W) */
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+static inline v8 load_f32(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
+
+static inline v8 load_bf16(const uint16_t *p) {    /* bfloat16 is float32's upper half */
+#ifdef __AVX2__                                      /* one widening load (GCC splits the generic one) */
+    __m256i w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+#else
+    u16x8 h; memcpy(&h, p, sizeof h);
+    u32x8 w = __builtin_convertvector(h, u32x8) << 16;
+#endif
+    v8 v; memcpy(&v, &w, sizeof v); return v;
+}
+
+static inline float hsum(v8 v) {
+    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+/* out[i] = hsum(v[i]) for i < 4: the same sums in the same order, with AVX as vectors (each
+   row's halves added, then two pairwise adds) instead of each row's lanes one by one. */
+static inline __attribute__((always_inline)) void hsum4(const v8 *v, float *out) {
+#ifdef __AVX__
+    __m128 q[4];
+    for (int i = 0; i < 4; i++) {
+        __m256 x = (__m256)v[i];
+        q[i] = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    }
+    _mm_storeu_ps(out, _mm_hadd_ps(_mm_hadd_ps(q[0], q[1]), _mm_hadd_ps(q[2], q[3])));
+#else
+    for (int i = 0; i < 4; i++) out[i] = hsum(v[i]);
+#endif
+}
+
+/* a + b * c. Every multiply-add of this file is one of these two, fused (one rounding) where the
+   CPU has a fused multiply-add, else a product and a sum: the same operation on every path. The
+   file is built with -ffp-contract=off, so the compiler fuses nothing by itself: left to choose,
+   GCC's tuning for some CPUs fuses a sum of products in one loop and not in another (on Zen 3 it
+   kept dot()'s chain unfused and fused the same sum unrolled over four keys), and then a value
+   would depend on which loop computed it. */
+static inline v8 madd(v8 a, v8 b, v8 c) {
+#if defined(__FMA__)
+    return (v8)_mm256_fmadd_ps((__m256)b, (__m256)c, (__m256)a);
+#elif defined(__FP_FAST_FMAF)
+    for (int i = 0; i < 8; i++) a[i] = __builtin_fmaf(b[i], c[i], a[i]);
+    return a;
+#else
+    return a + b * c;
+#endif
+}
+
+static inline float fmadd(float a, float b, float c) {
+#if defined(__FMA__) || defined(__FP_FAST_FMAF)
+    return __builtin_fmaf(b, c, a);
+#else
+    return a + b * c;
+#endif
+}
+
+typedef int32_t i8v __attribute__((vector_size(32)));
+
+/* each lane of `yes` where the lane of `mask` (a comparison's) is set, else of `no` */
+static inline v8 pick(i8v mask, v8 yes, v8 no) {
+    i8v y, o; memcpy(&y, &yes, sizeof y); memcpy(&o, &no, sizeof o);
+    i8v r = (y & mask) | (o & ~mask);
+    v8 out; memcpy(&out, &r, sizeof out); return out;
+}
+
+/* e^x in each lane, as one function of the lane's value alone (the same bits wherever a score
+   sits and whichever loop computes it; exp1 is the same function on one value): x = n ln 2 + r,
+   |r| <= ln 2 / 2, e^r by Cephes' polynomial, times 2^n: within 1 ulp of glibc's expf on a
+   million values from -87.3 to 89. 0 below -87.3 (where expf turns subnormal: no weight beside
+   the row's largest score, 1), +inf past 88.72, NaN stays NaN. Eight lanes in ~20 vector
+   operations, where expf took ~15 cycles a value, a third of a key's attention. */
+static inline v8 exp8(v8 x) {
+    v8 big = (v8){0} + 88.72283f, small = (v8){0} + -87.3f;
+    v8 c = pick(x > big, big, x);                                       /* NaN: compares false */
+    c = pick(c < small, small, c);
+    v8 n = c * 1.44269504088896341f;
+#ifdef __AVX__
+    n = (v8)_mm256_round_ps((__m256)n, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+    for (int i = 0; i < 8; i++) n[i] = __builtin_nearbyintf(n[i]);
+#endif
+    v8 r = madd(c, n, (v8){0} + -0.693359375f);                         /* c - n ln 2, in two */
+    r = madd(r, n, (v8){0} + 2.12194440e-4f);
+    v8 p = (v8){0} + 1.9875691500e-4f;
+    p = madd((v8){0} + 1.3981999507e-3f, p, r);
+    p = madd((v8){0} + 8.3334519073e-3f, p, r);
+    p = madd((v8){0} + 4.1665795894e-2f, p, r);
+    p = madd((v8){0} + 1.6666665459e-1f, p, r);
+    p = madd((v8){0} + 5.0000001201e-1f, p, r);
+    p = madd(r + 1.0f, p, r * r);                                       /* 1 + r + r^2 p */
+    v8 top = pick(n > 127.0f, (v8){0} + 1.0f, (v8){0});               /* n = 128: 2 x 2^127 */
+    i8v e = (__builtin_convertvector(n - top, i8v) + 127) << 23;       /* 2^n, n in -126..127 */
+    v8 two_n; memcpy(&two_n, &e, sizeof two_n);
+    v8 out = p * (top + 1.0f) * two_n;
+    out = pick(x > big, (v8){0} + INFINITY, out);
+    out = pick(x < small, (v8){0}, out);
+    return pick(x != x, x, out);
+}
+
+static inline float exp1(float x) { return exp8((v8){0} + x)[0]; }
+
+static inline float bf16_to_f32(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+
+static inline uint16_t f32_to_bf16(float f) {      /* to nearest even; NaN stays NaN */
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* One row w of W (row n) against MCK rows of X from row m0 (a compile-time count, so the 2 x MCK
+   accumulators stay in registers: 12 of AVX2's 16 at MCK = 6), over the columns k0..k1 (multiples
+   of 16, k1 <= k16 = K - K % 16). A walk that does not start at column 0 takes its sums from acc
+   [MCK][2], one that ends before k16 leaves them there; the walk that reaches k16 adds the tail
+   columns and stores the results. Walked in consecutive column chunks or all at once, a result is
+   the same sequence of operations. pf: a walk that reads the row from memory; from two input
+   rows up it prefetches the weight PF elements ahead into L2 (8 KB of float32). A one-row walk
+   is light enough for the hardware prefetchers to keep the memory busy (a software prefetch cost
+   it ~5%); with more rows each line of the weight takes more work, the hardware fell behind and
+   the walk stopped overlapping the read with the arithmetic: SmolLM2's products over all its
+   weights, 2 threads, 1/2/5/8/16 rows took 20.3/23.7/25.3/34.6/49.5 ms with a prefetch to L1 1
+   KB ahead, 18.1/17-19/19-20/23.4/42-47 with this one (2-core Zen 3 EPYC). Not inlined: inside
+   the caller, the six input-row pointers no longer fit the general registers and were reloaded
+   from the stack in the loop (6 rows 12% slower). */
+#define PF 2048
+#define GROUP(NAME, WT, LOADW, WIDEN, STORE, MCK)                                                 \
+__attribute__((noinline)) static void NAME##_##MCK(const WT *w, const float *x, void *Y, int64_t n, \
+                                int64_t m0,                                                      \
+                                int64_t N, int64_t K, int64_t k0, int64_t k1, int64_t k16,       \
+                                v8 *acc, int64_t pf) {                                           \
+    v8 a[MCK][2];                                                                                \
+    for (int j = 0; j < MCK; j++) {                                                              \
+        a[j][0] = k0 ? acc[2 * j] : (v8){0};                                                     \
+        a[j][1] = k0 ? acc[2 * j + 1] : (v8){0};                                                 \
+    }                                                                                            \
+    for (int64_t k = k0; k < k1; k += 16) {                                                      \
+        v8 w0 = LOADW(w + k), w1 = LOADW(w + k + 8);                                             \
+        if (pf) __builtin_prefetch(w + k + pf, 0, 2);                                            \
+        for (int j = 0; j < MCK; j++) {                                                          \
+            a[j][0] = madd(a[j][0], w0, load_f32(x + j * K + k));                                \
+            a[j][1] = madd(a[j][1], w1, load_f32(x + j * K + k + 8));                            \
+        }                                                                                        \
+    }                                                                                            \
+    if (k1 < k16) {                                                                              \
+        for (int j = 0; j < MCK; j++) { acc[2 * j] = a[j][0]; acc[2 * j + 1] = a[j][1]; }        \
+        return;                                                                                  \
+    }                                                                                            \
+    for (int j = 0; j < MCK; j++) {                                                              \
+        float r = hsum(a[j][0] + a[j][1]);                                                       \
+        for (int64_t k = k16; k < K; k++) r = fmadd(r, WIDEN(w[k]), x[j * K + k]);             \
+        STORE(Y, (m0 + j) * N + n, r);                                                           \
+    }                                                                                            \
+}
+
+/* The walk of row n of W over columns k0..k1 against the group of mc rows of X from row m0. */
+#define WALK(NAME, k0, k1, acc, pf)                                                              \
+    switch (mc) {                                                                                \
+    case 1: NAME##_1(W + n * K, X + m0 * K, Y, n, m0, N, K, k0, k1, k16, acc, pf); break;         \
+    case 2: NAME##_2(W + n * K, X + m0 * K, Y, n, m0, N, K, k0, k1, k16, acc, pf); break;         \
+    case 3: NAME##_3(W + n * K, X + m0 * K, Y, n, m0, N, K, k0, k1, k16, acc, pf); break;         \
+    case 4: NAME##_4(W + n * K, X + m0 * K, Y, n, m0, N, K, k0, k1, k16, acc, pf); break;         \
+    case 5: NAME##_5(W + n * K, X + m0 * K, Y, n, m0, N, K, k0, k1, k16, acc, pf); break;         \
+    default: NAME##_6(W + n * K, X + m0 * K, Y, n, m0, N, K, k0, k1, k16, acc, pf); break;        \
+    }
+
+/* Rows n0..n1 of W against the M rows of X (float32); STORE(Y, index, value) stores a result. The
+   M rows are split into ceil(M / MC) groups of near-equal size.
+
+   One group (up to MC rows), or rows of X that fit in L1 together (M x K <= X_IN_L1 floats,
+   24 KB): the first group's walk of a weight row streams it from memory, the others walk it
+   again from L1. 5 or 6 rows are thus one walk, about one row's time (the weight read), not a
+   walk of 4 and a second, latency-bound walk of 1 or 2 (1.4-1.5x a row's time before; 1.1x).
+
+   More rows of X than L1 holds (compute-bound): the weight rows go in blocks of NB. The first
+   group's walks stream a block from memory; each other group then walks the block again from
+   L2, in column chunks of KC, so that its rows of X (at most MC x KC floats) stay in L1 through
+   the block, each sum carried between chunks in acc. Walking every group along each weight row
+   in turn cycled all the rows of X through L1 for every weight row: 16-18 rows of SmolLM2's
+   matrices took 1.2x as long. The second group's walks prefetch the next block into L2 (NB x K
+   elements ahead), so the memory works while the later groups compute: SmolLM2 passes of 9 and
+   17 queries 3-7% faster (a prefetch into L1 there was 11% slower). */
+#define X_IN_L1 6144
+#define NB 16
+#define KC 768
+#define ROWS_OF_W(NAME, WT, LOADW, WIDEN, STORE)                                                  \
+GROUP(NAME, WT, LOADW, WIDEN, STORE, 1) GROUP(NAME, WT, LOADW, WIDEN, STORE, 2)                   \
+GROUP(NAME, WT, LOADW, WIDEN, STORE, 3) GROUP(NAME, WT, LOADW, WIDEN, STORE, 4)                   \
+GROUP(NAME, WT, LOADW, WIDEN, STORE, 5) GROUP(NAME, WT, LOADW, WIDEN, STORE, 6)                   \
+static void NAME(const WT *W, const float *X, void *Y, int64_t n0, int64_t n1, int64_t N,          \
+                 int64_t K, int64_t M) {                                                         \
+    int64_t k16 = K - K % 16;                                                                    \
+    int64_t groups = (M + MC - 1) / MC, size = M / groups, larger = M % groups;                  \
+    v8 acc[NB][2 * MC];                                                                          \
+    if (groups == 1 || M * K <= X_IN_L1) {                                                       \
+        for (int64_t n = n0; n < n1; n++)                                                        \
+            for (int64_t g = 0, m0 = 0, mc; g < groups; g++, m0 += mc) {                         \
+                mc = size + (g < larger);                                                        \
+                WALK(NAME, 0, k16, acc[0], g == 0 && mc > 1 ? PF : 0)   /* acc not touched */  \
+            }                                                                                    \
+        return;                                                                                  \
+    }                                                                                            \
+    for (int64_t b0 = n0; b0 < n1; b0 += NB) {                                                   \
+        int64_t b1 = b0 + NB < n1 ? b0 + NB : n1;                                                \
+        for (int64_t g = 0, m0 = 0; g < groups; g++) {                                           \
+            int64_t mc = size + (g < larger), chunk = g == 0 ? k16 : KC;                         \
+            int64_t pf = g == 0 ? (mc > 1 ? PF : 0) : g == 1 && b1 < n1 ? NB * K : 0;           \
+            for (int64_t c0 = 0;; c0 += chunk) {                                                 \
+                int64_t c1 = c0 + chunk < k16 ? c0 + chunk : k16;                                \
+                for (int64_t n = b0; n < b1; n++) WALK(NAME, c0, c1, acc[n - b0], pf)            \
+                if (c1 == k16) break;                                                            \
+            }                                                                                    \
+            m0 += mc;                                                                            \
+        }                                                                                        \
+    }                                                                                            \
+}
+
+#define AS_F32(v) (v)
+#define STORE_F32(Y, i, r) (((float *)(Y))[i] = (r))
+#define STORE_BF16(Y, i, r) (((uint16_t *)(Y))[i] = f32_to_bf16(r))
+ROWS_OF_W(rows_f32, float, load_f32, AS_F32, STORE_F32)
+ROWS_OF_W(rows_bf16, uint16_t, load_bf16, bf16_to_f32, STORE_BF16)
+
+#ifdef __FLT16_MAX__
+typedef _Float16 h8 __attribute__((vector_size(16)));
+static inline v8 load_f16(const _Float16 *p) {
+#ifdef __F16C__                                      /* one conversion (GCC splits the generic one) */
+    __m256 f = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    v8 v; memcpy(&v, &f, sizeof v); return v;
+#else
+    h8 h; memcpy(&h, p, sizeof h); return __builtin_convertvector(h, v8);
+#endif
+}
+#define F16_TO_F32(h) ((float)(h))
+#define STORE_F16(Y, i, r) (((_Float16 *)(Y))[i] = (_Float16)(r))
+ROWS_OF_W(rows_f16, _Float16, load_f16, F16_TO_F32, STORE_F16)
+#endif
+
+#define SPLIT(CALL)                                                                              \
+    _Pragma("omp parallel num_threads(threads)")                                                 \
+    {                                                                                            \
+        int64_t t = omp_get_thread_num(), T = omp_get_num_threads();                             \
+        int64_t per = (N + T - 1) / T;                                                           \
+        int64_t n0 = t * per, n1 = n0 + per < N ? n0 + per : N;                                  \
+        if (n0 < N) CALL;                                                                        \
+    }
+
+enum { F32 = 0, BF16 = 1, F16 = 2 };
+
+static inline float widen(const void *p, int64_t i, int dtype) {
+    if (dtype == F32) return ((const float *)p)[i];
+    if (dtype == BF16) return bf16_to_f32(((const uint16_t *)p)[i]);
+#ifdef __FLT16_MAX__
+    return (float)((const _Float16 *)p)[i];
+#else
+    return 0.0f;
+#endif
+}
+
+/* X as float32 rows for the products: X itself (float32, no norm), else a copy widened to float32
+   and, with a norm weight G [K], each row RMS-normalised first (as the lean forward's _rms):
+   x / sqrt(mean(x^2) + eps) * G, in float32. NULL: out of memory. */
+/* row [K] (float32, in place) RMS-normalised and scaled by G [K] of `dtype`, in float32: the one
+   norm of the native product and of the native pass. */
+static void rms_in_place(float *row, const void *G, float eps, int dtype, int64_t K) {
+    float ss = 0.0f;
+    for (int64_t k = 0; k < K; k++) ss += row[k] * row[k];
+    float r = 1.0f / sqrtf(ss / (float)K + eps);
+    for (int64_t k = 0; k < K; k++) row[k] = row[k] * r * widen(G, k, dtype);
+}
+
+static const float *prepare_x(const void *X, const void *G, float eps, int dtype, int64_t M,
+                              int64_t K, float **owned) {
+    *owned = NULL;
+    if (dtype == F32 && !G) return (const float *)X;
+    float *x = malloc((size_t)(M * K) * sizeof(float));
+    if (!x) return NULL;
+    for (int64_t m = 0; m < M; m++) {
+        float *row = x + m * K;
+        for (int64_t k = 0; k < K; k++) row[k] = widen(X, m * K + k, dtype);
+        if (G) rms_in_place(row, G, eps, dtype, K);
+    }
+    *owned = x;
+    return x;
+}
+
+/* Y = X W^T (G: rms_norm(X) W^T). dtype: 0 float32, 1 bfloat16, 2 float16 (W, X, G, Y alike).
+   Returns 0, 1 out of memory, 2 a dtype this build lacks. */
+int specflow_gemv(const void *W, const void *X, void *Y, int64_t N, int64_t K, int64_t M,
+                  int threads, int dtype, const void *G, float eps) {
+#ifndef __FLT16_MAX__
+    if (dtype == F16) return 2;
+#endif
+    float *owned;
+    const float *x = prepare_x(X, G, eps, dtype, M, K, &owned);
+    if (!x) return 1;
+    if (dtype == F32) {
+        SPLIT(rows_f32((const float *)W, x, Y, n0, n1, N, K, M))
+    } else if (dtype == BF16) {
+        SPLIT(rows_bf16((const uint16_t *)W, x, Y, n0, n1, N, K, M))
+    }
+#ifdef __FLT16_MAX__
+    else {
+        SPLIT(rows_f16((const _Float16 *)W, x, Y, n0, n1, N, K, M))
+    }
+#endif
+    free(owned);
+    return 0;
+}
+
+int specflow_has_f16(void) {
+#ifdef __FLT16_MAX__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* ---- A whole pass through the decoder layers, float32 (specflow_layers) -----------------------
+
+   The lean forward's per-layer sequence (RMSNorm, q/k/v product, rotary, cache write, attention,
+   o product, residual, RMSNorm, gate/up product, SiLU x up, down product, residual) as one call
+   for a pass of a few queries (up to native.MAX_ROWS). Query r of cache slot slot[r] (rotated by
+   its rows of cos and sin) is written at cache column col[r], and sees its slot's keys
+   0..below[r]-1 and, with a tree (see != NULL), key below[r] + i where see[r, i] (i < S): a
+   causal row sees 0..col[r] (below = col + 1, no tree); a token tree's node sees the committed
+   prefix and its ancestors.
+   Every query's keys and values are written before any query attends, so a row's later
+   positions see its earlier ones. Python's cost per operation (a few microseconds each, about 35
+   per layer) is most of a small model's pass; here it is one call per pass.
+
+   A query's result does not depend on the other queries of the pass or on the thread count:
+   each product row is computed as in specflow_gemv, each (query, head) attention by one thread
+   over its visible keys in column order (a tree node's ancestors come in the same order as the
+   same tokens' keys in a chain, so it scores as the chain does). */
+
+static void product_f32(const float *W, const float *X, float *Y, int64_t N, int64_t K, int64_t M,
+                        int threads) {
+    SPLIT(rows_f32(W, X, Y, n0, n1, N, K, M))
+}
+
+static void rms_rows(const float *X, const float *G, float eps, int64_t M, int64_t K, float *out) {
+    memcpy(out, X, (size_t)(M * K) * sizeof(float));
+    for (int64_t m = 0; m < M; m++) rms_in_place(out + m * K, G, eps, F32, K);
+}
+
+static void rotary(float *v, const float *cos, const float *sin, int64_t D) {
+    int64_t half = D / 2;
+    for (int64_t i = 0; i < half; i++) {
+        float a = v[i], b = v[i + half];
+        v[i] = a * cos[i] - b * sin[i];
+        v[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+}
+
+static inline float dot(const float *a, const float *b, int64_t D) {
+    int64_t d8 = D - D % 8;
+    v8 acc = (v8){0};
+    for (int64_t d = 0; d < d8; d += 8) acc = madd(acc, load_f32(a + d), load_f32(b + d));
+    float s = hsum(acc);
+    for (int64_t d = d8; d < D; d++) s = fmadd(s, a[d], b[d]);
+    return s;
+}
+
+/* s[i] = dot(a, b + i * D, D) for four consecutive rows of b: each by dot()'s operations, the four
+   sums in flight together instead of one chain of dependent multiply-adds. */
+static inline void dot4(const float *a, const float *b, int64_t D, float s[4]) {
+    int64_t d8 = D - D % 8;
+    v8 acc[4] = {(v8){0}, (v8){0}, (v8){0}, (v8){0}};
+    for (int64_t d = 0; d < d8; d += 8) {
+        v8 x = load_f32(a + d);
+        for (int i = 0; i < 4; i++) acc[i] = madd(acc[i], x, load_f32(b + i * D + d));
+    }
+    for (int i = 0; i < 4; i++) {
+        s[i] = hsum(acc[i]);
+        for (int64_t d = d8; d < D; d++) s[i] = fmadd(s[i], a[d], b[i * D + d]);
+    }
+}
+
+/* out[D] = softmax(q . K[j] * scale) V[j] over the keys j < n that are visible: j < below, or
+   see[j - below] (see: NULL, nothing past below). scores: n floats of scratch.
+
+   Each score is dot()'s sequence of operations and each output element sums its keys in column
+   order, whatever the other keys are; the loops are only arranged for the core: the keys below
+   `below` (all visible) are scored four at a time (dot4), and with D a multiple of 8 up to 128
+   the output is summed in registers (not through memory, which the compiler must assume V may
+   alias). */
+static inline __attribute__((always_inline)) void attend_d(
+        const float *q, const float *K, const float *V, int64_t n, int64_t below,
+        const uint8_t *see, const int64_t D, float scale, float *scores, float *out) {
+    float top = -INFINITY;
+    int64_t b4 = below - below % 4, j = 0;
+    for (; j < b4; j += 4) {
+        float s[4];
+        dot4(q, K + j * D, D, s);
+        for (int i = 0; i < 4; i++) {
+            scores[j + i] = s[i] * scale;
+            if (scores[j + i] > top) top = scores[j + i];
+        }
+    }
+    for (; j < n; j++) {
+        if (j >= below && !see[j - below]) continue;
+        scores[j] = dot(q, K + j * D, D) * scale;
+        if (scores[j] > top) top = scores[j];
+    }
+    float total = 0.0f;
+    for (j = 0; j < n; j++) {
+        if (j >= below && !see[j - below]) continue;
+        scores[j] = exp1(scores[j] - top);
+        total += scores[j];
+    }
+    float inv = 1.0f / total;
+    if (D % 8 == 0 && D <= 128) {
+        v8 o[16];
+        for (int64_t i = 0; i < D / 8; i++) o[i] = (v8){0};
+        for (j = 0; j < n; j++) {
+            if (j >= below && !see[j - below]) continue;
+            const float *v = V + j * D;
+            v8 p = (v8){0} + scores[j];
+            for (int64_t i = 0; i < D / 8; i++) o[i] = madd(o[i], p, load_f32(v + 8 * i));
+        }
+        for (int64_t i = 0; i < D / 8; i++) {
+            v8 r = o[i] * inv;
+            memcpy(out + 8 * i, &r, sizeof r);
+        }
+        return;
+    }
+    for (int64_t d = 0; d < D; d++) out[d] = 0.0f;
+    for (j = 0; j < n; j++) {
+        if (j >= below && !see[j - below]) continue;
+        const float *v = V + j * D;
+        float p = scores[j];
+        for (int64_t d = 0; d < D; d++) out[d] = fmadd(out[d], p, v[d]);
+    }
+    for (int64_t d = 0; d < D; d++) out[d] *= inv;
+}
+
+/* Attention of NH (<= GH) query heads q [NH, D] that read one key/value head, each exactly as
+   attend_d computes it alone (each score dot()'s operations, exp1, the same column-order sums),
+   into out [NH, D]; scores: GH x n floats of scratch. Only the loops differ: the keys go in
+   blocks of four through every head (a block is read from memory once, then from L1: a head
+   walked alone read all n keys per head, from L2 or further at a long context), the scores'
+   lanes are summed four keys at a time (hsum4), e^x is taken eight scores at a time (exp8), and
+   the values are summed 32 columns at a time for every head (12 accumulators and 4 values in
+   registers). D: a multiple of 32. */
+#define GH 3
+static inline __attribute__((always_inline)) void attend_heads(
+        const float *q, const int NH, const float *K, const float *V, int64_t n, int64_t below,
+        const uint8_t *see, const int64_t D, float scale, float *scores, float *out) {
+    float top[GH], total[GH], inv[GH];
+    for (int h = 0; h < NH; h++) top[h] = -INFINITY;
+    int64_t b4 = below - below % 4, j = 0;
+    for (; j < b4; j += 4) {
+        const float *k = K + j * D;
+        for (int h = 0; h < NH; h++) {
+            const float *qh = q + h * D;
+            v8 acc[4] = {(v8){0}, (v8){0}, (v8){0}, (v8){0}};
+            for (int64_t d = 0; d < D; d += 8) {
+                v8 x = load_f32(qh + d);
+                for (int i = 0; i < 4; i++) acc[i] = madd(acc[i], x, load_f32(k + i * D + d));
+            }
+            float s[4];
+            hsum4(acc, s);
+            float *sh = scores + h * n + j;
+            for (int i = 0; i < 4; i++) {
+                sh[i] = s[i] * scale;
+                if (sh[i] > top[h]) top[h] = sh[i];
+            }
+        }
+    }
+    for (; j < n; j++) {
+        if (j >= below && !see[j - below]) continue;
+        for (int h = 0; h < NH; h++) {
+            float sc = dot(q + h * D, K + j * D, D) * scale;
+            scores[h * n + j] = sc;
+            if (sc > top[h]) top[h] = sc;
+        }
+    }
+    int64_t b8 = below - below % 8;
+    for (int h = 0; h < NH; h++) {
+        float *sh = scores + h * n;
+        v8 m = (v8){0} + top[h];
+        for (j = 0; j < b8; j += 8) {
+            v8 e = exp8(load_f32(sh + j) - m);
+            memcpy(sh + j, &e, sizeof e);
+        }
+        for (; j < n; j++) {
+            if (j >= below && !see[j - below]) continue;
+            sh[j] = exp1(sh[j] - top[h]);
+        }
+        total[h] = 0.0f;
+    }
+    for (j = 0; j < n; j++) {              /* each head's sum in column order, the heads' sums */
+        if (j >= below && !see[j - below]) continue;          /* side by side (NH chains) */
+        for (int h = 0; h < NH; h++) total[h] += scores[h * n + j];
+    }
+    for (int h = 0; h < NH; h++) inv[h] = 1.0f / total[h];
+    for (int64_t c = 0; c < D; c += 32) {
+        v8 o[GH][4];
+        for (int h = 0; h < NH; h++)
+            for (int i = 0; i < 4; i++) o[h][i] = (v8){0};
+        for (j = 0; j < n; j++) {
+            if (j >= below && !see[j - below]) continue;
+            const float *v = V + j * D + c;
+            v8 vv[4] = {load_f32(v), load_f32(v + 8), load_f32(v + 16), load_f32(v + 24)};
+            for (int h = 0; h < NH; h++) {
+                v8 p = (v8){0} + scores[h * n + j];
+                for (int i = 0; i < 4; i++) o[h][i] = madd(o[h][i], p, vv[i]);
+            }
+        }
+        for (int h = 0; h < NH; h++)
+            for (int i = 0; i < 4; i++) {
+                v8 r = o[h][i] * inv[h];
+                memcpy(out + h * D + c + 8 * i, &r, sizeof r);
+            }
+    }
+}
+
+/* nh (1..GH) heads of one key/value head: attend_heads with the counts as constants (D 64 and
+   128: the loops unroll and the sums stay in registers); another D: attend_d for each head. */
+static void attend_group(const float *q, int nh, const float *K, const float *V, int64_t n,
+                         int64_t below, const uint8_t *see, int64_t D, float scale,
+                         float *scores, float *out) {
+#define HEADS(DD)                                                                                \
+    switch (nh) {                                                                                \
+    case 1: attend_heads(q, 1, K, V, n, below, see, DD, scale, scores, out); return;             \
+    case 2: attend_heads(q, 2, K, V, n, below, see, DD, scale, scores, out); return;             \
+    default: attend_heads(q, 3, K, V, n, below, see, DD, scale, scores, out); return;            \
+    }
+    if (D == 64) { HEADS(64) }
+    if (D == 128) { HEADS(128) }
+#undef HEADS
+    for (int h = 0; h < nh; h++)
+        attend_d(q + h * D, K, V, n, below, see, D, scale, scores, out + h * D);
+}
+
+/* act[e] = SiLU(gate) x up for the flat elements lo <= e < hi of act [R, I], where row r of gu
+   [R, 2I] is row r's gate, then its up. */
+static void silu_range(const float *gu, float *act, int64_t I, int64_t lo, int64_t hi) {
+    for (int64_t r = lo / I; r * I < hi; r++) {
+        const float *gate = gu + r * 2 * I, *up = gate + I;
+        float *a = act + r * I;
+        int64_t i0 = lo > r * I ? lo - r * I : 0, i1 = hi - r * I < I ? hi - r * I : I;
+        for (int64_t i = i0; i < i1; i++) a[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+    }
+}
+
+/* SiLU x up over [R, I], split among the threads from SILU_SPLIT elements (fewer: one thread, a
+   parallel region costs more than it saves; 5 x 1536 measured faster alone). */
+#define SILU_SPLIT 8192
+static void silu_up(const float *gu, float *act, int64_t R, int64_t I, int threads) {
+    int64_t N = R * I;
+    if (N < SILU_SPLIT) threads = 1;
+    SPLIT(silu_range(gu, act, I, n0, n1))
+}
+
+/* x [R, E] (in/out): the residual stream entering layer 0, left as it leaves layer L-1.
+   W: 4 weights per layer (q/k/v stacked [(H+2Hkv)D, E], o [E, HD], gate/up stacked [2I, E],
+   down [E, I]); G: 2 norm weights per layer [E]; keys/values: each layer's cache [S, Hkv, C, D];
+   slot, col, below [R]; see [R, S] or NULL; cos, sin [R, D] (each query's rotary rows, at its
+   position);
+   capture [L]: -1, or j to copy the input of that layer into caps[j] [R, E]. Returns 0, 1 out of
+   memory, 3 a column or visible key outside the cache. */
+int specflow_layers(float *x, int64_t R, int64_t E, int64_t H, int64_t Hkv, int64_t D, int64_t I,
+                    int64_t L, const float *const *W, const float *const *G, float eps,
+                    float *const *keys, float *const *values, int64_t C, const int64_t *slot,
+                    const int64_t *col, const int64_t *below,
+                    const uint8_t *see, int64_t S, const float *cos, const float *sin,
+                    const int64_t *capture, float *caps, int threads) {
+    if (!see) S = 0;
+    for (int64_t r = 0; r < R; r++)
+        if (col[r] < 0 || col[r] >= C || below[r] < 0 || below[r] + S > C) return 3;
+    int64_t QKV = (H + 2 * Hkv) * D, widest = QKV > 2 * I ? QKV : 2 * I;
+    int nt = threads > 0 ? threads : 1;
+    float *xn = malloc((size_t)(R * (E > H * D ? E : H * D)) * sizeof(float));
+    float *wide = malloc((size_t)(R * widest) * sizeof(float));
+    float *att = malloc((size_t)(R * H * D) * sizeof(float));
+    float *act = malloc((size_t)(R * (I > E ? I : E)) * sizeof(float));
+    float *scores = malloc((size_t)(nt * GH * C) * sizeof(float));
+    int failed = !xn || !wide || !att || !act || !scores;
+    float scale = 1.0f / sqrtf((float)D);
+    int64_t group = H / Hkv;
+    /* attention units: a query's key/value head with up to GH of its query heads, the groups
+       split further while there are fewer units than twice the threads (one query of 3 key heads
+       on 2 threads: 6 units of 1-2 heads, not 3 of 3) */
+    int64_t parts = (group + GH - 1) / GH;
+    while (parts < group && R * Hkv * parts < 2 * nt) parts++;
+    for (int64_t l = 0; l < L && !failed; l++) {
+        const float *wqkv = W[4 * l], *wo = W[4 * l + 1], *wgu = W[4 * l + 2], *wdown = W[4 * l + 3];
+        float *kc = keys[l], *vc = values[l];
+        if (capture[l] >= 0) memcpy(caps + capture[l] * R * E, x, (size_t)(R * E) * sizeof(float));
+        rms_rows(x, G[2 * l], eps, R, E, xn);
+        product_f32(wqkv, xn, wide, QKV, E, R, threads);                     /* [R, (H+2Hkv)D] */
+        for (int64_t r = 0; r < R; r++) {
+            float *q = wide + r * QKV;
+            for (int64_t h = 0; h < H + Hkv; h++) rotary(q + h * D, cos + r * D, sin + r * D, D);
+            for (int64_t g = 0; g < Hkv; g++) {
+                int64_t at = ((slot[r] * Hkv + g) * C + col[r]) * D;
+                memcpy(kc + at, q + (H + g) * D, (size_t)D * sizeof(float));
+                memcpy(vc + at, q + (H + Hkv + g) * D, (size_t)D * sizeof(float));
+            }
+        }
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")
+        for (int64_t u = 0; u < R * Hkv * parts; u++) {
+            int64_t r = u / (Hkv * parts), g = u / parts % Hkv, part = u % parts;
+            int64_t h0 = g * group + part * group / parts, h1 = g * group + (part + 1) * group / parts;
+            int64_t base = (slot[r] * Hkv + g) * C * D;
+            attend_group(wide + r * QKV + h0 * D, (int)(h1 - h0), kc + base, vc + base,
+                         below[r] + S, below[r], see ? see + r * S : NULL, D, scale,
+                         scores + (int64_t)omp_get_thread_num() * GH * C, att + (r * H + h0) * D);
+        }
+        product_f32(wo, att, act, E, H * D, R, threads);                     /* [R, E] */
+        for (int64_t i = 0; i < R * E; i++) x[i] += act[i];
+        rms_rows(x, G[2 * l + 1], eps, R, E, xn);
+        product_f32(wgu, xn, wide, 2 * I, E, R, threads);                    /* [R, 2I] */
+        silu_up(wide, act, R, I, threads);                                   /* [R, I] */
+        product_f32(wdown, act, xn, E, I, R, threads);                       /* [R, E] */
+        for (int64_t i = 0; i < R * E; i++) x[i] += xn[i];
+    }
+    free(xn); free(wide); free(att); free(act); free(scores);
+    return failed;
+}

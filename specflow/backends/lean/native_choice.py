@@ -1,0 +1,62 @@
+"""Whether a lean forward runs its passes through the decoder layers as one native call
+(backends/lean/native_pass.py) or as the eager layers: `native: auto | true | false`.
+
+The native pass does in one call what the eager layers do in ~35 torch operations a layer. Left
+to itself (`LeanLlama.native_layers = None`), a pass runs natively where the native *product* won
+`kernels.pick()` for its row count. That ties a whole pass to one product's timing: where a
+library product streams the weights about as fast as the native one (both at the memory's
+bandwidth), a pick lost by a hair leaves every pass its ~35 ops a layer of Python and dispatch
+(SmolLM2, one position at 256 keys, 2-core EPYC: 32.6 ms eager with MKL's one-row product against
+21.8 ms native, in one hour's runs, the one-row products alone 18-19 ms either way).
+
+So where the product pick went to a library form for one row or for a few, `auto` times whole
+passes at the pipeline's two ends (one row at one position; every slot at k+1 positions), the
+native pass and the eager layers in turns (backends/turns.py), and runs natively where the two
+ends' native/eager ratios average at most 1 (as `pack` weighs its ends, backends/lean/packing.py; a tie
+goes native; the times are kept for later runs, backends/choice_cache.py). Where the native
+product won both, the native pass wins too (its products are the faster ones), and nothing is
+timed. `true` runs every pass it can natively, `false` none.
+
+Private to the transformers backend: `HFBackend.tune` calls `choose_native` before choosing
+`pack` (a packed weight never takes the native pass, so packing is timed against the dense
+layout's faster way); `HFBackend.describe` reports the pass sizes that run natively.
+"""
+from __future__ import annotations
+
+from specflow.backends import choice_cache
+from specflow.backends.lean.native_pass import NativePass
+from specflow.backends.turns import in_turns, mean_ratio, time_ends
+
+REPS = 3           # passes timed per end and way in each round (Backend.time_pass's median)
+ROUNDS = 3
+
+
+def can_choose(backend) -> bool:
+    lean = getattr(backend, "lean", None)
+    return lean is not None and backend.device.type == "cpu" and NativePass.supported(lean)
+
+
+def choose_native(setting, backend, positions: int, rows: int = 1) -> bool | None:
+    """Apply `native` for `backend`, whose fullest pass scores `positions` positions in each of
+    `rows` rows; return True (passes run natively), False (the eager layers), or None where the
+    native pass cannot run at all (no lean forward, not a CPU, no compiler, a model it does not
+    cover) or, under auto, follows the product pick, which chose the native product."""
+    if not can_choose(backend):
+        return None
+    lean = backend.lean
+    if setting is True or setting is False:
+        lean.native_layers = setting
+        return setting
+    lean.native_layers = None
+    if lean.kernels.one_row == "native" and lean.kernels.few_rows == "native":
+        return None
+
+    def timed(on: bool) -> list[float]:
+        lean.native_layers = on
+        return time_ends(backend, rows, positions, REPS)
+
+    native, eager = in_turns([lambda: timed(True), lambda: timed(False)], ROUNDS,
+                             **choice_cache.of(backend, "native", rows=rows, positions=positions,
+                                               reps=REPS, rounds=ROUNDS))
+    lean.native_layers = mean_ratio(native, eager) <= 1                           # a tie: native
+    return lean.native_layers

@@ -1,0 +1,126 @@
+"""Whether the target's (and a draft model's) lean forward packs its weights for oneDNN:
+`pack: auto | true | false`.
+
+Packing is a trade measured on whole passes: with the weights in oneDNN's packed layout passes
+of several positions, or of several rows, cost much less than with MKL's dense products, while a
+one-position pass may cost more (each oneDNN call has more fixed overhead: a model whose weights
+fit the cache loses there) or less (a model far larger than the cache, whose one-row pass reads
+its weights: packed streams them faster on some CPUs). A pipeline runs passes between two ends: one
+row at one position (plain decoding of a lone request) and a full batch at k+1 positions
+(max_batch_size rows; k = 0 without speculation). `auto` times a pass at each end both ways when
+the pipeline is built, the layouts taking turns (the times kept for later runs:
+backends/choice_cache.py), and packs when the two ends' packed/dense ratios
+average below 1 (for plain decoding of one row both ends are that pass): each end counts for its
+own relative cost, where a sum of times let the full batch's pass decide alone (SmolLM2 at 16 rows
+x 5 positions: dense 19 + 215 ms, packed 43 + 193, a coin toss by the sum, while every pass between
+the ends, one row's above all, runs faster dense). A draft model steps between one row (a chain at
+batch 1) and its fullest step (a tree's frontier, proposer.topk positions, or one position, in
+every slot), and a one-row step can be dearer packed while a wider one is cheaper: so
+`choose_draft_pack` times steps of 1, 2, 4, ... rows both ways and keeps both layouts where packed
+wins only the wider ones (its weights once more; a draft is small by design), each pass taking the
+faster. `true` packs whenever the CPU's torch build can, `false` never (for both models). For the
+target a packed weight replaces the dense one, so neither choice costs memory, but for an LM head
+tied to the embedding, packed as a copy (the lookup reads the dense table): it is the widest
+product of a pass, and at many positions oneDNN reads it far faster than MKL. A change of thread
+count afterwards keeps the choice. CUDA, forward=hf and non-lean models never pack.
+
+Private to the transformers backend: `HFBackend.tune` calls `choose_pack` (target) or
+`choose_draft_pack` (draft model) when the pipeline is built, passes are timed with
+`Backend.time_pass`, and `HFBackend.describe` reports the choice (metrics.json `packed`,
+`draft_packed`).
+
+The figures behind this (per machine): docs/decisions.md, "Measured on this project's machines".
+"""
+from __future__ import annotations
+
+from specflow.backends import choice_cache
+from specflow.backends.lean.kernels import can_pack
+from specflow.backends.turns import in_turns, mean_ratio, time_ends
+
+REPS = 15          # passes timed per end and layout, in ROUNDS turns of each layout
+ROUNDS = 3         # (timed all dense, then all packed, a SmolLM2 batch of 16 at k = 3, where the
+                   # two layouts' fullest passes tie and the dense one-row pass is half the
+                   # packed one, came out packed or dense by the minute)
+
+
+def packable(backend) -> bool:
+    lean = getattr(backend, "lean", None)
+    return lean is not None and backend.device.type == "cpu" and can_pack(backend.model.dtype)
+
+
+def _untimed(setting, backend, positions: int, rows: int) -> bool | None:
+    """What `pack` decides without timing anything, applied: false and a backend that cannot
+    pack stay dense, true packs; None: auto times (also a one-position, one-row pipeline: on a
+    model larger than the cache a packed one-row pass can be the faster)."""
+    if setting is False or not packable(backend):
+        return False
+    if setting is True:
+        backend.lean.pack()
+        return True
+    return None
+
+
+def _in_both_layouts(lean, measure, kept: dict, **how) -> list[list[float]]:
+    """measure() with the dense weights and packed (lean.pack(**how), undone after), the
+    layouts in turns (backends/turns.py): [dense times, packed times]; `kept`: in_turns()'s
+    choice and key (backends/choice_cache.py)."""
+    def timed(packs: bool) -> list[float]:
+        if packs:
+            lean.pack(**how)
+        try:
+            return list(measure())
+        finally:
+            if packs:
+                lean.unpack()
+
+    return in_turns([lambda: timed(False), lambda: timed(True)], ROUNDS, **kept)
+
+
+def choose_pack(setting, backend, positions: int, rows: int = 1) -> bool:
+    """Apply `pack` for the target `backend`, whose fullest pass scores `positions` positions
+    (k+1) in each of `rows` rows (the batch); return whether its weights are packed."""
+    if (decided := _untimed(setting, backend, positions, rows)) is not None:
+        return decided
+    lean = backend.lean
+    dense, packed = _in_both_layouts(
+        lean, lambda: time_ends(backend, rows, positions, REPS // ROUNDS),
+        choice_cache.of(backend, "pack", rows=rows, positions=positions, reps=REPS,
+                        rounds=ROUNDS))
+    if mean_ratio(packed, dense) < 1:
+        lean.pack()
+    return lean.packed
+
+
+DRAFT_REPS = 15    # passes timed per point and layout for a draft model (its passes are short)
+
+
+def choose_draft_pack(setting, backend, positions: int, rows: int = 1) -> bool:
+    """Apply `pack` for a draft model whose fullest step scores `positions` positions (a tree's
+    frontier, or one) in each of `rows` rows; return whether any of its passes run packed.
+
+    `auto` times steps of 1, 2, 4, ... rows up to `rows` (and the fullest) dense and packed, the
+    layouts in turns (backends/turns.py), and packs from the fewest product rows (B x T) at which
+    packed wins there and at every wider point timed. From one row: every weight packed, as for
+    the target. Wider: the draft keeps both layouts (LeanLlama.pack(keep_dense=True)), so its
+    one-row chain steps stay on MKL's dense products (cheaper for one row) and its frontier
+    steps take oneDNN, for its weights' memory once more (a draft is small by design). Never:
+    dense."""
+    if (decided := _untimed(setting, backend, positions, rows)) is not None:
+        return decided
+    lean = backend.lean
+    points = sorted({(1, 1), *((1, 2 ** i) for i in range(1, rows.bit_length())), (1, rows),
+                     (positions, rows)}, key=lambda p: (p[0] * p[1], p))
+    dense, packed = _in_both_layouts(
+        lean, lambda: [backend.time_pass(rows=q, positions=p, reps=DRAFT_REPS // ROUNDS)
+                       for p, q in points],
+        choice_cache.of(backend, "draft_pack", points=points, reps=DRAFT_REPS, rounds=ROUNDS),
+        keep_dense=True, from_rows=1)
+    wins = [pk < dn for pk, dn in zip(packed, dense)]
+    start = next((i for i in range(len(points)) if all(wins[i:])), None)
+    if start is None:
+        return False
+    if start == 0:
+        lean.pack()
+    else:
+        lean.pack(keep_dense=True, from_rows=points[start][0] * points[start][1])
+    return True

@@ -1,1 +1,0 @@
-"""Model backends: transformers (hf.py) and the table-driven synthetic model."""

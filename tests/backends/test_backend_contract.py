@@ -1,0 +1,83 @@
+"""The Backend contract's own choices and timing: `tune` (threads, weight layout), `describe`
+(what metrics.json records) and `time_pass` (a synchronised, median pass; slots left empty), and
+the proposers' `specflow_draft_step_seconds`."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specflow import Pipeline
+from specflow.backends.contract import SimClock
+from specflow.backends.hf.backend import DEMO_DIR, HFBackend, HFModelConfig
+from specflow.backends.synthetic import SyntheticBackend, SyntheticModelConfig
+
+
+@pytest.fixture
+def restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def demo_target():
+    return HFBackend(HFModelConfig(path=str(DEMO_DIR / "target")), torch.device("cpu"), 2)
+
+
+def test_time_pass_times_a_synthetic_pass_without_charging_its_clock():
+    clock = SimClock()
+    backend = SyntheticBackend(SyntheticModelConfig(), clock=clock, slots=2)
+    seconds = backend.time_pass(rows=2, positions=3, reps=2)
+    assert seconds > 0 and clock.time == 0
+    assert [backend.cache_length(s) for s in (0, 1)] == [0, 0]
+
+
+def test_time_pass_times_a_transformers_pass_and_empties_its_slots(demo_target):
+    one = demo_target.time_pass(reps=2)
+    wide = demo_target.time_pass(rows=2, positions=4, reps=2, context=8)
+    assert one > 0 and wide > 0
+    assert [demo_target.cache_length(s) for s in (0, 1)] == [0, 0]
+
+
+def test_describe_reports_how_a_transformers_backend_runs(demo_target):
+    described = demo_target.describe()
+    assert {"forward", "threads", "packed", "kernels"} <= described.keys()
+    assert described["forward"] == "lean"
+    assert described["kernels"] == demo_target.lean.kernels.describe()
+    assert described["packed"] is False and described["threads"] == torch.get_num_threads()
+
+
+def test_tune_applies_threads_and_pack_for_the_target_only(demo_target, restore_threads):
+    torch.set_num_threads(2)
+    demo_target.tune(rows=1, positions=5, settings={"threads": 1, "pack": False})
+    assert torch.get_num_threads() == 1
+    assert demo_target.describe()["threads"] == 1 and demo_target.describe()["packed"] is False
+    assert not demo_target.lean.packed
+    draft = HFBackend(HFModelConfig(path=str(DEMO_DIR / "draft")), torch.device("cpu"), 1,
+                      role="draft")
+    torch.set_num_threads(2)
+    draft.tune(rows=1, positions=1, settings={"threads": 1, "pack": False})
+    assert torch.get_num_threads() == 2                 # a draft model leaves threads alone
+    assert draft.describe()["packed"] is False
+
+
+def test_pipeline_reports_what_its_backends_chose(restore_threads):
+    pipe = Pipeline.from_config(["model=demo", "draft=demo", "proposer=draft", "threads=1",
+                                 "pack=false", "show_progress=false"])
+    assert pipe.threads == 1 and pipe.packed is False and pipe.draft_packed is False
+    assert pipe.kernels == pipe.target.lean.kernels.describe()
+    assert pipe.backends["target"] == pipe.target.describe()
+    assert pipe.backends["draft"]["forward"] == "lean"
+    seconds = pipe.hook.specflow_draft_step_seconds(rows=2, positions=1)
+    assert seconds is not None and seconds > 0
+    assert [pipe.draft.cache_length(s) for s in (0, 1)] == [0, 0]
+    unbuilt = Pipeline.from_config(["model=demo", "draft=demo", "proposer=ngram", "threads=1",
+                                    "pack=false", "show_progress=false"])
+    assert "draft" not in unbuilt.backends and unbuilt.draft_packed is False
+    assert unbuilt.ctx._draft is None                     # reading them built no draft model
+
+
+def test_a_simulated_draft_model_offers_no_step_timing(make_pipeline):
+    pipe = make_pipeline("proposer=draft")
+    assert pipe.hook.specflow_draft_step_seconds(rows=1, positions=1) is None
+    assert pipe.threads == torch.get_num_threads() and pipe.packed is False

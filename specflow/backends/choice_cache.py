@@ -5,8 +5,8 @@ The choices a pipeline makes when it is built (`kernels.pick()`'s product forms 
 one-query attention, `threads=auto`, `native=auto`, `pack=auto`, a draft model's layouts,
 `policy=goodput`'s costs) time their alternatives, mostly in turns (backends/turns.py), on the
 model's own weights: tens of seconds for SmolLM2 on a 2-core CPU, every run, for the same
-outcome. Each of them goes through `recall()` (through `in_turns(key=...)` where it times ways
-in turns): the measured times are kept in `<cache_root>/choices/` (`$SPECFLOW_CACHE`, default
+outcome. Each of them goes through `recall()` (a `Choice` through `in_turns(key=...)`:
+backends/choice.py): the measured times are kept in `<cache_root>/choices/` (`$SPECFLOW_CACHE`, default
 ~/.cache/specflow, beside the native kernel and the GGUF conversions), one small JSON file per
 (choice, key), and read back while the key is the same. What is kept is the measurement, not
 the decision: the chooser decides from the times read back as it does from fresh ones, so the
@@ -195,11 +195,3 @@ def recall(choice: str, key: Mapping, measure: Callable[[], Any],
     note(choice, "timed")
     return value
 
-
-def of(backend, choice: str, **settings) -> dict:
-    """in_turns()'s `choice` and `key` for timing passes of `backend` under `settings` (rows,
-    positions, repeats...): the backend's own key (`Backend.choice_key()`: its model's files,
-    dtype, cache and the state its earlier choices left) with them; {} (time, keep nothing) for
-    a backend that has none."""
-    own = getattr(backend, "choice_key", None)
-    return {} if own is None else {"choice": choice, "key": {**own(), **settings}}

@@ -144,12 +144,15 @@ class Backend(abc.ABC):
         return {}
 
     def time_pass(self, rows: int = 1, positions: int = 1, reps: int = 5,
-                  context: int = 32) -> float:
+                  context: int = 32, clock=None) -> float:
         """Median seconds of a pass over `positions` positions in each of `rows` rows (slots
         0..rows-1, each after `context` cached tokens), the device synchronised around each
-        pass. The slots are reset before and after: call it before requests take them."""
+        pass, read from `clock` (time.perf_counter unless given: backends/choice.py). The slots
+        are reset before and after: call it before requests take them."""
         import statistics
         import time
+
+        clock = clock or time.perf_counter
 
         slots = torch.arange(rows)
         for s in range(rows):
@@ -159,12 +162,12 @@ class Backend(abc.ABC):
         for i in range(reps + 2):
             self.truncate(slots, [context] * rows)
             _synchronize(self.device)
-            start = time.perf_counter()
+            start = clock()
             self.forward(slots, torch.ones(rows, positions, dtype=torch.long),
                          torch.full((rows,), positions))
             _synchronize(self.device)
             if i >= 2:
-                times.append(time.perf_counter() - start)
+                times.append(clock() - start)
         for s in range(rows):
             self.reset(s)
         return statistics.median(times)

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from specflow.backends import choice_cache
-from specflow.backends.turns import in_turns
+from specflow.backends.choice import Choice, Decided, decide, fastest, kept_for, time_pass
 
 ROUNDS = 3    # turns of each count, 3 passes each (backends/turns.py)
 
@@ -26,31 +25,35 @@ ROUNDS = 3    # turns of each count, 3 passes each (backends/turns.py)
 DEFAULT_THREADS = torch.get_num_threads()
 
 
-def choose_threads(setting, backend) -> int:
-    """Apply `threads` (an int, or "auto") for a CPU backend; return the threads in use.
-
-    auto compares DEFAULT_THREADS with one, whatever an earlier pipeline set. Only backends with
-    the lean forward on a CPU are timed (their passes are real and cheap); for others auto leaves
-    torch's setting as it is.
-    A changed count re-picks the lean forward's product forms, which were timed at the old one.
-    """
+def plan(backend, setting, positions: int = 1, rows: int = 1) -> Choice | Decided:
+    """`threads` for a CPU backend (an int, or "auto"): a Choice between DEFAULT_THREADS and
+    one, whatever an earlier pipeline set, or the count applied where nothing is timed. Only
+    backends with the lean forward on a CPU are timed (their passes are real and cheap); for
+    others auto leaves torch's setting as it is. A changed count re-picks the lean forward's
+    product forms, which were timed at the old one."""
+    if setting == "auto" and (DEFAULT_THREADS == 1 or backend.device.type != "cpu"
+                              or getattr(backend, "lean", None) is None):
+        return Decided(torch.get_num_threads())          # nothing to time: leave it alone
     if setting != "auto":
-        chosen = int(setting)
-    elif DEFAULT_THREADS == 1 or backend.device.type != "cpu" \
-            or getattr(backend, "lean", None) is None:
-        return torch.get_num_threads()       # nothing to time: leave the setting alone
-    else:
-        counts = (DEFAULT_THREADS, 1)
+        _apply(backend, int(setting))
+        return Decided(int(setting))
+    counts = (DEFAULT_THREADS, 1)
 
-        def timed(n: int) -> list[float]:
-            torch.set_num_threads(n)
-            return [backend.time_pass(reps=3)]
+    def measure(n: int, clock) -> list[float]:
+        torch.set_num_threads(n)
+        return [time_pass(backend, 1, 1, 3, clock)]
 
-        best = in_turns([lambda n=n: timed(n) for n in counts], rounds=ROUNDS,
-                        **choice_cache.of(backend, "threads", counts=counts, rounds=ROUNDS))
-        chosen = min(zip(counts, best), key=lambda cb: cb[1])[0]
-    torch.set_num_threads(chosen)
+    return Choice("threads", counts, measure, fastest, lambda n: _apply(backend, n),
+                  key=kept_for(backend, "threads", counts=counts, rounds=ROUNDS), rounds=ROUNDS)
+
+
+def _apply(backend, n: int) -> None:
+    torch.set_num_threads(n)
     lean = getattr(backend, "lean", None)
     if lean is not None:
         lean.repick()
-    return chosen
+
+
+def choose_threads(setting, backend) -> int:
+    """Apply `threads` for a CPU backend; return the threads in use."""
+    return decide(plan(backend, setting))

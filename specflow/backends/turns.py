@@ -12,8 +12,9 @@ faster, and with it the whole native pass (a decoding pass 1.5x slower for the w
 in turns, the first of each round rotating, a burst lands on every way alike, and each way's
 least time is what it costs undisturbed.
 
-Given a `choice` name and its `key`, the times are kept on disk and read back while the key
-stays the same (backends/choice_cache.py): a second run on the same machine times nothing.
+A Choice's ways are measured here (backends/choice.py). Given a `choice` name and its `key`,
+the times are kept on disk and read back while the key stays the same
+(backends/choice_cache.py): a second run on the same machine times nothing.
 """
 from __future__ import annotations
 
@@ -26,10 +27,11 @@ Cost = Callable[[], Sequence[float]]     # one measurement of one way: its times
 
 def in_turns(costs: Sequence[Cost], rounds: int, deadline: float | None = None,
              min_rounds: int = 2, *, choice: str | None = None, key: Mapping | None = None,
-             warm_up: bool = False) -> list[list[float]]:
+             warm_up: bool = False, clock: Callable[[], float] = time.perf_counter
+             ) -> list[list[float]]:
     """Each way's least times, element by element, over `rounds` rounds in which every way is
     measured once (round r starts with way r mod n, the rest in order). Past `deadline` (a
-    time.perf_counter() value) no further round starts, but at least `min_rounds` run: a budget
+    `clock()` value) no further round starts, but at least `min_rounds` run: a budget
     cuts repeats, never the alternation. `warm_up`: each way runs once, untimed, first (its
     first calls pick kernels and allocate).
 
@@ -40,7 +42,7 @@ def in_turns(costs: Sequence[Cost], rounds: int, deadline: float | None = None,
         if warm_up:
             for cost in costs:
                 cost()
-        return _in_turns(costs, rounds, deadline, min_rounds)
+        return _in_turns(costs, rounds, deadline, min_rounds, clock)
 
     if choice is None:
         return timed()
@@ -54,27 +56,13 @@ def in_turns(costs: Sequence[Cost], rounds: int, deadline: float | None = None,
 
 
 def _in_turns(costs: Sequence[Cost], rounds: int, deadline: float | None,
-              min_rounds: int) -> list[list[float]]:
+              min_rounds: int, clock: Callable[[], float]) -> list[list[float]]:
     best: list[list[float] | None] = [None] * len(costs)
     n = len(costs)
     for r in range(max(rounds, min_rounds)):
-        if r >= min_rounds and deadline is not None and time.perf_counter() > deadline:
+        if r >= min_rounds and deadline is not None and clock() > deadline:
             break
         for i in [(r + j) % n for j in range(n)]:
             got = list(costs[i]())
             best[i] = got if best[i] is None else [min(a, b) for a, b in zip(best[i], got)]
     return [b or [] for b in best]
-
-
-def time_ends(backend, rows: int, positions: int, reps: int) -> list[float]:
-    """Seconds of the two passes a pipeline runs between (`Backend.time_pass`, median of
-    `reps`): one row at one position (plain decoding of a lone request) and its fullest, `rows`
-    rows at `positions` (one pass when both are one)."""
-    ends = sorted({(1, 1), (rows, positions)})                                   # (rows, positions)
-    return [backend.time_pass(rows=r, positions=p, reps=reps) for r, p in ends]
-
-
-def mean_ratio(trial: Sequence[float], base: Sequence[float]) -> float:
-    """The mean of trial/base, end by end: each end counts for its own relative cost (a sum of
-    times lets the dearest pass decide alone)."""
-    return sum(t / b for t, b in zip(trial, base)) / len(base)

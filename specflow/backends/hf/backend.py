@@ -290,6 +290,7 @@ class HFBackend(Backend):
 
     def __init__(self, cfg: HFModelConfig, device: torch.device, slots: int, role: str = "model"):
         self.role = role               # "model" (the target) or "draft": what tune() chooses
+        self.chosen: dict = {}         # tune()'s decisions, as each Choice describes them
         self.model, tok, self.path = load_model(cfg, device, role)
         config = self.model.config
         self.device = self.model.device
@@ -355,24 +356,31 @@ class HFBackend(Backend):
         4, ... rows and its fullest. Only the lean forward on a CPU has anything to choose;
         elsewhere a number of threads is still applied."""
         from specflow.backends import choice_cache
-        from specflow.backends.lean.native_choice import choose_native
-        from specflow.backends.lean.packing import choose_draft_pack, choose_pack
-        from specflow.backends.threads import choose_threads
+        from specflow.backends.choice import decide, record
 
-        pack = settings.get("pack", "auto")
         with choice_cache.recording(self.choices):      # beside the product pick's
-            if self.role != "draft":
-                self.threads = choose_threads(settings.get("threads", "auto"), self)
-            choose_native(settings.get("native", "auto"), self, positions, rows)
-            if self.role == "draft":
-                self.packed = choose_draft_pack(pack, self, positions, rows)
-            else:
-                self.packed = choose_pack(pack, self, positions, rows)
+            for name, plan in self.choice_plans():
+                setting = settings.get(name, "auto")
+                chosen = plan(self, setting, positions, rows)
+                self.chosen[name] = record(chosen, decide(chosen))
+        self.threads = self.chosen.get("threads", self.threads)
+        self.packed = self.chosen["pack"]
         if self._want_graphs:     # static steps up to the fullest pass, in power-of-two buckets
             from specflow.backends.lean.graph_step import GraphRunner
 
             self.graphs = GraphRunner(self.lean, self.cache, self.device, rows, positions)
             self.bucket = self.graphs.bucket
+
+    def choice_plans(self) -> list:
+        """The choices tune() makes, in order, as (setting name, plan): a target's threads, then
+        native, then pack; a draft model's native, then its pack (backends/choice.py). Each plan
+        reads the state the earlier ones left (its key holds it)."""
+        from specflow.backends import threads
+        from specflow.backends.lean import native_choice, packing
+
+        if self.role == "draft":
+            return [("native", native_choice.plan), ("pack", packing.plan_draft)]
+        return [("threads", threads.plan), ("native", native_choice.plan), ("pack", packing.plan)]
 
     def choice_key(self) -> dict:
         """What a pass of this backend costs depends on besides the machine, for the times
@@ -402,6 +410,8 @@ class HFBackend(Backend):
         if self.lean is not None and self.lean.grouped_from is not None:
             out["attention"] = (f"one query: grouped products from {self.lean.grouped_from} "
                                 f"keys, rows x cached length (kernels.pick_one_query_attention)")
+        if self.chosen:
+            out["chosen"] = dict(self.chosen)
         if self.choices:
             out["choices"] = dict(sorted(self.choices.items()))
         if self.graphs is not None:

@@ -45,8 +45,8 @@ import torch
 import torch.nn.functional as F
 
 from specflow.backends import choice_cache
+from specflow.backends.choice import Choice, Clock, fastest, first_of_lasting_wins, times
 from specflow.backends.lean import native
-from specflow.backends.turns import in_turns
 
 Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]    # x [M, K], W [N, K] -> [M, N]
 
@@ -199,7 +199,8 @@ class Kernels:
 _PICKED: dict[str, Kernels] = {}
 
 
-def pick(weights: list[torch.Tensor], repeats: int = 3, budget_s: float = 2.0) -> Kernels:
+def pick(weights: list[torch.Tensor], repeats: int = 3, budget_s: float = 2.0,
+         clock: Clock = time.perf_counter) -> Kernels:
     """Time each dense form over all `weights` for 1 row, 2 and 8 rows, and 32 rows; keep the
     fastest of each. Where the native form won 2-8 rows it serves up to SMALL_ROWS, and further
     (64, then 128 rows) while it beats the 32-row winner there: on a 2-core EPYC it does (its
@@ -212,7 +213,8 @@ def pick(weights: list[torch.Tensor], repeats: int = 3, budget_s: float = 2.0) -
 
     Cached per (device, dtype, threads, shapes), so a second backend of the same model measures
     nothing, and the times on disk per machine (backends/choice_cache.py), so a second run does
-    not either. CUDA (and any non-CPU device) takes F.linear without measuring.
+    not either. CUDA (and any non-CPU device) takes F.linear without measuring. Each competition
+    is a Choice (backends/choice.py) read from `clock`.
     """
     w0 = weights[0]
     if w0.device.type != "cpu":
@@ -226,36 +228,38 @@ def pick(weights: list[torch.Tensor], repeats: int = 3, budget_s: float = 2.0) -
         choice_cache.note("kernels.pick", "cache")          # timed earlier in this process
         return _PICKED[key]
     timings = []
-    deadline = time.perf_counter() + budget_s
+    deadline = clock() + budget_s
 
     def once(form: str, x: dict[int, torch.Tensor]) -> float:
         """Seconds of one product of each weight by x[K]."""
         fn = FORMS[form]
-        start = time.perf_counter()
+        start = clock()
         for w in weights:
             fn(x[w.shape[1]], w)
-        return time.perf_counter() - start
+        return clock() - start
 
-    def fastest(forms: tuple[str, ...], rows: tuple[int, ...]) -> str:
+    def winner(forms: tuple[str, ...], rows: tuple[int, ...]) -> str:
         """The form of least summed time over `rows`, the forms timed in turns."""
         xs = [{w.shape[1]: torch.randn(r, w.shape[1], dtype=w.dtype) for w in weights}
               for r in rows]
-        with torch.inference_mode():           # (warm_up: first calls pick and allocate)
-            best = in_turns([lambda f=f: [once(f, x) for x in xs] for f in forms], repeats,
-                            deadline, warm_up=True, choice="kernels.pick",
-                            key={**kept, "forms": forms, "rows": rows})
-        for form, times in zip(forms, best):
-            timings.extend((form, r, round(t * 1e3, 3)) for r, t in zip(rows, times))
-        return min(zip(forms, best), key=lambda fb: sum(fb[1]))[0]
+        choice = Choice("kernels.pick", forms, lambda f, _clock: [once(f, x) for x in xs],
+                        fastest, key={**kept, "forms": forms, "rows": rows}, rounds=repeats,
+                        budget_s=max(0.0, deadline - clock()),
+                        warm_up=True)           # first calls pick and allocate
+        with torch.inference_mode():
+            best = times(choice, clock)
+        for form, got in best.items():
+            timings.extend((form, r, round(t * 1e3, 3)) for r, t in zip(rows, got))
+        return fastest(best)
 
     dtype = w0.dtype
-    one = fastest(candidates(ONE_ROW, dtype, 1), (1,))
-    few = fastest(candidates(FEW_ROWS, dtype, SMALL_ROWS), (2, 8))
-    many = fastest(LIBRARY, (32,))                        # torch's, past the native form
+    one = winner(candidates(ONE_ROW, dtype, 1), (1,))
+    few = winner(candidates(FEW_ROWS, dtype, SMALL_ROWS), (2, 8))
+    many = winner(LIBRARY, (32,))                         # torch's, past the native form
     upto = SMALL_ROWS
     if few == "native":
         for rows in WIDER:
-            if rows > native.MAX_ROWS or fastest(("native", many), (rows,)) != "native":
+            if rows > native.MAX_ROWS or winner(("native", many), (rows,)) != "native":
                 break
             upto = rows
     # a 16-bit product the native form beat F.linear at MAX_ROWS rows: past BATCH_ROWS too, in
@@ -296,7 +300,8 @@ _GROUPED_FROM: dict[tuple, int | None] = {}
 
 
 def pick_one_query_attention(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                             device: torch.device, reps: int = 15) -> int | None:
+                             device: torch.device, reps: int = 15,
+                             clock: Clock = time.perf_counter) -> int | None:
     """The number of keys (rows x cached length) from which a one-query pass attends with
     `grouped_attention` instead of scaled_dot_product_attention, or None (never): timed for one
     row at ATTENTION_LENGTHS, and chosen from the shortest length at which grouped wins there
@@ -325,30 +330,30 @@ def pick_one_query_attention(heads: int, kv_heads: int, head_dim: int, dtype: to
     def grouped(q, k, v):
         return grouped_attention(q, k, v, None)
 
-    forms = (fused, grouped)
+    forms = {"fused": fused, "grouped": grouped}
     wins = []
     with torch.inference_mode():
         for length in ATTENTION_LENGTHS:
             args = (torch.randn(1, heads, 1, head_dim, dtype=dtype),
                     *(torch.randn(1, kv_heads, length, head_dim, dtype=dtype) for _ in range(2)))
-            for fn in forms:
-                fn(*args)                                                  # warm-up
-            (fused_s,), (grouped_s,) = in_turns(
-                [lambda fn=fn, a=args: [_median_seconds(fn, a, reps // ROUNDS)] for fn in forms],
-                ROUNDS, choice="kernels.attention",
+            choice = Choice(
+                "kernels.attention", tuple(forms),
+                lambda form, clk, a=args: [_median_seconds(forms[form], a, reps // ROUNDS, clk)],
+                fastest, rounds=ROUNDS, warm_up=True,
                 key={"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
                      "dtype": str(dtype), "threads": torch.get_num_threads(), "length": length,
                      "reps": reps, "gqa": bool(gqa)})
-            wins.append(grouped_s < fused_s)
-    start = next((i for i in range(len(wins)) if all(wins[i:])), None)
+            best = times(choice, clock)
+            wins.append(best["grouped"][0] < best["fused"][0])
+    start = first_of_lasting_wins(wins)
     _GROUPED_FROM[key] = None if start is None else ATTENTION_LENGTHS[start]
     return _GROUPED_FROM[key]
 
 
-def _median_seconds(fn, args: tuple, reps: int) -> float:
+def _median_seconds(fn, args: tuple, reps: int, clock: Clock = time.perf_counter) -> float:
     runs = []
     for _ in range(reps):
-        start = time.perf_counter()
+        start = clock()
         fn(*args)
-        runs.append(time.perf_counter() - start)
+        runs.append(clock() - start)
     return sorted(runs)[reps // 2]

@@ -23,9 +23,8 @@ layout's faster way); `HFBackend.describe` reports the pass sizes that run nativ
 """
 from __future__ import annotations
 
-from specflow.backends import choice_cache
+from specflow.backends.choice import Choice, Decided, decide, kept_for, mean_ratio, time_ends
 from specflow.backends.lean.native_pass import NativePass
-from specflow.backends.turns import in_turns, mean_ratio, time_ends
 
 REPS = 3           # passes timed per end and way in each round (Backend.time_pass's median)
 ROUNDS = 3
@@ -36,27 +35,41 @@ def can_choose(backend) -> bool:
     return lean is not None and backend.device.type == "cpu" and NativePass.supported(lean)
 
 
-def choose_native(setting, backend, positions: int, rows: int = 1) -> bool | None:
-    """Apply `native` for `backend`, whose fullest pass scores `positions` positions in each of
-    `rows` rows; return True (passes run natively), False (the eager layers), or None where the
-    native pass cannot run at all (no lean forward, not a CPU, no compiler, a model it does not
-    cover) or, under auto, follows the product pick, which chose the native product."""
+def plan(backend, setting, positions: int, rows: int = 1) -> Choice | Decided:
+    """`native` for `backend`, whose fullest pass scores `positions` positions in each of
+    `rows` rows: a Choice between the native pass (True) and the eager layers (False), or a
+    Decided value: True/False as set, or None where the native pass cannot run at all (no lean
+    forward, not a CPU, no compiler, a model it does not cover) or, under auto, follows the
+    product pick, which chose the native product."""
     if not can_choose(backend):
-        return None
+        return Decided(None)
     lean = backend.lean
     if setting is True or setting is False:
         lean.native_layers = setting
-        return setting
+        return Decided(setting)
     lean.native_layers = None
     if lean.kernels.one_row == "native" and lean.kernels.few_rows == "native":
-        return None
+        return Decided(None)
 
-    def timed(on: bool) -> list[float]:
+    def measure(on: bool, clock) -> list[float]:
         lean.native_layers = on
-        return time_ends(backend, rows, positions, REPS)
+        try:
+            return time_ends(backend, rows, positions, REPS, clock)
+        finally:
+            lean.native_layers = None
 
-    native, eager = in_turns([lambda: timed(True), lambda: timed(False)], ROUNDS,
-                             **choice_cache.of(backend, "native", rows=rows, positions=positions,
-                                               reps=REPS, rounds=ROUNDS))
-    lean.native_layers = mean_ratio(native, eager) <= 1                           # a tie: native
-    return lean.native_layers
+    def rule(best: dict) -> bool:
+        return mean_ratio(best[True], best[False]) <= 1                         # a tie: native
+
+    def apply(on: bool) -> None:
+        lean.native_layers = on
+
+    return Choice("native", (True, False), measure, rule, apply,
+                  key=kept_for(backend, "native", rows=rows, positions=positions, reps=REPS,
+                               rounds=ROUNDS), rounds=ROUNDS)
+
+
+def choose_native(setting, backend, positions: int, rows: int = 1) -> bool | None:
+    """Apply `native` for `backend`; return True (passes run natively), False (the eager
+    layers), or None (see plan())."""
+    return decide(plan(backend, setting, positions, rows))

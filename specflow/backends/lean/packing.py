@@ -33,14 +33,15 @@ The figures behind this (per machine): docs/decisions.md, "Measured on this proj
 """
 from __future__ import annotations
 
-from specflow.backends import choice_cache
+from specflow.backends.choice import (Choice, Decided, decide, first_of_lasting_wins, kept_for,
+                                     mean_ratio, time_ends, time_pass)
 from specflow.backends.lean.kernels import can_pack
-from specflow.backends.turns import in_turns, mean_ratio, time_ends
 
 REPS = 15          # passes timed per end and layout, in ROUNDS turns of each layout
 ROUNDS = 3         # (timed all dense, then all packed, a SmolLM2 batch of 16 at k = 3, where the
                    # two layouts' fullest passes tie and the dense one-row pass is half the
                    # packed one, came out packed or dense by the minute)
+DRAFT_REPS = 15    # passes timed per point and layout for a draft model (its passes are short)
 
 
 def packable(backend) -> bool:
@@ -48,55 +49,60 @@ def packable(backend) -> bool:
     return lean is not None and backend.device.type == "cpu" and can_pack(backend.model.dtype)
 
 
-def _untimed(setting, backend, positions: int, rows: int) -> bool | None:
+def _untimed(setting, backend) -> Decided | None:
     """What `pack` decides without timing anything, applied: false and a backend that cannot
     pack stay dense, true packs; None: auto times (also a one-position, one-row pipeline: on a
     model larger than the cache a packed one-row pass can be the faster)."""
     if setting is False or not packable(backend):
-        return False
+        return Decided(False)
     if setting is True:
         backend.lean.pack()
-        return True
+        return Decided(True)
     return None
 
 
-def _in_both_layouts(lean, measure, kept: dict, **how) -> list[list[float]]:
-    """measure() with the dense weights and packed (lean.pack(**how), undone after), the
-    layouts in turns (backends/turns.py): [dense times, packed times]; `kept`: in_turns()'s
-    choice and key (backends/choice_cache.py)."""
-    def timed(packs: bool) -> list[float]:
+def _in_layout(lean, measure, **how):
+    """A Choice's measure(packs, clock): measure(clock) with the dense weights (packs False) or
+    packed (lean.pack(**how), undone after)."""
+    def timed(packs: bool, clock) -> list[float]:
         if packs:
             lean.pack(**how)
         try:
-            return list(measure())
+            return list(measure(clock))
         finally:
             if packs:
                 lean.unpack()
+    return timed
 
-    return in_turns([lambda: timed(False), lambda: timed(True)], ROUNDS, **kept)
+
+def plan(backend, setting, positions: int, rows: int = 1) -> Choice | Decided:
+    """`pack` for the target `backend`, whose fullest pass scores `positions` positions (k+1)
+    in each of `rows` rows (the batch): dense (False) against packed (True) at both ends."""
+    if (decided := _untimed(setting, backend)) is not None:
+        return decided
+    lean = backend.lean
+    measure = _in_layout(lean, lambda clock: time_ends(backend, rows, positions, REPS // ROUNDS,
+                                                       clock))
+
+    def apply(packs: bool) -> None:
+        if packs:
+            lean.pack()
+
+    return Choice("pack", (False, True), measure,
+                  lambda best: mean_ratio(best[True], best[False]) < 1, apply,
+                  key=kept_for(backend, "pack", rows=rows, positions=positions, reps=REPS,
+                               rounds=ROUNDS), rounds=ROUNDS)
 
 
 def choose_pack(setting, backend, positions: int, rows: int = 1) -> bool:
-    """Apply `pack` for the target `backend`, whose fullest pass scores `positions` positions
-    (k+1) in each of `rows` rows (the batch); return whether its weights are packed."""
-    if (decided := _untimed(setting, backend, positions, rows)) is not None:
-        return decided
-    lean = backend.lean
-    dense, packed = _in_both_layouts(
-        lean, lambda: time_ends(backend, rows, positions, REPS // ROUNDS),
-        choice_cache.of(backend, "pack", rows=rows, positions=positions, reps=REPS,
-                        rounds=ROUNDS))
-    if mean_ratio(packed, dense) < 1:
-        lean.pack()
-    return lean.packed
+    """Apply `pack` for the target `backend`; return whether its weights are packed."""
+    decide(plan(backend, setting, positions, rows))
+    return backend.lean.packed if packable(backend) else False
 
 
-DRAFT_REPS = 15    # passes timed per point and layout for a draft model (its passes are short)
-
-
-def choose_draft_pack(setting, backend, positions: int, rows: int = 1) -> bool:
-    """Apply `pack` for a draft model whose fullest step scores `positions` positions (a tree's
-    frontier, or one) in each of `rows` rows; return whether any of its passes run packed.
+def plan_draft(backend, setting, positions: int, rows: int = 1) -> Choice | Decided:
+    """`pack` for a draft model whose fullest step scores `positions` positions (a tree's
+    frontier, or one) in each of `rows` rows; the decision: whether any of its passes run packed.
 
     `auto` times steps of 1, 2, 4, ... rows up to `rows` (and the fullest) dense and packed, the
     layouts in turns (backends/turns.py), and packs from the fewest product rows (B x T) at which
@@ -105,22 +111,32 @@ def choose_draft_pack(setting, backend, positions: int, rows: int = 1) -> bool:
     one-row chain steps stay on MKL's dense products (cheaper for one row) and its frontier
     steps take oneDNN, for its weights' memory once more (a draft is small by design). Never:
     dense."""
-    if (decided := _untimed(setting, backend, positions, rows)) is not None:
+    if (decided := _untimed(setting, backend)) is not None:
         return decided
     lean = backend.lean
     points = sorted({(1, 1), *((1, 2 ** i) for i in range(1, rows.bit_length())), (1, rows),
                      (positions, rows)}, key=lambda p: (p[0] * p[1], p))
-    dense, packed = _in_both_layouts(
-        lean, lambda: [backend.time_pass(rows=q, positions=p, reps=DRAFT_REPS // ROUNDS)
-                       for p, q in points],
-        choice_cache.of(backend, "draft_pack", points=points, reps=DRAFT_REPS, rounds=ROUNDS),
-        keep_dense=True, from_rows=1)
-    wins = [pk < dn for pk, dn in zip(packed, dense)]
-    start = next((i for i in range(len(points)) if all(wins[i:])), None)
-    if start is None:
-        return False
-    if start == 0:
-        lean.pack()
-    else:
-        lean.pack(keep_dense=True, from_rows=points[start][0] * points[start][1])
-    return True
+    measure = _in_layout(lean, lambda clock: [
+        time_pass(backend, q, p, DRAFT_REPS // ROUNDS, clock)
+        for p, q in points], keep_dense=True, from_rows=1)
+
+    def rule(best: dict) -> int | None:        # the first point packed serves from, or None
+        return first_of_lasting_wins([pk < dn for pk, dn in zip(best[True], best[False])])
+
+    def apply(start: int | None) -> None:
+        if start == 0:
+            lean.pack()
+        elif start is not None:
+            lean.pack(keep_dense=True, from_rows=points[start][0] * points[start][1])
+
+    return Choice("draft_pack", (False, True), measure, rule, apply,
+                  lambda start: start is not None,
+                  key=kept_for(backend, "draft_pack", points=points, reps=DRAFT_REPS,
+                               rounds=ROUNDS), rounds=ROUNDS)
+
+
+def choose_draft_pack(setting, backend, positions: int, rows: int = 1) -> bool:
+    """Apply `pack` for a draft model; return whether any of its passes run packed."""
+    chosen = plan_draft(backend, setting, positions, rows)
+    decision = decide(chosen)
+    return decision if isinstance(chosen, Decided) else decision is not None

@@ -153,27 +153,38 @@ def test_kernels_are_picked_once_per_weight_set_and_cuda_takes_linear():
     assert pick([w.clone() for w in weights], repeats=1) is first        # cached by shapes
 
 
+class FakeClock:
+    """A clock that moves only when a fake form runs: decisions by programmed costs, no sleeps."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def form(self, fixed_ms: float, row_ms: float):
+        def run(x, w):
+            self.now += (fixed_ms + row_ms * x.shape[0]) / 1e3
+            return x.new_zeros(x.shape[0], w.shape[0])
+        return run
+
+
 @pytest.mark.skipif(not native.available(), reason="no C compiler: no native product")
 @pytest.mark.parametrize("per_row_ms, upto", [(0.12, 64), (0.2, kernels.SMALL_ROWS)])
 def test_the_native_form_serves_as_many_rows_as_it_stays_the_fastest(monkeypatch, per_row_ms,
                                                                      upto):
     """Where the native form wins 2-8 rows it serves up to SMALL_ROWS, and 64 and 128 rows
     while it beats the library form that won 32 rows there (fake forms: a fixed cost and a cost
-    per row, slept; each decision has a margin of 2.5 ms or more, the best of 5 runs)."""
-    import time
-
-    def form(fixed_ms: float, row_ms: float):
-        def run(x, w):
-            time.sleep((fixed_ms + row_ms * x.shape[0]) / 1e3)
-            return x.new_zeros(x.shape[0], w.shape[0])
-        return run
+    per row, charged to a fake clock)."""
+    clock = FakeClock()
+    form = clock.form
 
     library = form(10.0, 0.02)               # the native one: 1 ms + per_row_ms a row
     monkeypatch.setattr(kernels, "FORMS", {"linear": library, "weight_left": form(10.0, 0.03),
                                            "weight_left_padded": form(10.0, 0.03),
                                            "native": form(1.0, per_row_ms)})
     monkeypatch.setattr(kernels, "_PICKED", {})
-    picked = pick([torch.zeros(8, 4)], repeats=5, budget_s=60)
+    picked = pick([torch.zeros(8, 4)], repeats=2, budget_s=60, clock=clock)
     assert picked.few_rows == "native" and picked.many_rows == "linear"
     assert picked.few_upto == upto
     assert picked.form(upto) == "native" and picked.form(upto + 1) == "linear"
@@ -201,19 +212,14 @@ def test_a_wide_16_bit_product_runs_natively_in_chunks_where_the_native_form_won
 def test_pick_sends_wide_products_native_only_in_16_bits(monkeypatch, dtype, wide):
     """Fake forms: the native one wins every row count up to 128 (in float32 MKL's big
     products are kept past 128 rows: they block better than the native walks)."""
-    import time
-
-    def form(fixed_ms: float, row_ms: float):
-        def run(x, w):
-            time.sleep((fixed_ms + row_ms * x.shape[0]) / 1e3)
-            return x.new_zeros(x.shape[0], w.shape[0])
-        return run
+    clock = FakeClock()
+    form = clock.form
 
     monkeypatch.setattr(kernels, "FORMS", {"linear": form(10.0, 0.05), "weight_left": form(10.0, 0.05),
                                            "weight_left_padded": form(10.0, 0.05),
                                            "native": form(1.0, 0.01)})
     monkeypatch.setattr(kernels, "_PICKED", {})
-    picked = pick([torch.zeros(8, 4, dtype=dtype)], repeats=2, budget_s=60)
+    picked = pick([torch.zeros(8, 4, dtype=dtype)], repeats=2, budget_s=60, clock=clock)
     assert picked.few_upto == 128 and picked.wide == wide
 
 
@@ -303,7 +309,7 @@ def test_one_query_attention_is_timed_once_and_only_for_cpu_half_precision(monke
     calls = []
 
     def timed(grouped_wins):
-        def fake(fn, args, reps):
+        def fake(fn, args, reps, clock=None):
             calls.append(fn.__name__)
             length = args[1].shape[2]
             return 1.0 if fn.__name__ == "fused" else 0.5 if grouped_wins(length) else 2.0
@@ -311,8 +317,9 @@ def test_one_query_attention_is_timed_once_and_only_for_cpu_half_precision(monke
 
     monkeypatch.setattr(kernels, "_median_seconds", timed(lambda length: True))
     assert pick_attention(4, 2, 16, torch.bfloat16, cpu) == kernels.ATTENTION_LENGTHS[0]
-    per_length = 2 * kernels.ROUNDS                  # both forms at each length, in turns
-    assert calls[:per_length] == ["fused", "grouped", "grouped", "fused", "fused", "grouped"]
+    per_length = 2 + 2 * kernels.ROUNDS    # both forms at each length: a warm-up, then in turns
+    assert calls[:per_length] == ["fused", "grouped",
+                                  "fused", "grouped", "grouped", "fused", "fused", "grouped"]
     assert len(calls) == per_length * len(kernels.ATTENTION_LENGTHS)
     assert pick_attention(4, 2, 16, torch.bfloat16, cpu) == kernels.ATTENTION_LENGTHS[0]
     assert len(calls) == per_length * len(kernels.ATTENTION_LENGTHS)  # cached: nothing timed again

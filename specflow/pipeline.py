@@ -274,14 +274,15 @@ class Pipeline:
 
     def _grammar_stage(self, ctx: BuildContext):
         """The grammar stage that takes requests' own grammars: the configured constraint, or an
-        unconfigured one registered for them (None where the tokenizer is not a transformers
-        one: the synthetic model)."""
+        unconfigured one registered for them (None where the tokenizer gives no grammar
+        vocabulary: the synthetic model's, backends/contract.py)."""
+        from specflow.backends.contract import grammar_vocabulary
         from specflow.constraints.grammar import GrammarConstraint
 
         for plugin in self.pm.get_plugins():
             if isinstance(plugin, GrammarConstraint):
                 return plugin
-        if getattr(self.tokenizer, "tok", None) is None:
+        if grammar_vocabulary(self.tokenizer, self.target.eos_token_id) is None:
             return None
         stage = GrammarConstraint(None, ctx)
         self._register(stage, "constraint.request")
@@ -510,8 +511,10 @@ class Pipeline:
             raise InputError(f"grammar must be a dict (every prompt) or a list of dicts or None, "
                              f"one per prompt ({n})")
         if any(g is not None for g in grammar) and self.grammars is None:
-            raise InputError("grammar= needs a transformers tokenizer (model=demo or model=hf); "
-                             "the synthetic model has none")
+            raise InputError(f"grammar= needs a tokenizer that spells its tokens as bytes "
+                             f"(Tokenizer.grammar_vocabulary), and "
+                             f"{type(self.tokenizer).__name__} gives none; use model=demo or "
+                             f"model=hf")
         for i, g in zip(indices, grammar):
             if g is not None:
                 self.grammars.compile(g, i)

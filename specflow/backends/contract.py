@@ -8,17 +8,43 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Hashable
 
 import torch
 
 
-class Tokenizer(Protocol):
-    eos_token_id: int | None
+@dataclass(frozen=True)
+class GrammarVocabulary:
+    """What grammar constraints need of a tokenizer: the bytes each token spells in generated
+    text. `key`: what the spelling depends on (equal keys, the same vocabulary: compiled
+    grammars are shared between them); `spell()`: bytes -> the token ids spelling them, EOS and
+    special tokens left out (called once per key)."""
+    key: Hashable
+    spell: Callable[[], dict[bytes, list[int]]]
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
-    def decode(self, ids: list[int]) -> str: ...
+class Tokenizer:
+    """The tokenizer a backend gives (`Backend.tokenizer`): text in and out, EOS, and what it
+    declares it can do. A tokenizer that cannot spell its tokens as bytes gives no grammar
+    vocabulary, and grammar constraints refuse it in one line."""
+    eos_token_id: int | None = None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, ids: list[int]) -> str:
+        raise NotImplementedError
+
+    def grammar_vocabulary(self, eos_id: int) -> GrammarVocabulary | None:
+        """The tokens' bytes for grammar constraints (EOS `eos_id` apart), or None."""
+        return None
+
+
+def grammar_vocabulary(tokenizer, eos_id: int) -> GrammarVocabulary | None:
+    """`tokenizer`'s grammar vocabulary; None for one that declares none (a plugin's tokenizer
+    written before the contract had it, which need not subclass Tokenizer)."""
+    declared = getattr(type(tokenizer), "grammar_vocabulary", None)
+    return declared(tokenizer, eos_id) if declared is not None else None
 
 
 class SimClock:

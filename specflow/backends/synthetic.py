@@ -21,15 +21,16 @@ import numpy as np
 import torch
 
 from specflow.errors import ConfigError, InputError
-from specflow.backends.contract import Backend, SimClock, TreeAttention
+from specflow.backends.contract import Backend, SimClock, Tokenizer, TreeAttention
 
 # the first vocab_size characters are the synthetic vocabulary (64 covers "def fib(n):" and prose)
 ALPHABET = ("\n abcdefghijklmnopqrstuvwxyz0123456789():.,=_+-*/'\"[]#<>!?"
             "ABCDEFGHIJKLMNOPQRSTUVWXYZ{}%&|;@$^`~\\\t")
 
 
-class CharTokenizer:
-    """One character per token; the synthetic model's text is readable enough to test stop strings."""
+class CharTokenizer(Tokenizer):
+    """One character per token; the synthetic model's text is readable enough to test stop
+    strings. It gives no grammar vocabulary (grammar constraints refuse it)."""
 
     def __init__(self, vocab_size: int, eos_token_id: int | None = None):
         if vocab_size > len(ALPHABET):
@@ -195,11 +196,11 @@ class SyntheticBackend(Backend):
                   context: int = 32, clock=None) -> float:
         """Wall seconds of the table lookups (not what the clock charges: its passes are
         simulated); the clock is left as it was."""
-        clock, self.clock = self.clock, None
+        simulated, self.clock = self.clock, None
         try:
             return super().time_pass(rows, positions, reps, context, clock)
         finally:
-            self.clock = clock
+            self.clock = simulated
 
     def forward(self, slots: torch.Tensor, input_ids: torch.Tensor,
                 input_lens: torch.Tensor, tree=None) -> torch.Tensor:

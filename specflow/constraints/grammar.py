@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specflow.backends.contract import grammar_vocabulary
 from specflow.constraints.index import (choice_regex, compile_index, load_schema, schema_regex)
 from specflow.errors import ConfigError, InputError
 from specflow.plugins import hookimpl
@@ -97,16 +98,16 @@ def request_regex(spec, index: int) -> tuple[str, str]:
 
 class GrammarConstraint:
     def __init__(self, cfg, ctx):
-        tok = getattr(ctx.tokenizer, "tok", None)
-        if tok is None:
-            raise ConfigError("grammar constraints need a transformers tokenizer (model=hf or "
-                              "model=demo), not the synthetic model's")
-        self.tok = tok
         self.eos_id = ctx.target.eos_token_id
+        self.vocabulary = grammar_vocabulary(ctx.tokenizer, self.eos_id)   # the tokens' bytes
+        if self.vocabulary is None:
+            raise ConfigError(f"grammar constraints need a tokenizer that spells its tokens as "
+                              f"bytes, and {type(ctx.tokenizer).__name__} gives none "
+                              f"(Tokenizer.grammar_vocabulary); use model=hf or model=demo")
         self.index = None                          # the configured grammar (None: requests' only)
         if cfg is not None:
             regex, what = constraint_regex(cfg)
-            self.index = compile_index(regex, tok, self.eos_id, what)
+            self.index = compile_index(regex, self.vocabulary, self.eos_id, what)
         self.V = ctx.target.vocab_size
         self.indexes: dict[int, object] = {}      # request id -> its grammar, while it runs
         self.state: dict[int, int] = {}           # committed DFA state per request
@@ -127,7 +128,7 @@ class GrammarConstraint:
                 return self._compiled[key]
         regex, what = request_regex(spec, index)
         try:
-            compiled = compile_index(regex, self.tok, self.eos_id, what)
+            compiled = compile_index(regex, self.vocabulary, self.eos_id, what)
         except ConfigError as exc:
             raise InputError(str(exc)) from None
         if key is not None:

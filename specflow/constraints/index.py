@@ -105,13 +105,11 @@ def token_bytes_reader(tok, spelling: tuple | None = None):
     return decoded
 
 
-def tokenizer_vocabulary(tok, eos_id: int):
-    """outlines_core Vocabulary: the bytes each token stands for -> its ids (EOS and special
+def token_bytes(tok, eos_id: int) -> dict[bytes, list[int]]:
+    """The bytes each token of a transformers tokenizer stands for -> its ids (EOS and special
     tokens kept apart). outlines-core matches the regex on UTF-8 bytes, so a token holding part of
     a multi-byte character (byte-level BPE, <0xNN> byte fallback) is a step through that character
     rather than an unusable U+FFFD. Added (non-special) tokens are spelled by their content."""
-    from outlines_core import Vocabulary
-
     read = token_bytes_reader(tok)
     added = {i: t.content for i, t in (getattr(tok, "added_tokens_decoder", None) or {}).items()}
     vocab: dict[bytes, list[int]] = {}
@@ -122,7 +120,14 @@ def tokenizer_vocabulary(tok, eos_id: int):
         spelled = added[i].encode("utf-8") if i in added else read(token)
         if spelled:
             vocab.setdefault(spelled, []).append(i)
-    return Vocabulary(eos_id, vocab)
+    return vocab
+
+
+def tokenizer_vocabulary(tok, eos_id: int):
+    """outlines_core Vocabulary of a transformers tokenizer (token_bytes)."""
+    from outlines_core import Vocabulary
+
+    return Vocabulary(eos_id, token_bytes(tok, eos_id))
 
 
 _VOCABS: "collections.OrderedDict[tuple, object]" = collections.OrderedDict()
@@ -130,23 +135,40 @@ _MAX_VOCABS = 8       # tokenizers whose vocabularies stay cached (least recentl
 
 
 def vocab_key(tokenizer, eos_id: int) -> tuple:
-    """What the vocabulary depends on: the token -> id table and EOS (never `id(tokenizer)`,
-    which Python reuses for a new object once the old one is freed)."""
+    """What a transformers tokenizer's vocabulary depends on: the token -> id table and EOS
+    (never `id(tokenizer)`, which Python reuses for a new object once the old one is freed)."""
     tok = getattr(tokenizer, "tok", tokenizer)
     special = tuple(sorted(getattr(tok, "all_special_ids", []) or []))
     return (type(tok).__name__, eos_id, len(tok), special, token_spelling(tok),
             hash(tuple(sorted(tok.get_vocab().items()))))
 
 
-def vocabulary_for(tokenizer, eos_id: int, key: tuple | None = None):
-    key = key or vocab_key(tokenizer, eos_id)
+def grammar_vocabulary(tokenizer, eos_id: int):
+    """The GrammarVocabulary a grammar compiles over: the one a backend's tokenizer declares
+    (backends/contract.py), or a transformers tokenizer's own."""
+    from specflow.backends.contract import GrammarVocabulary
+    from specflow.backends.contract import grammar_vocabulary as declared
+
+    if isinstance(tokenizer, GrammarVocabulary):
+        return tokenizer
+    found = declared(tokenizer, eos_id)
+    if found is not None:
+        return found
+    return GrammarVocabulary(vocab_key(tokenizer, eos_id), lambda: token_bytes(tokenizer, eos_id))
+
+
+def vocabulary_for(vocabulary, eos_id: int):
+    """outlines_core's Vocabulary for a GrammarVocabulary (cached by its key); its key."""
+    from outlines_core import Vocabulary
+
+    key = (eos_id, vocabulary.key)
     if key not in _VOCABS:
-        _VOCABS[key] = tokenizer_vocabulary(getattr(tokenizer, "tok", tokenizer), eos_id)
+        _VOCABS[key] = Vocabulary(eos_id, vocabulary.spell())
         if len(_VOCABS) > _MAX_VOCABS:
             _VOCABS.popitem(last=False)
             _compile.cache_clear()           # indexes over the dropped vocabulary go too
     _VOCABS.move_to_end(key)
-    return _VOCABS[key]
+    return key
 
 
 @functools.lru_cache(maxsize=64)
@@ -157,9 +179,10 @@ def _compile(regex: str, vocab_key: tuple):
 
 
 def compile_index(regex: str, tokenizer, eos_id: int, what: str):
-    """The Index for `regex` over `tokenizer` (cached); `what` names the config value in errors."""
-    key = vocab_key(tokenizer, eos_id)
-    vocabulary_for(tokenizer, eos_id, key)
+    """The Index for `regex` over `tokenizer`'s grammar vocabulary (a GrammarVocabulary, a
+    backend's tokenizer, or a transformers tokenizer; cached); `what` names the config value in
+    errors."""
+    key = vocabulary_for(grammar_vocabulary(tokenizer, eos_id), eos_id)
     try:
         index = _compile(regex, key)
     except ValueError as exc:

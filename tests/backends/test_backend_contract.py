@@ -81,3 +81,27 @@ def test_a_simulated_draft_model_offers_no_step_timing(make_pipeline):
     pipe = make_pipeline("proposer=draft")
     assert pipe.hook.specflow_draft_step_seconds(rows=1, positions=1) is None
     assert pipe.threads == torch.get_num_threads() and pipe.packed is False
+
+
+def test_a_tokenizer_declares_its_grammar_vocabulary_and_grammars_compile_over_it():
+    """Grammars read the tokens' bytes through the contract (Tokenizer.grammar_vocabulary), not
+    a transformers tokenizer's insides: a tokenizer of any backend that spells its tokens gets
+    grammar constraints; one that declares nothing is refused in one line."""
+    from specflow.backends.contract import GrammarVocabulary, Tokenizer, grammar_vocabulary
+    from specflow.constraints.index import compile_index
+
+    class Letters(Tokenizer):
+        eos_token_id = 0
+
+        def grammar_vocabulary(self, eos_id):
+            return GrammarVocabulary(("letters", eos_id), lambda: {b"a": [1], b"b": [2],
+                                                                   b"ab": [3]})
+
+    index = compile_index("(ab)+", Letters(), 0, "constraint.pattern")
+    assert sorted(index.get_allowed_tokens(index.get_initial_state())) == [1, 3]
+    assert grammar_vocabulary(Letters(), 0).key == ("letters", 0)
+
+    class Plain:                    # a plugin's tokenizer that predates the contract's method
+        eos_token_id = 0
+    assert grammar_vocabulary(Plain(), 0) is None
+    assert grammar_vocabulary(Tokenizer(), 0) is None

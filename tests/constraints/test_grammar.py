@@ -169,7 +169,7 @@ def test_eos_accepted_inside_a_window_ends_the_request():
     (["constraint=regex", "constraint.pattern='abc('"], "not a regex"),
     (["constraint=choice", "constraint.choices=[]"], "at least one"),
     (["model=synthetic", "draft=synthetic", "constraint=regex", "constraint.pattern=ab"],
-     "need a transformers tokenizer"),
+     "need a tokenizer that spells its tokens as bytes"),
 ])
 def test_bad_constraints_are_one_line_errors(overrides, message):
     with pytest.raises(ConfigError) as err:
@@ -246,6 +246,6 @@ def test_bad_request_grammars_are_one_clear_error():
         p.generate(["x", "y"], grammar=[None, {"json_schema": {"type": "objekt"}}])
     with pytest.raises(InputError, match="must be a JSON Schema object"):
         p.generate("x", grammar={"json_schema": "/etc/passwd"})     # never read as a path
-    with pytest.raises(InputError, match="grammar= needs a transformers tokenizer"):
+    with pytest.raises(InputError, match="grammar= needs a tokenizer that spells its tokens"):
         Pipeline.from_config(["model=synthetic", "draft=synthetic"]).generate(
             "x", grammar={"regex": "a+"})

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from specflow.errors import ConfigError
-from specflow.backends.contract import Backend
+from specflow.backends.contract import Backend, GrammarVocabulary, Tokenizer
 from specflow.backends.plan import ForwardPlan, make_plan
 from specflow.backends.slot_cache import SlotKVCache
 from specflow.paths import DEMO_DIR  # noqa: F401 - where callers have always found it
@@ -60,7 +60,7 @@ class HFModelConfig:
                               f"or eager")
 
 
-class HFTokenizer:
+class HFTokenizer(Tokenizer):
     """The few calls the pipeline makes, over a transformers tokenizer."""
 
     def __init__(self, tok, eos_ids: frozenset[int]):
@@ -76,6 +76,15 @@ class HFTokenizer:
 
     def __len__(self) -> int:
         return len(self.tok)
+
+    def grammar_vocabulary(self, eos_id: int) -> GrammarVocabulary:
+        """Each token's bytes, read off its vocabulary string the way outlines-core reads a
+        transformers tokenizer's (byte-level BPE, SentencePiece with byte fallback, or plain:
+        specflow.constraints.index)."""
+        from specflow.constraints.index import token_bytes, vocab_key
+
+        return GrammarVocabulary(vocab_key(self.tok, eos_id),
+                                 lambda: token_bytes(self.tok, eos_id))
 
 
 def resolve_path(path: str, role: str = "model") -> str:

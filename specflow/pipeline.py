@@ -42,8 +42,8 @@ from specflow.stages.empty_rows import EmptyDistributionError, EmptyRowLog, Shap
 from specflow.stages.logits import asks_to_sample, has_temperature, is_greedy
 from specflow.stages.request_settings import check_request_sampling
 from specflow.stages.score import TargetScorer
-from specflow.stages.layout import along_paths, check_proposal, deferred_problem
-from specflow.stages.tree import scored_nodes, tree_width
+from specflow.stages.layout import along_paths, check_proposal, deferred_problem, scored_nodes, \
+    tree_width
 from specflow.state import DecodeBatch, Proposal, RoundResult, Scores, ShapingBatch, StepOutput, \
     VerifyOutput
 

@@ -98,6 +98,19 @@ class TreeAttention:
         return cls(start[:, None] + layout.depth, list(starts), layout.ancestors()[:, :T, :T])
 
 
+@dataclass(frozen=True)
+class DecoderShape:
+    """A decoder's sizes, for what is built to match it (an EAGLE-3 head trained on a target)."""
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+
+
 class Backend(abc.ABC):
     """A causal LM with one rollback-able cache per slot."""
 
@@ -147,6 +160,10 @@ class Backend(abc.ABC):
 
     def input_embeddings(self) -> torch.Tensor | None:
         """[V, E] the token embedding table (an EAGLE-3 head embeds its inputs with it)."""
+        return None
+
+    def decoder_shape(self) -> DecoderShape | None:
+        """The decoder's sizes (train-head builds a head to match them); None: not said."""
         return None
 
     def output_head(self) -> torch.Tensor | None:

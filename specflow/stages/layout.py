@@ -8,6 +8,9 @@ questions for the round, so the round itself never asks which it has:
   - which scored positions the verifier's accepted path went through, and what the round
     records about it (RoundResult's accepted_nodes, num_examined, tree_depths).
 
+What a round's pass may hold under a proposer config (`tree_width`, `scored_nodes`) is asked of
+the layout too, so the pipeline and the policies size passes without reading tree code.
+
 `ChainLayout` is here; `TreeLayout` (stages/tree.py) answers the same questions for trees. A tree
 proposal whose every row is one path keeps its TreeLayout (so its proposer learns from the
 verdicts) but is scored and shaped as the chain it is.
@@ -188,3 +191,18 @@ def along_paths(shaped: torch.Tensor, accepted_nodes: list[list[int]] | None) ->
     nodes = torch.tensor([a + [PAD] * (width - len(a)) for a in accepted_nodes],
                          dtype=torch.long).view(len(accepted_nodes), width)
     return along_path(shaped, nodes)                                              # [B, N+1, V]
+
+
+def tree_width(proposer) -> int:
+    """Most children per node under a proposer config (proposer.topk; 1 = chains, also for a
+    proposer without the setting or no proposer)."""
+    return 1 if proposer is None else int(proposer.get("topk", 1) or 1)
+
+
+def scored_nodes(proposer) -> int:
+    """Draft nodes a row may score in one pass under a proposer config: its node budget for a
+    tree (topk > 1), else k."""
+    k = int(proposer.get("k", 0) or 0)
+    if tree_width(proposer) <= 1:
+        return k
+    return int(proposer.get("num_draft_tokens") or k)

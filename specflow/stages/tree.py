@@ -243,21 +243,6 @@ def tree_budget(k: int, topk: int, num_draft_tokens: int | None) -> int:
     return nodes
 
 
-def tree_width(proposer) -> int:
-    """Most children per node under a proposer config (proposer.topk; 1 = chains, also for a
-    proposer without the setting or no proposer)."""
-    return 1 if proposer is None else int(proposer.get("topk", 1) or 1)
-
-
-def scored_nodes(proposer) -> int:
-    """Draft nodes a row may score in one pass under a proposer config: its node budget for a
-    tree (topk > 1), else k."""
-    k = int(proposer.get("k", 0) or 0)
-    if tree_width(proposer) <= 1:
-        return k
-    return int(proposer.get("num_draft_tokens") or k)
-
-
 def node_budgets(ks: list[int], k_cfg: int, nodes_cfg: int, room: list[int | None]) -> list[int]:
     """Nodes per row this round: the configured budget at the configured depth, scaled down with
     a smaller k (a policy or the length cap), never under k and never past the context left."""

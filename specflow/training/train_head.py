@@ -78,21 +78,20 @@ class TrainHeadConfig:
 def head_shape_for(target, cfg: TrainHeadConfig, vocab: int):
     from specflow.backends.heads.eagle import HeadShape, train_layer_ids
 
-    c = target.model.config
+    c = target.decoder_shape()
+    if c is None:
+        raise ConfigError(f"train-head needs the target's decoder sizes, and its "
+                          f"{type(target).__name__} backend gives none (Backend.decoder_shape); "
+                          f"use model=hf")
     layers = train_layer_ids(cfg.layers, target)
-    heads = c.num_attention_heads
     return HeadShape(
         hidden_size=c.hidden_size,
         intermediate_size=int(cfg.intermediate_size or c.intermediate_size),
-        num_attention_heads=heads,
-        num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
+        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
         vocab_size=vocab, draft_vocab_size=min(vocab, int(cfg.draft_vocab_size or 32000)),
-        target_hidden_size=c.hidden_size, layer_ids=layers,
-        head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
-        rms_norm_eps=float(c.rms_norm_eps),
-        rope_theta=float(getattr(c, "rope_theta", None)
-                         or (getattr(c, "rope_parameters", None) or {}).get("rope_theta", 10000.0)),
-        max_position_embeddings=int(getattr(c, "max_position_embeddings", 2048)))
+        target_hidden_size=c.hidden_size, layer_ids=layers, head_dim=c.head_dim,
+        rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
+        max_position_embeddings=c.max_position_embeddings)
 
 
 def run(cfg, prompts: list[str], progress) -> dict:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from specflow.errors import ConfigError
-from specflow.backends.contract import Backend, GrammarVocabulary, Tokenizer
+from specflow.backends.contract import Backend, DecoderShape, GrammarVocabulary, Tokenizer
 from specflow.backends.plan import ForwardPlan, make_plan
 from specflow.backends.slot_cache import SlotKVCache
 from specflow.paths import DEMO_DIR  # noqa: F401 - where callers have always found it
@@ -444,6 +444,19 @@ class HFBackend(Backend):
 
     def input_embeddings(self) -> torch.Tensor:
         return self.model.get_input_embeddings().weight                               # [V, E]
+
+    def decoder_shape(self) -> DecoderShape:
+        c = self.model.config
+        heads = c.num_attention_heads
+        rope = getattr(c, "rope_theta", None) \
+            or (getattr(c, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+        return DecoderShape(
+            hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+            rms_norm_eps=float(c.rms_norm_eps), rope_theta=float(rope),
+            max_position_embeddings=int(getattr(c, "max_position_embeddings", 2048)))
 
     def output_head(self) -> torch.Tensor:
         """Dense: a packed layout (pack=auto) is undone first, as train-head reads it after

@@ -38,7 +38,7 @@ from specflow.policies.goodput.explore import IdleProbes, PlainRounds
 from specflow.policies.goodput.fits import DraftCostFit, LineFit
 from specflow.policies.goodput.modes import MODES, ModeChooser
 from specflow.policies.goodput.pricing import RecentThroughput, TreeSize, node_price
-from specflow.stages.tree import scored_nodes, tree_width
+from specflow.stages.layout import scored_nodes, tree_width
 
 
 @dataclass

@@ -34,7 +34,7 @@ FREE_DICT_KEYS = ("logits.logit_bias.bias", "logits.hf.kwargs", "workload.where"
 FREE_TEXT_LIST_KEYS = ("constraint.choices", "stop.strings", "logits.bad_words.words")
 REQUIRED_GROUPS = groups.REQUIRED       # `~model` and the like are refused at compose time
 DEVICES = re.compile(r"^(cpu|auto|cuda(:\d+)?|mps)$")
-DTYPES = ("float32", "float16", "bfloat16", "auto")
+DTYPES = ("float32", "float16", "bfloat16", "int8", "int4", "auto")
 ENGINES = ("specflow", "vllm")          # who decodes: specflow's pipeline, or an installed vLLM
 DRAFTERS = ("own", "specflow")          # engine=vllm: vLLM's method, or specflow's drafter in it
 

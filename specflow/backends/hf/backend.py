@@ -30,13 +30,18 @@ RECURRENT_MODEL_TYPES = {
 # padded tokens in one prefill forward: bounds its activations (a long prompt goes alone)
 PREFILL_TOKENS = 4096
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+WEIGHT_BITS = {"int8": 8, "int4": 4}    # weight-only: float32 activations (backends/lean/quantized.py)
 
 
 @dataclass
 class HFModelConfig:
     name: str = "hf"
     path: str = "???"                 # a directory from_pretrained loads, or a hub id in the local cache
-    dtype: str = "float32"            # float32 | float16 | bfloat16 | auto (the checkpoint's)
+    dtype: str = "float32"            # float32 | float16 | bfloat16 | int8 | int4 | auto (the
+                                      # checkpoint's); int8/int4: weight-only, CPU
+    group_size: int = 32              # int4: weights sharing one scale and zero
+    activations: str = "bfloat16"     # int8/int4: what the products read and write (bfloat16:
+                                      # ATen's fast paths; float32: 4-10x slower there)
     device_map: str | None = None     # "auto": spread a large target over the GPUs (accelerate)
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False
@@ -53,8 +58,16 @@ class HFModelConfig:
                               f"in tokens (at least 2), or null for the model's own")
         if self.forward not in ("hf", "lean", "auto"):
             raise ConfigError(f"forward={self.forward!r}; use hf, lean or auto")
-        if self.dtype not in (*DTYPES, "auto"):
-            raise ConfigError(f"model.dtype={self.dtype!r}; use float32, float16, bfloat16 or auto")
+        if self.dtype not in (*DTYPES, *WEIGHT_BITS, "auto"):
+            raise ConfigError(f"model.dtype={self.dtype!r}; use float32, float16, bfloat16, int8, "
+                              f"int4 or auto")
+        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) \
+                or self.group_size not in (32, 64, 128, 256):
+            raise ConfigError(f"model.group_size={self.group_size!r}; use 32, 64, 128 or 256 "
+                              f"(weights per int4 scale)")
+        if self.activations not in ("bfloat16", "float32"):
+            raise ConfigError(f"model.activations={self.activations!r}; use bfloat16 or float32 "
+                              f"(with dtype=int8 or int4)")
         if self.attn_implementation not in ("sdpa", "eager"):
             raise ConfigError(f"model.attn_implementation={self.attn_implementation!r}; use sdpa "
                               f"or eager")
@@ -257,7 +270,8 @@ def load_model(cfg: HFModelConfig, device: torch.device, role: str = "model"):
                           f"folder needs the model's tokenizer files (tokenizer.json, "
                           f"tokenizer_config.json) as save_pretrained writes them") from exc
     refuse_recurrent(config, name)
-    dtype = "auto" if cfg.dtype == "auto" else DTYPES[cfg.dtype]
+    dtype = "auto" if cfg.dtype == "auto" else torch.float32 if cfg.dtype in WEIGHT_BITS \
+        else DTYPES[cfg.dtype]
     load = dict(kwargs, attn_implementation=cfg.attn_implementation, dtype=dtype)
     if cfg.device_map:
         load["device_map"] = cfg.device_map
@@ -327,8 +341,17 @@ class HFBackend(Backend):
 
         # where each timed choice's times came from (backends/choice_cache.py): describe()'s
         # `choices`, "cache" or "timed"
+        self.weights = None                 # int8/int4: what the products read (describe())
+        bits = WEIGHT_BITS.get(cfg.dtype)
+        if bits is not None and self.device.type != "cpu":
+            raise ConfigError(f"{role}.dtype={cfg.dtype} runs on a CPU (ATen's weight-only "
+                              f"products); on {self.device.type} use bfloat16 or float16")
         with choice_cache.recording() as self.choices:
-            self.lean = self._lean_forward(cfg.forward, role, cfg.device_map)
+            self.lean = self._lean_forward(
+                cfg.forward, role, cfg.device_map,
+                None if bits is None else (bits, cfg.group_size, DTYPES[cfg.activations]))
+        if bits is not None:
+            self.weights = self._weights_note(bits, cfg.group_size, DTYPES[cfg.activations])
         self.num_layers = num_layers
         self.hidden_size = config.hidden_size
         self.graphs = None                  # a GraphRunner once tune() knows the fullest pass
@@ -339,7 +362,20 @@ class HFBackend(Backend):
                               f"{self.path!r} has {why}; use {role}.graphs=false")
         self._want_graphs = bool(cfg.graphs)
 
-    def _lean_forward(self, choice: str, role: str, device_map: str | None):
+    def _weights_note(self, bits: int, group_size: int, activations: torch.dtype) -> str:
+        """Quantize transformers' own linears where no lean forward runs; say what is held."""
+        from specflow.backends.lean.quantized import QuantizedWeight, quantize_linears
+
+        if self.lean is None:
+            left = quantize_linears(self.model, bits, group_size)
+            self.model.to(activations)
+        else:
+            left = self.lean.quantized_left
+        kind = f"{QuantizedWeight.kind(bits, group_size)}, {str(activations)[6:]} activations"
+        return kind if not left else f"{kind}; dense (a shape int4 cannot tile): {', '.join(left)}"
+
+    def _lean_forward(self, choice: str, role: str, device_map: str | None,
+                      quantize: tuple | None = None):
         from specflow.backends.lean.forward import LeanLlama, unsupported_reason
 
         if choice == "hf":
@@ -349,7 +385,7 @@ class HFBackend(Backend):
             reason = f"device_map={device_map} (layers on several devices)"
         if reason is None:
             self._bool_mask = True
-            return LeanLlama(self.model)
+            return LeanLlama(self.model, quantize=quantize)
         if choice == "lean":
             raise ConfigError(f"{role}.forward=lean does not support {self.path!r}: {reason}; "
                               f"use {role}.forward=hf")
@@ -414,6 +450,8 @@ class HFBackend(Backend):
         out = {"forward": "lean" if self.lean is not None else "hf",
                "threads": threads, "packed": bool(self.packed),
                "kernels": self.lean.kernels.describe() if self.lean is not None else None}
+        if self.weights is not None:
+            out["weights"] = self.weights
         if self.lean is not None:
             out["native_pass"] = self.lean.native_pass_rows()
         if self.lean is not None and self.lean.grouped_from is not None:
@@ -460,7 +498,12 @@ class HFBackend(Backend):
 
     def output_head(self) -> torch.Tensor:
         """Dense: a packed layout (pack=auto) is undone first, as train-head reads it after
-        decoding its data."""
+        decoding its data; an int8/int4 head is given as its values (the model stays
+        quantized)."""
+        if self.lean is not None and self.lean.quantized is not None:
+            head = self.lean.lm_head
+            return head if isinstance(head, torch.Tensor) else \
+                head.dequantize().to(self.lean.embed.dtype)                           # [V, E]
         if self.lean is not None:
             self.lean.unpack()
         return self.model.get_output_embeddings().weight                              # [V, E]

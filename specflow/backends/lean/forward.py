@@ -91,7 +91,8 @@ def _gqa_in_sdpa() -> bool:
 
 
 class LeanLlama:
-    def __init__(self, model, kernels: Kernels | None = None):
+    def __init__(self, model, kernels: Kernels | None = None,
+                 quantize: tuple | None = None):
         cfg = model.config
         inner = model.model
         self.model = model
@@ -124,18 +125,25 @@ class LeanLlama:
         self.norm = inner.norm.weight
         self.lm_head = model.lm_head.weight
         self.fused_norm = hasattr(F, "rms_norm")
+        self._packs: list[tuple[int, int, list]] = []     # (layer, field, modules sharing it)
+        self._hooks: list = []
+        self.quantized: tuple[int, int] | None = None    # (bits, group size) after quantize()
+        self._dual: tuple[list[tuple], torch.Tensor] | None = None
+        # int8/int4 (bits, group size, activation dtype): the product weights held so before
+        # the dense forms are timed (those left dense, a shape the layout cannot hold, are
+        # listed here)
+        self.quantized_left = self.quantize(*quantize) if quantize is not None else []
         # one-query passes attend with grouped products from this many keys (rows x cached
         # length; None: always the fused kernel); measured, CPU float16/bfloat16 only (kernels.py)
         self.grouped_from = pick_one_query_attention(self.num_heads, self.num_kv_heads,
                                                      self.head_dim, self.embed.dtype,
                                                      self.embed.device)
-        self.kernels = kernels or pick(self._weights())
+        dense = [w for w in self._weights() if isinstance(w, torch.Tensor)]
+        self.kernels = kernels or (pick(dense) if dense else Kernels())
         self.mm = self.kernels.matmul
-        self._packs: list[tuple[int, int, list]] = []     # (layer, field, modules sharing it)
-        self._hooks: list = []
-        # both layouts (pack(keep_dense=True)): packed copies of the layers and head, used by
-        # passes of at least `dual_from` product rows (B x T); smaller ones keep the dense forms
-        self._dual: tuple[list[tuple], torch.Tensor] | None = None
+        # both layouts (pack(keep_dense=True)): packed copies of the layers and head (_dual),
+        # used by passes of at least `dual_from` product rows (B x T); smaller ones keep the
+        # dense forms
         self.dual_from = 1
         self._native_pass = None          # NativePass over self.layers (built on first use)
         # which passes run as one native call: None where the native product won the pick for
@@ -192,27 +200,96 @@ class LeanLlama:
             else:          # tied: the embedding lookup reads the dense table, so a packed copy
                 self.lm_head = pack(self.lm_head)
                 self._packs.append((self.HEAD, 0, []))
+        self._hook_unpack()
+        self.kernels = dataclasses.replace(self.kernels, pack=True)
+        self.mm = self.kernels.matmul
+
+    def quantize(self, bits: int, group_size: int = 32,
+                 activations: torch.dtype | None = None) -> list[str]:
+        """Hold every product weight (the layers' and the LM head) in `bits` bits (8: a scale a
+        row; 4: a scale and zero per `group_size` weights: backends/lean/quantized.py) and free
+        the dense ones, as pack() does: the owning modules keep one-element placeholders, and a
+        forward or state_dict of the model unpacks first (to the dequantized values: the model
+        is the quantized one from now on). A head tied to the embedding is quantized as a copy
+        (the lookup reads the dense table). Returns the weights the layout cannot hold (int4: a
+        shape off its tiles), which stay dense. `activations`: the dtype the rest of the model
+        (embedding, norms, biases, dense leftovers) is cast to afterwards, which every product
+        then reads and writes (bfloat16: ATen's fast weight-only paths). CPU only; before any
+        pack()."""
+        from specflow.backends.lean.quantized import quantize_weight
+
+        if self._packs or self._dual is not None:
+            raise RuntimeError("quantize() runs on dense weights, before pack()")
+        left = []
+        with torch.no_grad():
+            for i, layer in enumerate(self.layers):
+                fields = list(layer)
+                for f in self._PRODUCTS:
+                    held = quantize_weight(fields[f], bits, group_size)
+                    if held is None:
+                        left.append(f"layer {i} {'/'.join(self._PRODUCTS[f][1])}")
+                        continue
+                    self._release(self._owners(i, f))
+                    fields[f] = held
+                    self._packs.append((i, f, self._owners(i, f)))
+                self.layers[i] = tuple(fields)
+            held = quantize_weight(self.lm_head, bits, group_size)
+            if held is None:
+                left.append("lm_head")
+            elif self.lm_head.data_ptr() != self.embed.data_ptr():
+                self._release(self._owners(self.HEAD, 0))
+                self._packs.append((self.HEAD, 0, self._owners(self.HEAD, 0)))
+                self.lm_head = held
+            else:             # tied: the embedding lookup reads the dense table
+                self._packs.append((self.HEAD, 0, []))
+                self.lm_head = held
+        self._hook_unpack()
+        self.quantized = (bits, group_size)
+        if activations is not None and activations != self.embed.dtype:
+            self._cast(activations)
+        return left
+
+    def _cast(self, dtype: torch.dtype) -> None:
+        """The model's float parameters in `dtype` (placeholders stay one element), and the
+        lean forward's own tensors (fused biases, dense leftovers) with them."""
+        with torch.no_grad():
+            for p in self.model.parameters():
+                if not p.is_floating_point():
+                    continue
+                if p.numel() and all(st == 0 for st in p.stride()):           # a placeholder
+                    p.data = torch.zeros((), dtype=dtype).expand(p.shape)
+                else:
+                    p.data = p.data.to(dtype)
+            self.layers = [tuple(t.to(dtype) if isinstance(t, torch.Tensor) else t
+                                 for t in layer) for layer in self.layers]
+            if isinstance(self.lm_head, torch.Tensor):
+                self.lm_head = self.lm_head.to(dtype)
+
+    def _hook_unpack(self) -> None:
         unpack = lambda *_: self.unpack()                      # noqa: E731
         for _, _, modules in self._packs:
             for m in modules:
                 self._hooks += [m.register_forward_pre_hook(unpack),
                                 m.register_state_dict_pre_hook(unpack)]
         self._hooks.append(self.model.register_state_dict_pre_hook(unpack))
-        self.kernels = dataclasses.replace(self.kernels, pack=True)
-        self.mm = self.kernels.matmul
+
+    @staticmethod
+    def _release(modules: list) -> None:
+        """The modules' weights become one-element placeholders of the same shape."""
+        for m in modules:
+            w = m.weight
+            w.data = torch.zeros((), dtype=w.dtype).expand(w.shape)
 
     @staticmethod
     def _pack_one(dense: torch.Tensor, modules: list) -> torch.Tensor:
         packed = pack(dense)
-        for m in modules:
-            w = m.weight
-            w.data = torch.zeros((), dtype=w.dtype).expand(w.shape)    # 1 element, same shape
+        LeanLlama._release(modules)
         return packed
 
     @property
     def packed(self) -> bool:
         """Some passes run on packed weights (all of them, or the wide ones of a dual layout)."""
-        return bool(self._packs) or self._dual is not None
+        return (bool(self._packs) and self.quantized is None) or self._dual is not None
 
     @property
     def dual(self) -> bool:
@@ -240,7 +317,8 @@ class LeanLlama:
                     self.lm_head = self.embed
                     continue
                 held = self.lm_head if index == self.HEAD else self.layers[index][field]
-                dense = held.to_dense()
+                dense = held.to_dense() if held.is_mkldnn else \
+                    held.dequantize().to(self.embed.dtype)
                 offset = 0
                 for m in modules:
                     rows = m.weight.shape[0]
@@ -253,6 +331,7 @@ class LeanLlama:
                     fields[field] = dense
                     self.layers[index] = tuple(fields)
         self._packs = []
+        self.quantized = None
         self.kernels = dataclasses.replace(self.kernels, pack=False)
         self.mm = self.kernels.matmul
 
@@ -261,7 +340,7 @@ class LeanLlama:
         Packed weights stay packed (they always take oneDNN); the dense forms are chosen again,
         timed on the dense weights left, or on the embedding table when every product is packed
         (a tied head's dense copy: what an unpacked pass multiplies)."""
-        dense = [w for w in self._weights() if not w.is_mkldnn]
+        dense = [w for w in self._weights() if isinstance(w, torch.Tensor) and not w.is_mkldnn]
         if not dense and self._tied_copy:
             dense = [self.embed]
         again = pick(dense) if dense else self.kernels
@@ -279,14 +358,15 @@ class LeanLlama:
         tensors = [t for layer in self.layers for t in layer if t is not None]
         tensors += [self.embed, self.norm, self.lm_head]
         for t in tensors:
-            if t.is_mkldnn:        # replaces a dense weight of the same size (opaque storage)
+            if not isinstance(t, torch.Tensor) or t.is_mkldnn:  # replaces a dense weight
                 continue
             ptr = t.untyped_storage().data_ptr()
             if ptr not in own and ptr not in seen:
                 seen.add(ptr)
                 extra += t.untyped_storage().nbytes()
-        if self._tied_copy:                                        # the embedding's bytes again
-            extra += self.embed.numel() * self.embed.element_size()
+        if self._tied_copy:                           # the head's copy of the embedding table
+            extra += self.lm_head.nbytes() if self.quantized is not None \
+                else self.embed.numel() * self.embed.element_size()
         if self._dual is not None:                                 # the packed copies
             layers, head = self._dual
             extra += sum(layer[f].numel() * layer[f].element_size()

@@ -152,7 +152,10 @@ class Kernels:
             else self.many_rows
 
     def matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x [..., K] times W [N, K]^T -> [..., N]."""
+        """x [..., K] times W [N, K]^T -> [..., N] (W dense, packed, or an int8/int4
+        QuantizedWeight, which multiplies itself: backends/lean/quantized.py)."""
+        if not isinstance(w, torch.Tensor):
+            return w.matmul(x)
         if w.is_mkldnn:
             return packed(x, w)
         rows = x.numel() // x.shape[-1]
@@ -174,7 +177,7 @@ class Kernels:
         rows is the native one (which norms the rows as it reads them); None elsewhere: the
         caller norms, then multiplies."""
         rows = x.numel() // x.shape[-1]
-        if w.is_mkldnn or self.form(rows) != "native":
+        if not isinstance(w, torch.Tensor) or w.is_mkldnn or self.form(rows) != "native":
             return None
         flat = x.reshape(rows, x.shape[-1])                                             # [M, K]
         if torch.compiler.is_compiling():

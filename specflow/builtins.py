@@ -20,6 +20,7 @@ from specflow.policies.static import StaticPolicy, StaticPolicyConfig
 from specflow.stages import logits, penalties
 from specflow.stages.hf_processor import HFLogitsProcessor, HFProcessorConfig
 from specflow.stages.proposers.draft import DraftModelProposer, DraftProposerConfig
+from specflow.stages.proposers.self_draft import SelfProposer, SelfProposerConfig
 from specflow.stages.proposers.eagle import EagleProposer, EagleProposerConfig
 from specflow.stages.proposers.ngram import NgramProposer, NgramProposerConfig
 from specflow.stages.proposers.none import NoneProposer, NoneProposerConfig
@@ -98,6 +99,7 @@ def specflow_register(registry):
     add("draft", "none", nothing, NamedOnly)
     add("proposer", "none", NoneProposer, NoneProposerConfig)
     add("proposer", "draft", DraftModelProposer, DraftProposerConfig)
+    add("proposer", "self", SelfProposer, SelfProposerConfig)
     add("proposer", "ngram", NgramProposer, NgramProposerConfig)
     add("proposer", "eagle", EagleProposer, EagleProposerConfig, check=check_eagle)
     add("logits", "temperature", logits.Temperature, logits.TemperatureConfig)

@@ -56,7 +56,8 @@ def no_draft_ships(target_path: str) -> str:
             "proposer=eagle with a head you train (specflow train-head)")
     return (f"proposer=draft (the default proposer) needs a draft model with the target's "
             f"tokenizer, and none ships for model.path={target_path!r} (draft=demo is the demo "
-            f"target's own draft); use {head}, proposer=ngram or proposer=none, or give a draft "
+            f"target's own draft); use {head}, proposer=self (the target's own weights in int4), "
+            f"proposer=ngram or proposer=none, or give a draft "
             f"of the target's family: draft=hf draft.path=<folder>")
 
 

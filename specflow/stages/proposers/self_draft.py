@@ -1,0 +1,57 @@
+"""proposer=self: the target drafts for itself, its own layers held in int4 (or int8).
+
+A decoding pass on a CPU costs the bytes of weights it reads; the same model in 4 bits reads
+about a quarter of them and agrees with its float self on most tokens. So the draft is the
+target's own checkpoint, loaded a second time with `dtype=int4` (backends/lean/quantized.py):
+no second model file, no training, the target's tokenizer and vocabulary by construction, its
+own KV cache. It drafts like any draft model (chains, or EAGLE-2 trees with topk > 1), and the
+verifier keeps the output exactly the target's.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from omegaconf import OmegaConf
+
+from specflow.errors import ConfigError
+from specflow.stages.proposers.draft import DraftModelProposer, DraftProposerConfig
+
+WEIGHTS = ("int4", "int8")
+
+
+@dataclass
+class SelfProposerConfig(DraftProposerConfig):
+    name: str = "self"
+    dtype: str = "int4"            # the draft's weights: int4 | int8
+    group_size: int = 32           # int4: weights sharing one scale and zero
+    activations: str = "bfloat16"  # bfloat16 | float32 (what the draft's products read)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.dtype not in WEIGHTS:
+            raise ConfigError(f"proposer.dtype={self.dtype!r}; use int4 or int8 (the target's "
+                              f"own weights, narrower)")
+
+
+class SelfProposer(DraftModelProposer):
+    def __init__(self, cfg: SelfProposerConfig, ctx):
+        from specflow.backends.hf.backend import HFBackend, HFModelConfig
+
+        node = ctx.cfg.get("model")
+        if not isinstance(ctx.target, HFBackend) or node is None or node.get("name") != "hf":
+            raise ConfigError("proposer=self drafts with the target's own weights in int4 or "
+                              "int8 and needs a transformers target (model=hf, model=demo or "
+                              "model=smollm2); for model=synthetic use proposer=draft")
+        fields = {f.name for f in dataclasses.fields(HFModelConfig)}
+        own = {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if k in fields}
+        draft_cfg = HFModelConfig(**{**own, "dtype": cfg.dtype, "group_size": cfg.group_size,
+                                     "activations": cfg.activations, "graphs": False})
+
+        def build():
+            draft = HFBackend(draft_cfg, ctx.device, ctx.slots, role="draft")
+            draft.tune(rows=ctx.slots, positions=cfg.topk, settings=ctx.cfg)
+            return draft
+
+        ctx._draft, ctx.build_draft = None, build       # this proposer's draft, not cfg.draft's
+        super().__init__(cfg, ctx)

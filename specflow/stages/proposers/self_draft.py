@@ -48,9 +48,12 @@ class SelfProposer(DraftModelProposer):
         draft_cfg = HFModelConfig(**{**own, "dtype": cfg.dtype, "group_size": cfg.group_size,
                                      "activations": cfg.activations, "graphs": False})
 
-        def build():
-            draft = HFBackend(draft_cfg, ctx.device, ctx.slots, role="draft")
-            draft.tune(rows=ctx.slots, positions=cfg.topk, settings=ctx.cfg)
+        def build():      # as Pipeline builds a draft model: tuned for its fullest step
+            from specflow.backends import choice_cache
+
+            with choice_cache.retiming(bool(ctx.cfg.get("retime", False))):
+                draft = HFBackend(draft_cfg, ctx.device, ctx.slots, role="draft")
+                draft.tune(rows=ctx.slots, positions=cfg.topk, settings=ctx.cfg)
             return draft
 
         ctx._draft, ctx.build_draft = None, build       # this proposer's draft, not cfg.draft's

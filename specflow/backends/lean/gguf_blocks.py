@@ -15,6 +15,8 @@ file matching neither keeps the float path.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -52,11 +54,17 @@ def _rotary_rows(n: int, heads: int) -> torch.Tensor:
     return torch.arange(n).reshape(heads, half, 2).transpose(1, 2).reshape(n)
 
 
-def file_types(path: str) -> dict[str, str]:
-    """Each tensor's quantization type name in a GGUF file."""
+@functools.lru_cache(maxsize=2)
+def _reader(path: str):
+    """The file parsed once (gguf's reader takes seconds over a file's metadata)."""
     import gguf
 
-    return {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    return gguf.GGUFReader(path)
+
+
+def file_types(path: str) -> dict[str, str]:
+    """Each tensor's quantization type name in a GGUF file."""
+    return {t.name: t.tensor_type.name for t in _reader(path).tensors}
 
 
 def layer_blocks(path: str, layers: int, heads: int, kv_heads: int,
@@ -65,10 +73,8 @@ def layer_blocks(path: str, layers: int, heads: int, kv_heads: int,
     layer products are all Q4_0 / Q4_1 (None otherwise): q/k/v and gate/up stacked as the lean
     forward fuses them; `rotary_order`: q/k rows reordered as transformers does for Llama
     (ggml's convert interleaves them; a Qwen2 file is stored in the model's own order)."""
-    import gguf
-
     found: dict[tuple[int, int], list] = {}
-    for t in gguf.GGUFReader(path).tensors:
+    for t in _reader(path).tensors:
         parts = t.name.split(".")
         if len(parts) != 4 or parts[0] != "blk" or parts[2] not in PARTS:
             continue

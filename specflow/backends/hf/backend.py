@@ -10,6 +10,7 @@ import contextlib
 import inspect
 import os
 import pathlib
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -374,13 +375,31 @@ class HFBackend(Backend):
         checkpoint's own dtype, as for any folder)."""
         from specflow.backends.hf.gguf import SOURCE
         from specflow.backends.lean.forward import unsupported_reason
-        from specflow.backends.lean.gguf_blocks import file_types, layer_blocks, matches
+        from specflow.backends.lean.gguf_blocks import (INT4_TYPES, PARTS, file_types,
+                                                         layer_blocks, matches)
 
         source = pathlib.Path(self.model.name_or_path) / SOURCE        # a converted folder
         if self.device.type != "cpu" or cfg.forward == "hf" or not source.is_file() \
                 or unsupported_reason(self.model.config) is not None:
             return None
         file = source.read_text().strip()
+        try:
+            types = file_types(file)
+        except (OSError, ValueError):
+            return None
+        held = sorted({kind for name, kind in types.items() if name.startswith("blk.")
+                       and name.split(".")[2] in PARTS and kind not in INT4_TYPES})
+        if any(kind not in ("F32", "F16", "BF16") for kind in held):
+            # quantized blocks the layout cannot hold: say so (the user expects the file's
+            # precision and gets float)
+            self.weights = (f"{', '.join(held)} layers kept as {str(self.model.dtype)[6:]}: "
+                            f"the int4 layout holds Q4_0 and Q4_1 blocks as they are, not these; "
+                            f"dtype=int8 or dtype=int4 quantizes them from their values")
+            print(f"specflow: note: {pathlib.Path(file).name}: {self.weights}", file=sys.stderr,
+                  flush=True)
+            return None
+        if held:                                   # float layers: the float path is the file's
+            return None
         c = self.model.config
         layer = self.model.model.layers[0]
         att, mlp = layer.self_attn, layer.mlp
@@ -390,7 +409,6 @@ class HFBackend(Backend):
                 blocks = layer_blocks(file, c.num_hidden_layers, c.num_attention_heads,
                                       getattr(c, "num_key_value_heads", None)
                                       or c.num_attention_heads, rotary_order)
-                types = file_types(file)
             except (OSError, ValueError):
                 return None
             if blocks is None:

@@ -26,9 +26,11 @@ def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
         .reshape(w.shape)
 
 
-def write_gguf(folder: pathlib.Path, out: pathlib.Path, arch: str = "llama") -> pathlib.Path:
+def write_gguf(folder: pathlib.Path, out: pathlib.Path, arch: str = "llama",
+               quant: str | None = None) -> pathlib.Path:
     """The HF Llama in `folder` written as an f32 GGUF file (weights, hyperparameters and its
-    byte-level BPE tokenizer), as llama.cpp's converter would."""
+    byte-level BPE tokenizer), as llama.cpp's converter would; `quant` (Q4_0, Q4_1, Q8_0): the
+    layers' products in those blocks."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
@@ -69,6 +71,11 @@ def write_gguf(folder: pathlib.Path, out: pathlib.Path, arch: str = "llama") -> 
                 t = _permute(torch.from_numpy(t), c.num_attention_heads).numpy()
             elif gg == "attn_k":
                 t = _permute(torch.from_numpy(t), c.num_key_value_heads).numpy()
+            if quant is not None and "norm" not in gg:
+                qtype = getattr(gguf.GGMLQuantizationType, quant)
+                w.add_tensor(f"blk.{i}.{gg}.weight", gguf.quants.quantize(t, qtype),
+                             raw_dtype=qtype)
+                continue
             w.add_tensor(f"blk.{i}.{gg}.weight", t)
     w.add_tensor("output_norm.weight", sd["model.norm.weight"])
     w.add_tensor("output.weight", sd["lm_head.weight"])
@@ -188,3 +195,31 @@ def test_the_folder_is_all_a_caller_reads_on_stdout_from_a_clean_cache(tiny_gguf
     folder = out.stdout.strip()
     assert len(out.stdout.splitlines()) == 1 and (pathlib.Path(folder) / "config.json").is_file()
     assert "converting tiny-llama.gguf" in out.stderr
+
+
+@pytest.mark.parametrize("quant", ["Q4_0", "Q4_1"])
+def test_dtype_auto_holds_a_q4_files_blocks_and_speculates_exactly(hf_models, tmp_path, quant):
+    """The file's own blocks (backends/lean/gguf_blocks.py): the layers' values equal the gguf
+    package's dequantization, and greedy speculation equals plain decoding on them."""
+    path = write_gguf(hf_models["llama"], tmp_path / f"tiny-{quant}.gguf", quant=quant)
+    auto = ["dtype=auto", "model.activations=float32", "threads=1"]
+    pipe = Pipeline.from_config([f"model.path={path}", "model=hf", "draft=none",
+                                 "show_progress=false", "proposer=none", *auto])
+    assert pipe.target.describe()["weights"].startswith("the file's Q4 blocks as they are")
+    reader = gguf.GGUFReader(str(path))
+    tensor = next(t for t in reader.tensors if t.name == "blk.1.ffn_down.weight")
+    want = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type)).float()
+    torch.testing.assert_close(pipe.target.lean.layers[1][7].dequantize(), want,
+                               rtol=0, atol=1e-6)
+    assert run(path, "proposer=ngram", *auto) == run(path, "proposer=none", *auto)
+
+
+def test_dtype_auto_on_blocks_the_layout_cannot_hold_says_so(hf_models, tmp_path, capfd):
+    path = write_gguf(hf_models["llama"], tmp_path / "tiny-Q8_0.gguf", quant="Q8_0")
+    pipe = Pipeline.from_config([f"model.path={path}", "model=hf", "draft=none",
+                                 "show_progress=false", "proposer=none", "dtype=auto"])
+    said = "Q8_0 layers kept as float32: the int4 layout holds Q4_0 and Q4_1 blocks as they " \
+           "are, not these; dtype=int8 or dtype=int4 quantizes them from their values"
+    assert pipe.target.describe()["weights"] == said
+    assert f"specflow: note: tiny-Q8_0.gguf: {said}" in capfd.readouterr().err
+    assert pipe.target.lean.quantized is None

@@ -265,6 +265,11 @@ ROWS = [
     ("retime not true or false", [*SYN, "retime=sometimes"], "compose",
      "retime='sometimes'; use false (read back the times that the choices at start measured in "
      "an earlier run on this machine) or true (time them again)", None),
+    ("an int4 group size with no kernel", ["dtype=int4", "model.group_size=48", "proposer=none"],
+     "compose", "model.group_size=48; use 32, 64, 128 or 256 (weights per int4 scale)", None),
+    ("proposer=self over a model it cannot copy", [*SYN, "proposer=self"], "build",
+     "proposer=self drafts with the target's own weights in int4 or int8 and needs a "
+     "transformers target (model=hf, model=demo or model=smollm2)", None),
 ]
 
 

@@ -112,6 +112,20 @@ def build_component(kind: str, node, ctx: BuildContext):
         raise blamed from exc
 
 
+def build_draft(node, ctx: BuildContext):
+    """The draft model a `draft` config node names, tuned by itself for its steps: its fullest
+    scores a tree's frontier (proposer.topk positions; one for a chain) in every slot. The
+    pipeline's `draft` group and proposer=self's copy of the target are both built here."""
+    cfg = ctx.cfg
+    with retiming(cfg):
+        draft = build_component("draft", node, ctx)
+        if draft is not None:
+            check_tree_width(cfg.get("proposer"), draft.max_length, "the draft model's")
+            draft.tune(rows=int(cfg.max_batch_size), positions=tree_width(cfg.get("proposer")),
+                       settings=cfg)
+    return draft
+
+
 def preflight(cfg: DictConfig, prompts: list[str] | None = None) -> None:
     """The selected components' checks that need no weights (a draft's tokenizer against the
     target's; the prompts' lengths, when given), run before any model loads: a mistake is one
@@ -307,15 +321,7 @@ class Pipeline:
         return cls(compose(overrides, config_name), plugins)
 
     def _build_draft(self, ctx: BuildContext):
-        """The draft model, tuned by itself for its steps: its fullest scores a tree's frontier
-        (proposer.topk positions; one for a chain) in every slot."""
-        with retiming(self.cfg):      # built on first use, after the pipeline
-            draft = self._build("draft", ctx)
-            if draft is not None:
-                check_tree_width(self.cfg.get("proposer"), draft.max_length, "the draft model's")
-                draft.tune(rows=int(self.cfg.max_batch_size),
-                           positions=tree_width(self.cfg.get("proposer")), settings=self.cfg)
-        return draft
+        return build_draft(self.cfg["draft"], ctx)   # built on first use, after the pipeline
 
     def _build(self, kind: str, ctx: BuildContext):
         return self._build_node(kind, self.cfg[kind], ctx)

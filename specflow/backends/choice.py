@@ -21,7 +21,6 @@ from typing import Any, Callable, Hashable, Mapping, Sequence
 from specflow.backends.turns import in_turns
 
 Clock = Callable[[], float]                              # seconds, as time.perf_counter
-Times = list[float]
 
 
 @dataclass

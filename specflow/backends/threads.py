@@ -1,6 +1,6 @@
 """How many CPU threads torch uses for a CPU run: `threads: auto | N` in the root config.
 
-Private to the transformers backend: `HFBackend.tune` calls `choose_threads` for the target
+Private to the transformers backend: `HFBackend.tune` runs `plan` for the target
 when the pipeline is built, and `HFBackend.describe` reports the choice (metrics.json `threads`).
 
 On a quiet machine more threads make a decoding pass faster. With another process busy on one
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from specflow.backends.choice import Choice, Decided, decide, fastest, kept_for, time_pass
+from specflow.backends.choice import Choice, Decided, fastest, kept_for, time_pass
 
 ROUNDS = 3    # turns of each count, 3 passes each (backends/turns.py)
 
@@ -53,7 +53,3 @@ def _apply(backend, n: int) -> None:
     if lean is not None:
         lean.repick()
 
-
-def choose_threads(setting, backend) -> int:
-    """Apply `threads` for a CPU backend; return the threads in use."""
-    return decide(plan(backend, setting))

@@ -137,10 +137,9 @@ _MAX_VOCABS = 8       # tokenizers whose vocabularies stay cached (least recentl
 def vocab_key(tokenizer, eos_id: int) -> tuple:
     """What a transformers tokenizer's vocabulary depends on: the token -> id table and EOS
     (never `id(tokenizer)`, which Python reuses for a new object once the old one is freed)."""
-    tok = getattr(tokenizer, "tok", tokenizer)
-    special = tuple(sorted(getattr(tok, "all_special_ids", []) or []))
-    return (type(tok).__name__, eos_id, len(tok), special, token_spelling(tok),
-            hash(tuple(sorted(tok.get_vocab().items()))))
+    special = tuple(sorted(getattr(tokenizer, "all_special_ids", []) or []))
+    return (type(tokenizer).__name__, eos_id, len(tokenizer), special, token_spelling(tokenizer),
+            hash(tuple(sorted(tokenizer.get_vocab().items()))))
 
 
 def grammar_vocabulary(tokenizer, eos_id: int):

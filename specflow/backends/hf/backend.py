@@ -308,7 +308,7 @@ def refuse_recurrent(config, path: str) -> None:
 class HFBackend(Backend):
     name = "hf"
     # what tune() chose: torch's CPU threads (the target only), whether the lean forward's
-    # weights are packed for oneDNN (any pass of a draft model: see packing.choose_draft_pack)
+    # weights are packed for oneDNN (any pass of a draft model: see packing.plan_draft)
     threads: int | None = None
     packed: bool = False
 
@@ -340,24 +340,22 @@ class HFBackend(Backend):
         self.window = getattr(config, "sliding_window", None) if config.model_type == "mistral" else None
         from specflow.backends import choice_cache
 
-        # where each timed choice's times came from (backends/choice_cache.py): describe()'s
-        # `choices`, "cache" or "timed"
-        self.weights = None                 # int8/int4: what the products read (describe())
+        self.weights = None    # int8/int4 or a file's blocks: what the products read (describe())
         bits = WEIGHT_BITS.get(cfg.dtype)
         if bits is not None and self.device.type != "cpu":
             raise ConfigError(f"{role}.dtype={cfg.dtype} runs on a CPU (ATen's weight-only "
                               f"products); on {self.device.type} use bfloat16 or float16")
+        # LeanLlama.quantize's arguments: (bits, group size, activations[, blocks, head bits])
         quantize = None if bits is None else (bits, cfg.group_size, DTYPES[cfg.activations])
         blocks = self._file_blocks(cfg) if cfg.dtype == "auto" else None
         if blocks is not None:                # a GGUF file's Q4 blocks, as they are
-            bits, quantize = 4, (4, 32, DTYPES[cfg.activations], *blocks)
+            quantize = (4, 32, DTYPES[cfg.activations], *blocks)
+        # where each timed choice's times came from (backends/choice_cache.py): describe()'s
+        # `choices`, "cache" or "timed"
         with choice_cache.recording() as self.choices:
             self.lean = self._lean_forward(cfg.forward, role, cfg.device_map, quantize)
-        if bits is not None:
-            self.weights = self._weights_note(bits, quantize[1], DTYPES[cfg.activations])
-            if blocks is not None:
-                self.weights = f"the file's Q4 blocks as they are: {self.weights}" + \
-                    (", the LM head in int8 from its Q8_0 values" if blocks[1] == 8 else "")
+        if quantize is not None:
+            self.weights = self._quantized(*quantize[:3], from_file=blocks is not None)
         self.num_layers = num_layers
         self.hidden_size = config.hidden_size
         self.graphs = None                  # a GraphRunner once tune() knows the fullest pass
@@ -379,8 +377,8 @@ class HFBackend(Backend):
                                                          layer_blocks, matches)
 
         source = pathlib.Path(self.model.name_or_path) / SOURCE        # a converted folder
-        if self.device.type != "cpu" or cfg.forward == "hf" or not source.is_file() \
-                or unsupported_reason(self.model.config) is not None:
+        if self.device.type != "cpu" or cfg.forward == "hf" or cfg.device_map \
+                or not source.is_file() or unsupported_reason(self.model.config) is not None:
             return None
         file = source.read_text().strip()
         try:
@@ -420,8 +418,10 @@ class HFBackend(Backend):
         head = types.get("output.weight", types.get("token_embd.weight", "F32"))
         return blocks, 4 if head in ("Q4_0", "Q4_1") else 8
 
-    def _weights_note(self, bits: int, group_size: int, activations: torch.dtype) -> str:
-        """Quantize transformers' own linears where no lean forward runs; say what is held."""
+    def _quantized(self, bits: int, group_size: int, activations: torch.dtype,
+                   from_file: bool) -> str:
+        """Where no lean forward runs, transformers' own linears quantized (the lean forward
+        quantized its own); what metrics.json says the products read."""
         from specflow.backends.lean.quantized import QuantizedWeight, quantize_linears
 
         if self.lean is None:
@@ -429,8 +429,15 @@ class HFBackend(Backend):
             self.model.to(activations)
         else:
             left = self.lean.quantized_left
-        kind = f"{QuantizedWeight.kind(bits, group_size)}, {str(activations)[6:]} activations"
-        return kind if not left else f"{kind}; dense (a shape int4 cannot tile): {', '.join(left)}"
+        held = f"{QuantizedWeight.kind(bits, group_size)}, {str(activations)[6:]} activations"
+        if left:
+            held += f"; dense (a shape int4 cannot tile): {', '.join(left)}"
+        if from_file:
+            head = self.lean.lm_head
+            held = f"the file's Q4 blocks as they are: {held}" + (
+                ", the LM head in int8 from its Q8_0 values"
+                if getattr(head, "bits", None) == 8 else "")
+        return held
 
     def _lean_forward(self, choice: str, role: str, device_map: str | None,
                       quantize: tuple | None = None):
@@ -447,7 +454,6 @@ class HFBackend(Backend):
         if choice == "lean":
             raise ConfigError(f"{role}.forward=lean does not support {self.path!r}: {reason}; "
                               f"use {role}.forward=hf")
-        self.forward_note = f"transformers forward ({reason})"
         return None
 
     def tune(self, rows: int, positions: int, settings) -> None:
@@ -661,7 +667,7 @@ class HFBackend(Backend):
                      hidden_layers: tuple[int, ...] = ()):
         """The prompts in as few ragged forwards as fit PREFILL_TOKENS padded tokens each
         (longest first, so rows of a forward have similar lengths and little padding).
-        With hidden_layers: -> the states of each forward (models.base.prefill_states)."""
+        With hidden_layers: -> the states of each forward (HiddenStates, one per forward)."""
         order = sorted((i for i, ids in enumerate(prompts) if ids), key=lambda i: -len(prompts[i]))
         groups: list[list[int]] = []
         for i in order:    # a group's width is its first (longest) prompt

@@ -138,7 +138,7 @@ class LeanLlama:
         self.grouped_from = pick_one_query_attention(self.num_heads, self.num_kv_heads,
                                                      self.head_dim, self.embed.dtype,
                                                      self.embed.device)
-        dense = [w for w in self._weights() if isinstance(w, torch.Tensor)]
+        dense = self._dense_weights()
         self.kernels = kernels or (pick(dense) if dense else Kernels())
         self.mm = self.kernels.matmul
         # both layouts (pack(keep_dense=True)): packed copies of the layers and head (_dual),
@@ -157,6 +157,10 @@ class LeanLlama:
 
     def _weights(self) -> list[torch.Tensor]:
         return [layer[f] for layer in self.layers for f in self._PRODUCTS] + [self.lm_head]
+
+    def _dense_weights(self) -> list[torch.Tensor]:
+        """The product weights neither packed nor quantized: those the product forms serve."""
+        return [w for w in self._weights() if isinstance(w, torch.Tensor) and not w.is_mkldnn]
 
     def _owners(self, index: int, field: int) -> list:
         if index == self.HEAD:
@@ -344,7 +348,7 @@ class LeanLlama:
         Packed weights stay packed (they always take oneDNN); the dense forms are chosen again,
         timed on the dense weights left, or on the embedding table when every product is packed
         (a tied head's dense copy: what an unpacked pass multiplies)."""
-        dense = [w for w in self._weights() if isinstance(w, torch.Tensor) and not w.is_mkldnn]
+        dense = self._dense_weights()
         if not dense and self._tied_copy:
             dense = [self.embed]
         again = pick(dense) if dense else self.kernels

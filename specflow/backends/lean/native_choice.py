@@ -17,13 +17,13 @@ goes native; the times are kept for later runs, backends/choice_cache.py). Where
 product won both, the native pass wins too (its products are the faster ones), and nothing is
 timed. `true` runs every pass it can natively, `false` none.
 
-Private to the transformers backend: `HFBackend.tune` calls `choose_native` before choosing
+Private to the transformers backend: `HFBackend.tune` runs `plan` before choosing
 `pack` (a packed weight never takes the native pass, so packing is timed against the dense
 layout's faster way); `HFBackend.describe` reports the pass sizes that run natively.
 """
 from __future__ import annotations
 
-from specflow.backends.choice import Choice, Decided, decide, kept_for, mean_ratio, time_ends
+from specflow.backends.choice import Choice, Decided, kept_for, mean_ratio, time_ends
 from specflow.backends.lean.native_pass import NativePass
 
 REPS = 3           # passes timed per end and way in each round (Backend.time_pass's median)
@@ -68,8 +68,3 @@ def plan(backend, setting, positions: int, rows: int = 1) -> Choice | Decided:
                   key=kept_for(backend, "native", rows=rows, positions=positions, reps=REPS,
                                rounds=ROUNDS), rounds=ROUNDS)
 
-
-def choose_native(setting, backend, positions: int, rows: int = 1) -> bool | None:
-    """Apply `native` for `backend`; return True (passes run natively), False (the eager
-    layers), or None (see plan())."""
-    return decide(plan(backend, setting, positions, rows))

@@ -16,7 +16,7 @@ x 5 positions: dense 19 + 215 ms, packed 43 + 193, a coin toss by the sum, while
 the ends, one row's above all, runs faster dense). A draft model steps between one row (a chain at
 batch 1) and its fullest step (a tree's frontier, proposer.topk positions, or one position, in
 every slot), and a one-row step can be dearer packed while a wider one is cheaper: so
-`choose_draft_pack` times steps of 1, 2, 4, ... rows both ways and keeps both layouts where packed
+`plan_draft` times steps of 1, 2, 4, ... rows both ways and keeps both layouts where packed
 wins only the wider ones (its weights once more; a draft is small by design), each pass taking the
 faster. `true` packs whenever the CPU's torch build can, `false` never (for both models). For the
 target a packed weight replaces the dense one, so neither choice costs memory, but for an LM head
@@ -24,8 +24,8 @@ tied to the embedding, packed as a copy (the lookup reads the dense table): it i
 product of a pass, and at many positions oneDNN reads it far faster than MKL. A change of thread
 count afterwards keeps the choice. CUDA, forward=hf and non-lean models never pack.
 
-Private to the transformers backend: `HFBackend.tune` calls `choose_pack` (target) or
-`choose_draft_pack` (draft model) when the pipeline is built, passes are timed with
+Private to the transformers backend: `HFBackend.tune` runs `plan` (target) or `plan_draft`
+(draft model) when the pipeline is built, passes are timed with
 `Backend.time_pass`, and `HFBackend.describe` reports the choice (metrics.json `packed`,
 `draft_packed`).
 
@@ -33,8 +33,8 @@ The figures behind this (per machine): docs/decisions.md, "Measured on this proj
 """
 from __future__ import annotations
 
-from specflow.backends.choice import (Choice, Decided, decide, first_of_lasting_wins, kept_for,
-                                     mean_ratio, time_ends, time_pass)
+from specflow.backends.choice import (Choice, Decided, first_of_lasting_wins, kept_for, mean_ratio,
+                                     time_ends, time_pass)
 from specflow.backends.lean.kernels import can_pack
 
 REPS = 15          # passes timed per end and layout, in ROUNDS turns of each layout
@@ -95,12 +95,6 @@ def plan(backend, setting, positions: int, rows: int = 1) -> Choice | Decided:
                                rounds=ROUNDS), rounds=ROUNDS)
 
 
-def choose_pack(setting, backend, positions: int, rows: int = 1) -> bool:
-    """Apply `pack` for the target `backend`; return whether its weights are packed."""
-    decide(plan(backend, setting, positions, rows))
-    return backend.lean.packed if packable(backend) else False
-
-
 def plan_draft(backend, setting, positions: int, rows: int = 1) -> Choice | Decided:
     """`pack` for a draft model whose fullest step scores `positions` positions (a tree's
     frontier, or one) in each of `rows` rows; the decision: whether any of its passes run packed.
@@ -135,9 +129,3 @@ def plan_draft(backend, setting, positions: int, rows: int = 1) -> Choice | Deci
                   key=kept_for(backend, "draft_pack", points=points, reps=DRAFT_REPS,
                                rounds=ROUNDS), rounds=ROUNDS)
 
-
-def choose_draft_pack(setting, backend, positions: int, rows: int = 1) -> bool:
-    """Apply `pack` for a draft model; return whether any of its passes run packed."""
-    chosen = plan_draft(backend, setting, positions, rows)
-    decision = decide(chosen)
-    return decision if isinstance(chosen, Decided) else decision is not None

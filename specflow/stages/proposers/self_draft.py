@@ -9,7 +9,6 @@ verifier keeps the output exactly the target's.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from omegaconf import OmegaConf
@@ -36,25 +35,17 @@ class SelfProposerConfig(DraftProposerConfig):
 
 class SelfProposer(DraftModelProposer):
     def __init__(self, cfg: SelfProposerConfig, ctx):
-        from specflow.backends.hf.backend import HFBackend, HFModelConfig
+        from specflow.backends.hf.backend import HFBackend
+        from specflow.pipeline import build_draft
 
         node = ctx.cfg.get("model")
         if not isinstance(ctx.target, HFBackend) or node is None or node.get("name") != "hf":
             raise ConfigError("proposer=self drafts with the target's own weights in int4 or "
                               "int8 and needs a transformers target (model=hf, model=demo or "
                               "model=smollm2); for model=synthetic use proposer=draft")
-        fields = {f.name for f in dataclasses.fields(HFModelConfig)}
-        own = {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if k in fields}
-        draft_cfg = HFModelConfig(**{**own, "dtype": cfg.dtype, "group_size": cfg.group_size,
-                                     "activations": cfg.activations, "graphs": False})
-
-        def build():      # as Pipeline builds a draft model: tuned for its fullest step
-            from specflow.backends import choice_cache
-
-            with choice_cache.retiming(bool(ctx.cfg.get("retime", False))):
-                draft = HFBackend(draft_cfg, ctx.device, ctx.slots, role="draft")
-                draft.tune(rows=ctx.slots, positions=cfg.topk, settings=ctx.cfg)
-            return draft
-
-        ctx._draft, ctx.build_draft = None, build       # this proposer's draft, not cfg.draft's
+        # the target's own model node, narrower: built as any draft=hf is
+        own = OmegaConf.create({**OmegaConf.to_container(node, resolve=True),
+                                "dtype": cfg.dtype, "group_size": cfg.group_size,
+                                "activations": cfg.activations, "graphs": False})
+        ctx._draft, ctx.build_draft = None, lambda: build_draft(own, ctx)   # not cfg.draft's
         super().__init__(cfg, ctx)

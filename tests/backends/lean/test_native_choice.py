@@ -11,13 +11,19 @@ from specflow import ConfigError, Pipeline
 from specflow.backends.lean import native
 from specflow.backends.hf.backend import DEMO_DIR, HFBackend, HFModelConfig
 from specflow.backends.lean.kernels import Kernels
-from specflow.backends.lean.native_choice import choose_native
+from specflow.backends.choice import decide
+from specflow.backends.lean.native_choice import plan
 from specflow.backends.lean.native_pass import NativePass
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler with OpenMP here")
 
 DEMO = ["model=demo", "threads=2", "max_new_tokens=6", "show_progress=false", "max_batch_size=1",
         "pack=false"]
+
+
+def choose_native(setting, backend, positions: int, rows: int = 1):
+    """`native` planned and decided for `backend`, as HFBackend.tune does."""
+    return decide(plan(backend, setting, positions, rows))
 
 
 def demo_backend(one_row: str = "weight_left_padded", few_rows: str = "weight_left") -> HFBackend:

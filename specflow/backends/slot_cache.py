@@ -12,6 +12,22 @@ import torch
 from transformers.cache_utils import Cache
 
 
+def zeros_on_demand(like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """Zeros of `shape` in `like`'s dtype and device. On the CPU the memory comes from calloc
+    (through numpy), whose large blocks are the OS's zero pages, mapped as they are first
+    written: a cache sized for every slot at the full context costs nothing for the positions
+    no request reaches (torch's zeros writes every byte: a second of SmolLM2's start for 8
+    slots x 2k positions)."""
+    if like.device.type != "cpu":
+        return like.new_zeros(shape)
+    import math
+
+    import numpy as np
+
+    nbytes = math.prod(shape) * like.element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(like.dtype).view(shape)
+
+
 class _Layer:
     """What transformers' mask helpers look for on a cache layer."""
 
@@ -84,8 +100,8 @@ class SlotKVCache(Cache):
         and device are known then): a pass never reallocates, and its shapes do not change."""
         if self.keys[layer] is None:
             B, H, T, D = like.shape
-            self.keys[layer] = like.new_zeros(self.slots, H, self.max_capacity, D)
-            self.values[layer] = like.new_zeros(self.slots, H, self.max_capacity, D)
+            self.keys[layer] = zeros_on_demand(like, (self.slots, H, self.max_capacity, D))
+            self.values[layer] = zeros_on_demand(like, (self.slots, H, self.max_capacity, D))
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:

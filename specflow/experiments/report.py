@@ -27,7 +27,7 @@ from collections import Counter
 
 import numpy as np
 
-from specflow.errors import InputError, SpecflowError
+from specflow.errors import InputError
 from specflow.io import json_type, read_json
 from specflow.metrics import predicted_speedup
 
@@ -263,11 +263,7 @@ def _aggregate(reps: dict) -> dict:
 
 
 def _first_token_test(units_a: dict, units_b: dict) -> dict:
-    try:
-        from scipy import stats
-    except ImportError:
-        raise SpecflowError("the first-token test of sampling arms needs scipy, which is not "
-                            "installed; pip install scipy (specflow depends on it)") from None
+    from specflow.experiments.chi_square import independence
 
     a = Counter(r["token_ids"][0] for r in units_a.values() if r["token_ids"])
     b = Counter(r["token_ids"][0] for r in units_b.values() if r["token_ids"])
@@ -275,7 +271,7 @@ def _first_token_test(units_a: dict, units_b: dict) -> dict:
     table = np.array([[a[k] for k in keys], [b[k] for k in keys]])
     if table.shape[1] < 2:
         return {"test": "first-token chi-square", "p_value": 1.0, "n": int(table.sum())}
-    p = float(stats.chi2_contingency(table + 0.5)[1])     # +0.5: sparse cells stay defined
+    p = independence(table + 0.5).pvalue     # +0.5: sparse cells stay defined
     return {"test": "first-token chi-square", "p_value": p, "n": int(table[0].sum())}
 
 

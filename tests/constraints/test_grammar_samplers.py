@@ -69,7 +69,7 @@ def test_constrained_sampling_gives_valid_output(constraint, sampler, proposer):
 def test_constrained_top_k_keeps_the_distribution_under_speculation():
     """The answer's distribution with a grammar and top-k is the same with and without drafts
     (chi-square on 240 answers per arm)."""
-    from scipy.stats import chi2_contingency
+    from specflow.experiments.chi_square import independence
 
     prompts = ["def parse(line):\n    # answer: "] * 240
     counts = {}
@@ -79,5 +79,5 @@ def test_constrained_top_k_keeps_the_distribution_under_speculation():
         texts = [r.text for r in pipe.generate(prompts, max_new_tokens=8, seed=11)]
         counts[proposer] = [texts.count(c) for c in CHOICES]
     table = [[n + 1 for n in row] for row in counts.values()]
-    assert chi2_contingency(table).pvalue > 1e-3, counts
+    assert independence(table).pvalue > 1e-3, counts
     assert all(sum(row) == 240 for row in counts.values())

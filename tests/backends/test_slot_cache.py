@@ -1,0 +1,26 @@
+"""The slot cache's buffers: zeros in the writer's dtype, at full capacity, written in place."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specflow.backends.slot_cache import SlotKVCache, zeros_on_demand
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_zeros_on_demand_are_zeros_of_the_dtype_asked(dtype):
+    like = torch.ones(1, 2, 1, 8, dtype=dtype)
+    z = zeros_on_demand(like, (3, 2, 1000, 8))
+    assert z.dtype == dtype and z.shape == (3, 2, 1000, 8) and z.is_contiguous()
+    assert not z.any()
+    z[1, :, 5] = 2.0                    # written in place like any tensor
+    assert z.sum().item() == 2.0 * 2 * 8 and z[0].abs().sum() == 0
+
+
+def test_a_fresh_cache_reads_zeros_past_what_was_written():
+    cache = SlotKVCache(num_layers=2, slots=4, max_capacity=256)
+    cache.allocate(torch.zeros(1, 2, 1, 8))
+    for buf in (*cache.keys, *cache.values):
+        assert buf.shape == (4, 2, 256, 8) and not buf.any()
+    # each buffer its own memory
+    assert len({b.data_ptr() for b in (*cache.keys, *cache.values)}) == 4

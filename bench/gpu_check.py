@@ -284,9 +284,9 @@ def graph_pass_cost(paths, args, device, dtype):
     for graphs in (False, True):
         base = ["model=hf", f"model.path={paths[0]}", "draft=none", "proposer=none",
                 f"device={args.device}", f"dtype={args.dtype}", "show_progress=false",
-                "max_batch_size=1", f"model.graphs={str(graphs).lower()}"]
+                "max_batch_size=1", f"model.graphs={str(graphs).lower()}", "pack=false"]
         target = Pipeline.from_config(base).target
-        target.tune(rows=1, positions=args.k + 1, settings={"pack": False, "threads": "auto"})
+        target.tune(rows=1, positions=args.k + 1)
         slot = torch.tensor([0])
         for ctx in (64, 512, 1000):
             target.reset(0)

@@ -54,7 +54,8 @@ def run_into(cfg: DictConfig, folder: str | os.PathLike, *, owner: str, setting:
     from specflow.app.prompts import read_prompts
     from specflow.experiments.workloads import apply_chat_template, chat_mode
     from specflow.io import atomic_write_json, atomic_write_text, folder_lock
-    from specflow.pipeline import Pipeline, preflight
+    from specflow.build import preflight
+    from specflow.pipeline import Pipeline
     from specflow.resume import config_fingerprint, run_resumable
 
     out = pathlib.Path(folder)

@@ -80,8 +80,8 @@ def kept_for(backend, name: str, **settings) -> Mapping | None:
     """A Choice's key for passes of `backend` under `settings` (rows, positions, repeats...):
     the backend's own (`choice_key()`: its model's files, dtype, cache and the state its earlier
     choices left) with them; None (time, keep nothing) for a backend that has none."""
-    own = getattr(backend, "choice_key", None)
-    return None if own is None else {**own(), **settings}
+    own = backend.choice_key()
+    return None if own is None else {**own, **settings}
 
 
 # --- rules shared by choosers ---------------------------------------------------------------------

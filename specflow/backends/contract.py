@@ -117,6 +117,8 @@ class Backend(abc.ABC):
     name: str = "backend"
     vocab_size: int
     eos_token_id: int | None = None
+    # every id that ends a sequence (a chat model's end-of-turn among them); empty: eos_token_id
+    eos_token_ids: frozenset[int] = frozenset()
     max_length: int | None = None        # context window in tokens, None = unbounded
     # for stages that read hidden states (specflow_hidden_layers): decoder layers (index
     # num_layers is the final normed state) and the width of one layer's state; None: not said
@@ -174,11 +176,25 @@ class Backend(abc.ABC):
         """[E] the final RMSNorm's weight (a head starts from it)."""
         return None
 
-    def tune(self, rows: int, positions: int, settings) -> None:
+    def ends(self) -> frozenset[int]:
+        """The ids that end a sequence: `eos_token_ids`, or `eos_token_id` alone (none: empty)."""
+        if self.eos_token_ids:
+            return frozenset(self.eos_token_ids)
+        return frozenset() if self.eos_token_id is None else frozenset([self.eos_token_id])
+
+    def choice_key(self) -> dict | None:
+        """What this backend's timed choices depend on (its model's files, dtype, cache and the
+        state earlier choices left), as JSON-ready values: their times are kept under it for
+        later runs (backends/choice_cache.py). None: keep nothing, time every run."""
+        return None
+
+    def tune(self, rows: int, positions: int, settings=None) -> None:
         """Choose what this backend may choose for itself (CPU threads, its weights' layout)
         for the passes a pipeline will run, from one position in one row up to `positions`
-        positions in each of `rows` rows. `settings`: the root config (its `threads` and
-        `pack`). Called once, when the pipeline is built. Default: nothing to choose."""
+        positions in each of `rows` rows, as its own config group says (a backend keeps what it
+        was built with: `model.threads`, `model.pack`...). `settings`: the root config, for
+        what a backend reads beyond its group. Called once, when the pipeline is built.
+        Default: nothing to choose."""
         return None
 
     def describe(self) -> dict:

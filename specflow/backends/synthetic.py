@@ -16,10 +16,12 @@ call `step_cost` (the measured c of a real pair goes here).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
+from specflow.config import whole_number
 from specflow.errors import ConfigError, InputError
 from specflow.backends.contract import Backend, SimClock, Tokenizer, TreeAttention
 
@@ -63,6 +65,7 @@ class SyntheticModelConfig:
     token_cost: float = 0.0        # extra simulated time per token in a call (0: memory bound)
     max_length: int = 1_000_000    # context window
     eos_token_id: int | None = None
+    threads: Any = "auto"          # the target's CPU threads (the root `threads` fills it)
 
     def __post_init__(self) -> None:
         if not 2 <= self.vocab_size <= len(ALPHABET):
@@ -77,6 +80,9 @@ class SyntheticModelConfig:
             raise ConfigError(f"model.seed={self.seed} must be in [0, 2^32) (numpy's seed range)")
         if self.max_length < 2:
             raise ConfigError(f"model.max_length={self.max_length} must be >= 2")
+        if self.threads != "auto":
+            whole_number(self.threads, "threads", 1, 4096, "give threads=auto or a number of "
+                         "CPU threads, e.g. threads=2")
         if self.eos_token_id is not None and not 0 <= self.eos_token_id < self.vocab_size:
             raise ConfigError(f"model.eos_token_id={self.eos_token_id} is outside the vocabulary "
                               f"[0, {self.vocab_size}); use null for no EOS")
@@ -144,6 +150,7 @@ class SyntheticBackend(Backend):
         self.vocab_size = V = cfg.vocab_size
         self.eos_token_id = cfg.eos_token_id
         self.max_length = cfg.max_length
+        self.threads = cfg.threads
         self.noise = noise
         self.clock = clock
         self.source = source
@@ -181,10 +188,11 @@ class SyntheticBackend(Backend):
     def cache_length(self, slot: int) -> int:
         return self.lengths[slot]
 
-    def tune(self, rows: int, positions: int, settings) -> None:
-        """Nothing to time (the simulated clock prices its passes); a number of `threads` is
-        applied all the same, as for any CPU run (the tables' lookups are torch ops)."""
-        threads = settings.get("threads", "auto")
+    def tune(self, rows: int, positions: int, settings=None) -> None:
+        """Nothing to time (the simulated clock prices its passes); a number of `threads`
+        (model.threads) is applied all the same, as for any CPU run (the tables' lookups are
+        torch ops)."""
+        threads = self.threads
         if self.source == "target" and threads != "auto":
             torch.set_num_threads(int(threads))
 

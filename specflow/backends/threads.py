@@ -26,13 +26,14 @@ DEFAULT_THREADS = torch.get_num_threads()
 
 
 def plan(backend, setting, positions: int = 1, rows: int = 1) -> Choice | Decided:
-    """`threads` for a CPU backend (an int, or "auto"): a Choice between DEFAULT_THREADS and
-    one, whatever an earlier pipeline set, or the count applied where nothing is timed. Only
-    backends with the lean forward on a CPU are timed (their passes are real and cheap); for
-    others auto leaves torch's setting as it is. A changed count re-picks the lean forward's
-    product forms, which were timed at the old one."""
+    """`threads` (an int, or "auto") for a transformers backend (HFBackend: `lean` its lean
+    forward or None): a Choice between DEFAULT_THREADS and one, whatever an earlier pipeline
+    set, or the count applied where nothing is timed. Only backends with the lean forward on a
+    CPU are timed (their passes are real and cheap); for others auto leaves torch's setting as
+    it is. A changed count re-picks the lean forward's product forms, which were timed at the
+    old one."""
     if setting == "auto" and (DEFAULT_THREADS == 1 or backend.device.type != "cpu"
-                              or getattr(backend, "lean", None) is None):
+                              or backend.lean is None):
         return Decided(torch.get_num_threads())          # nothing to time: leave it alone
     if setting != "auto":
         _apply(backend, int(setting))
@@ -49,7 +50,6 @@ def plan(backend, setting, positions: int = 1, rows: int = 1) -> Choice | Decide
 
 def _apply(backend, n: int) -> None:
     torch.set_num_threads(n)
-    lean = getattr(backend, "lean", None)
-    if lean is not None:
-        lean.repick()
+    if backend.lean is not None:
+        backend.lean.repick()
 

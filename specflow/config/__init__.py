@@ -534,18 +534,6 @@ def _check_root(cfg: DictConfig) -> None:
     if str(cfg.get("chat", "auto")) not in ("auto", "on", "off"):
         raise ConfigError(f"chat={cfg.chat!r}; use auto (wrap prompt= in the tokenizer's chat "
                           f"template when it has one), on or off")
-    threads = cfg.get("threads", "auto")
-    if threads != "auto":
-        whole_number(threads, "threads", 1, 4096, "give threads=auto (the faster of all cores "
-                     "and one, timed at start) or a number of CPU threads, e.g. threads=2")
-    pack = cfg.get("pack", "auto")
-    if pack not in ("auto", True, False):
-        raise ConfigError(f"pack={pack!r}; use auto (pack the target's weights for oneDNN when a "
-                          f"verification pass runs faster so, timed at start), true or false")
-    native = cfg.get("native", "auto")
-    if native not in ("auto", True, False):
-        raise ConfigError(f"native={native!r}; use auto (run passes through the decoder layers as "
-                          f"one native call where that measures faster at start), true or false")
     if not isinstance(cfg.get("retime", False), bool):
         raise ConfigError(f"retime={cfg.retime!r}; use false (read back the times that the "
                           f"choices at start measured in an earlier run on this machine) or true "

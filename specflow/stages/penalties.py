@@ -219,8 +219,7 @@ class MinNewTokens(PrefixProcessor):
     def __init__(self, cfg, ctx):
         super().__init__(cfg, ctx)
         target = ctx.target
-        eos = getattr(target, "eos_token_ids", None) or {target.eos_token_id}
-        self.eos = sorted(e for e in eos if e is not None)
+        self.eos = sorted(target.ends())
         self.prompt_len: dict[int, int] = {}
 
     @hookimpl

@@ -88,9 +88,7 @@ class StopTrimmer:
         self.cfg = cfg
         self.tokenizer = ctx.tokenizer
         target = ctx.target
-        eos = getattr(target, "eos_token_ids", None) or (
-            {target.eos_token_id} if target.eos_token_id is not None else set())
-        self.eos_ids = frozenset(eos) if cfg.eos else frozenset()   # every EOS the model declares
+        self.eos_ids = target.ends() if cfg.eos else frozenset()   # every EOS the model declares
         self.rows: dict[int, RowStop] = {}
 
     @hookimpl

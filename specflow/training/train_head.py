@@ -117,76 +117,29 @@ def _train(cfg, th: TrainHeadConfig, out: pathlib.Path, settings: dict, prompts:
            progress) -> tuple[dict, list[str]]:
     """Data, training, the head's files. -> (summary, two prompts for check_head_runs); the
     target and the data are released when it returns."""
-    from omegaconf import OmegaConf, open_dict
-
-    from specflow.backends.heads.eagle import init_head, save_head
-    from specflow.backends.hf.backend import HFBackend
-    from specflow.pipeline import Pipeline
-    from specflow.training import data, loop, user_turns
+    from specflow.backends.heads.eagle import save_head
+    from specflow.training import data, loop
 
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    run_cfg = cfg.copy()
-    with open_dict(run_cfg):
-        run_cfg.proposer = OmegaConf.create({"name": "none"})
-        run_cfg.policy = OmegaConf.create({"name": "static", "k": 0})
-        run_cfg.max_batch_size = th.generate_batch
     threads = torch.get_num_threads()      # the pipeline picks its decoding threads; training
-    pipe = Pipeline(run_cfg)               # gets them all back below
+    pipe, run_cfg = _decoding_pipeline(cfg, th)     # gets them all back below
     target = pipe.target
-    if not isinstance(target, HFBackend):
-        raise ConfigError(f"train-head needs a transformers target (model=demo or model=hf); "
-                          f"model={cfg.model.name} has no hidden states to learn from")
     shape = head_shape_for(target, th, target.vocab_size)
-    cache, parts = out / "train_data.pt", out / PARTS
-    if not th.resume:                     # start over: what an earlier run decoded goes
-        shutil.rmtree(parts, ignore_errors=True)
-        (out / TURNS).unlink(missing_ok=True)
-    note = getattr(progress, "note", lambda text: None)
-    if th.resume and cache.is_file():
-        seqs = torch.load(cache, weights_only=False)
-        check_recorded_width(cache, seqs, shape)
-        note(f"resuming: the data phase is done ({len(seqs)} target-written sequences, "
-             f"{seqs.positions()} positions, read from {cache})")
-    else:
-        cut = data.cut_prompts(prompts, target.tokenizer, th.prompt_tokens, th.prompts)
-        if not cut:
-            raise ConfigError("train-head: the workload gave no non-empty prompts")
-        write_settings(out, {**settings, "train_head.layers": shape.layer_ids})
-        if th.chat_turns:                 # the target's own user turns, answered like the rest
-            user_turns.pre_query_template(target.tokenizer)    # no chat template: one line, now
-            cut = user_turns.interleave(cut, chat_prompts(run_cfg, th, progress, out / TURNS))
-        # the states come from the decoding passes themselves (no second forward)
-        recorder = data.StateRecorder(shape.layer_ids, target.num_layers)
-        pipe.register(recorder, "train-head.states")
-        adv = progress("target writes continuations", len(cut))
-        sequences, lens, states = data.continuations_in_parts(pipe, cut, th.new_tokens,
-                                                              lambda: adv(1), recorder, parts,
-                                                              note)
-        seqs = data.recorded_sequences(sequences, lens, states, len(shape.layer_ids))
-        del states
-        data.save_whole(seqs, cache)
-        shutil.rmtree(parts, ignore_errors=True)          # train_data.pt holds them all now
+    seqs = _target_written(pipe, run_cfg, th, out, {**settings, "train_head.layers":
+                                                     shape.layer_ids}, prompts, shape, progress)
     check_prompts = data.cut_prompts(prompts, target.tokenizer, th.prompt_tokens, 2)
     generated = time.perf_counter() - started
     torch.set_num_threads(threads)
     train_seqs, held = seqs.split(th.heldout)
-    embed = target.input_embeddings().detach().float()                              # [V, E]
-    head = init_head(shape, embed, th.seed).float()
-    used = data.draft_vocabulary(train_seqs, shape.draft_vocab_size, shape.vocab_size)
-    head.set_vocab(used)
-    with torch.no_grad():   # start from the target's own output layer: its final norm and the
-        head.norm.weight.copy_(target.final_norm().float())                # draft vocabulary's
-        head.lm_head.weight.copy_(target.output_head().detach().float()[used])   # LM head rows
-    head.to(target.device)      # trains where the target runs (device=cuda: on the GPU)
-    head.embed = head.embed.to(target.device)
-    lm = target.output_head().detach().float()[used.to(target.device)]              # [Vd, E]
+    head, lm = _head_from_target(target, shape, train_seqs, th.seed)
     schedule = loop.Settings(steps=th.steps, batch=th.batch, seq=th.seq, ttt_steps=th.ttt_steps,
                              lr=th.lr, checkpoint_every=th.checkpoint_every, seed=th.seed)
     windows = loop.Windows(train_seqs, lm, th.seq, th.ttt_steps)
     adv = progress("training (training-time test)", th.steps)
     t0 = time.perf_counter()
-    log = loop.train(head, windows, schedule, out / "checkpoint.pt", th.resume, adv, note)
+    log = loop.train(head, windows, schedule, out / "checkpoint.pt", th.resume, adv,
+                     getattr(progress, "note", lambda text: None))
     trained = time.perf_counter() - t0
     figure = loop.heldout_acceptance(head, loop.Windows(held, lm, th.seq, 4), 4) if len(held) \
         else None
@@ -211,6 +164,85 @@ def _train(cfg, th: TrainHeadConfig, out: pathlib.Path, settings: dict, prompts:
 
         write_speculators(out, out, verifier=str(target.path))
     return summary, check_prompts
+
+
+def _decoding_pipeline(cfg, th: TrainHeadConfig):
+    """The target's plain decoding pipeline, `generate_batch` rows at once. -> (pipeline, its
+    config)."""
+    from omegaconf import OmegaConf, open_dict
+
+    from specflow.backends.hf.backend import HFBackend
+    from specflow.pipeline import Pipeline
+
+    run_cfg = cfg.copy()
+    with open_dict(run_cfg):
+        run_cfg.proposer = OmegaConf.create({"name": "none"})
+        run_cfg.policy = OmegaConf.create({"name": "static", "k": 0})
+        run_cfg.max_batch_size = th.generate_batch
+    pipe = Pipeline(run_cfg)
+    if not isinstance(pipe.target, HFBackend):
+        raise ConfigError(f"train-head needs a transformers target (model=demo or model=hf); "
+                          f"model={cfg.model.name} has no hidden states to learn from")
+    return pipe, run_cfg
+
+
+def _target_written(pipe, run_cfg, th: TrainHeadConfig, out: pathlib.Path, settings: dict,
+                    prompts: list[str], shape, progress):
+    """The target's continuations of the prompts and their states at the head's layers: read
+    back from train_data.pt when resuming a finished data phase, else decoded now (in parts a
+    rerun resumes). -> data.RecordedSequences"""
+    from specflow.training import data, user_turns
+
+    target = pipe.target
+    cache, parts = out / "train_data.pt", out / PARTS
+    if not th.resume:                     # start over: what an earlier run decoded goes
+        shutil.rmtree(parts, ignore_errors=True)
+        (out / TURNS).unlink(missing_ok=True)
+    note = getattr(progress, "note", lambda text: None)
+    if th.resume and cache.is_file():
+        seqs = torch.load(cache, weights_only=False)
+        check_recorded_width(cache, seqs, shape)
+        note(f"resuming: the data phase is done ({len(seqs)} target-written sequences, "
+             f"{seqs.positions()} positions, read from {cache})")
+        return seqs
+    cut = data.cut_prompts(prompts, target.tokenizer, th.prompt_tokens, th.prompts)
+    if not cut:
+        raise ConfigError("train-head: the workload gave no non-empty prompts")
+    write_settings(out, settings)
+    if th.chat_turns:                 # the target's own user turns, answered like the rest
+        user_turns.pre_query_template(target.tokenizer)    # no chat template: one line, now
+        cut = user_turns.interleave(cut, chat_prompts(run_cfg, th, progress, out / TURNS))
+    # the states come from the decoding passes themselves (no second forward)
+    recorder = data.StateRecorder(shape.layer_ids, target.num_layers)
+    pipe.register(recorder, "train-head.states")
+    adv = progress("target writes continuations", len(cut))
+    sequences, lens, states = data.continuations_in_parts(pipe, cut, th.new_tokens,
+                                                          lambda: adv(1), recorder, parts, note)
+    seqs = data.recorded_sequences(sequences, lens, states, len(shape.layer_ids))
+    del states
+    data.save_whole(seqs, cache)
+    shutil.rmtree(parts, ignore_errors=True)          # train_data.pt holds them all now
+    return seqs
+
+
+def _head_from_target(target, shape, train_seqs, seed: int):
+    """A fresh head on the target's device: the target's embedding, its final norm and the
+    draft vocabulary's rows of its LM head to start from. -> (head, lm [Vd, E] the target's
+    LM head rows the training-time test scores with)."""
+    from specflow.backends.heads.eagle import init_head
+    from specflow.training import data
+
+    embed = target.input_embeddings().detach().float()                              # [V, E]
+    head = init_head(shape, embed, seed).float()
+    used = data.draft_vocabulary(train_seqs, shape.draft_vocab_size, shape.vocab_size)
+    head.set_vocab(used)
+    with torch.no_grad():   # start from the target's own output layer: its final norm and the
+        head.norm.weight.copy_(target.final_norm().float())                # draft vocabulary's
+        head.lm_head.weight.copy_(target.output_head().detach().float()[used])   # LM head rows
+    head.to(target.device)      # trains where the target runs (device=cuda: on the GPU)
+    head.embed = head.embed.to(target.device)
+    lm = target.output_head().detach().float()[used.to(target.device)]              # [Vd, E]
+    return head, lm
 
 
 def chat_prompts(run_cfg, th: TrainHeadConfig, progress, saved: pathlib.Path) -> list[str]:

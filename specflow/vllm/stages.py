@@ -52,7 +52,7 @@ class HistoryStages:
     def build(cls, overrides: Sequence[str], k_max: int, slots: int) -> "HistoryStages":
         from specflow.config import compose
         from specflow.backends.contract import SimClock
-        from specflow.pipeline import BuildContext, build_component
+        from specflow.build import BuildContext, build_component
         from specflow.plugins import check_hooks, new_plugin_manager
 
         overrides = [*overrides, f"max_batch_size={slots}"]

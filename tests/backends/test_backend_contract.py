@@ -3,6 +3,8 @@
 the proposers' `specflow_draft_step_seconds`."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -47,16 +49,19 @@ def test_describe_reports_how_a_transformers_backend_runs(demo_target):
     assert described["packed"] is False and described["threads"] == torch.get_num_threads()
 
 
-def test_tune_applies_threads_and_pack_for_the_target_only(demo_target, restore_threads):
+def test_tune_applies_threads_and_pack_for_the_target_only(restore_threads):
+    # the settings are the backend's own config group's (model.threads, draft.pack, ...)
+    target = HFBackend(HFModelConfig(path=str(DEMO_DIR / "target"), threads=1, pack=False),
+                       torch.device("cpu"), 2)
     torch.set_num_threads(2)
-    demo_target.tune(rows=1, positions=5, settings={"threads": 1, "pack": False})
+    target.tune(rows=1, positions=5)
     assert torch.get_num_threads() == 1
-    assert demo_target.describe()["threads"] == 1 and demo_target.describe()["packed"] is False
-    assert not demo_target.lean.packed
-    draft = HFBackend(HFModelConfig(path=str(DEMO_DIR / "draft")), torch.device("cpu"), 1,
-                      role="draft")
+    assert target.describe()["threads"] == 1 and target.describe()["packed"] is False
+    assert not target.lean.packed
+    draft = HFBackend(HFModelConfig(path=str(DEMO_DIR / "draft"), threads=1, pack=False),
+                      torch.device("cpu"), 1, role="draft")
     torch.set_num_threads(2)
-    draft.tune(rows=1, positions=1, settings={"threads": 1, "pack": False})
+    draft.tune(rows=1, positions=1)
     assert torch.get_num_threads() == 2                 # a draft model leaves threads alone
     assert draft.describe()["packed"] is False
 
@@ -105,3 +110,27 @@ def test_a_tokenizer_declares_its_grammar_vocabulary_and_grammars_compile_over_i
         eos_token_id = 0
     assert grammar_vocabulary(Plain(), 0) is None
     assert grammar_vocabulary(Tokenizer(), 0) is None
+
+
+def test_the_root_keys_fill_the_model_and_draft_groups_and_each_group_may_differ(restore_threads):
+    from specflow.config import compose
+
+    cfg = compose(["threads=1", "pack=false", "native=false"])
+    assert (cfg.model.threads, cfg.model.pack, cfg.model.native) == (1, False, False)
+    assert (cfg.draft.pack, cfg.draft.native) == (False, False)
+    cfg = compose(["model.threads=2", "draft.pack=true"])
+    assert (cfg.threads, cfg.model.threads, cfg.draft.pack, cfg.model.pack) == ("auto", 2, True, "auto")
+
+
+@pytest.mark.parametrize("override,line", [
+    ("threads=0", "threads=0 is out of range [1, 4096]"),
+    ("model.threads=two", "threads='two' is not a whole number"),
+    ("pack=maybe", "pack='maybe'; use auto"),
+    ("draft.native=2", "native=2; use auto"),
+])
+def test_a_bad_backend_setting_is_one_line(override, line):
+    from specflow.config import compose, validate
+    from specflow.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(line)):
+        validate(compose([override]))

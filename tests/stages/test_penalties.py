@@ -16,7 +16,8 @@ from specflow.stages import penalties as P
 from specflow.state import PAD, ShapingBatch
 
 V, EOS = 12, 11
-CTX = SimpleNamespace(target=SimpleNamespace(vocab_size=V, eos_token_id=EOS, eos_token_ids={EOS}),
+CTX = SimpleNamespace(target=SimpleNamespace(vocab_size=V, eos_token_id=EOS,
+                                                ends=lambda: frozenset({EOS})),
                       tokenizer=SimpleNamespace(encode=lambda w, add_special_tokens=True: [
                           int(c) for c in w.split()]))
 

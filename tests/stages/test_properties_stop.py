@@ -215,7 +215,8 @@ def byte_cases(draw):
 
 def check(c):
     tok = c["tok"]
-    ctx = SimpleNamespace(tokenizer=tok, target=SimpleNamespace(eos_token_id=tok.eos_token_id))
+    ctx = SimpleNamespace(tokenizer=tok, target=SimpleNamespace(
+        eos_token_id=tok.eos_token_id, ends=lambda: frozenset({tok.eos_token_id})))
     trimmer = StopTrimmer(StopConfig(strings=c["cfg_strings"], token_ids=c["token_ids"],
                                      eos=c["eos"], include_stop_str=c["include"]), ctx)
     for rid in c["streams"]:

@@ -33,7 +33,8 @@ class ByteTokenizer:
 
 def trimmer(tokenizer=None, **cfg):
     tok = tokenizer or PieceTokenizer()
-    ctx = SimpleNamespace(tokenizer=tok, target=SimpleNamespace(eos_token_id=tok.eos_token_id))
+    ctx = SimpleNamespace(tokenizer=tok, target=SimpleNamespace(
+        eos_token_id=tok.eos_token_id, ends=lambda: frozenset({tok.eos_token_id})))
     return StopTrimmer(StopConfig(**cfg), ctx)
 
 
@@ -101,7 +102,7 @@ def test_stop_after_the_length_cap_is_not_seen_and_nothing_leaks():
 def test_every_eos_id_the_model_declares_ends_the_row():
     tok = PieceTokenizer()
     ctx = SimpleNamespace(tokenizer=tok, target=SimpleNamespace(eos_token_id=EOS,
-                                                                eos_token_ids=frozenset({EOS, 7})))
+                                                                ends=lambda: frozenset({EOS, 7})))
     t = StopTrimmer(StopConfig(), ctx)
     row = start(t)
     assert t.trim_row(row, [0, 7, 1])[:2] == ([0], "eos")

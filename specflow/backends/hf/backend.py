@@ -12,9 +12,11 @@ import os
 import pathlib
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from specflow.config import whole_number
 from specflow.errors import ConfigError
 from specflow.backends.contract import Backend, DecoderShape, GrammarVocabulary, Tokenizer
 from specflow.backends.plan import ForwardPlan, make_plan
@@ -51,6 +53,11 @@ class HFModelConfig:
                                       # holds max_batch_size x this many positions
     graphs: bool = False              # chain passes as static-shape steps per bucket, captured as
                                       # CUDA graphs on a GPU (backends/lean/graph_step.py)
+    # what tune() chooses (the root keys of the same names fill them: `threads=2` or
+    # `model.threads=2`); auto: timed at start
+    threads: Any = "auto"             # a target's CPU threads: auto (all cores or one) or a count
+    pack: Any = "auto"                # the lean forward's weights in oneDNN's packed layout
+    native: Any = "auto"              # passes through the decoder layers as one native call
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and (isinstance(self.max_model_len, bool)
@@ -69,6 +76,17 @@ class HFModelConfig:
         if self.activations not in ("bfloat16", "float32"):
             raise ConfigError(f"model.activations={self.activations!r}; use bfloat16 or float32 "
                               f"(with dtype=int8 or int4)")
+        if self.threads != "auto":
+            whole_number(self.threads, "threads", 1, 4096, "give threads=auto (the faster of all "
+                         "cores and one, timed at start) or a number of CPU threads, e.g. "
+                         "threads=2")
+        if self.pack not in ("auto", True, False):
+            raise ConfigError(f"pack={self.pack!r}; use auto (pack the weights for oneDNN when a "
+                              f"verification pass runs faster so, timed at start), true or false")
+        if self.native not in ("auto", True, False):
+            raise ConfigError(f"native={self.native!r}; use auto (run passes through the decoder "
+                              f"layers as one native call where that measures faster at start), "
+                              f"true or false")
         if self.attn_implementation not in ("sdpa", "eager"):
             raise ConfigError(f"model.attn_implementation={self.attn_implementation!r}; use sdpa "
                               f"or eager")
@@ -314,6 +332,7 @@ class HFBackend(Backend):
 
     def __init__(self, cfg: HFModelConfig, device: torch.device, slots: int, role: str = "model"):
         self.role = role               # "model" (the target) or "draft": what tune() chooses
+        self.settings = {"threads": cfg.threads, "pack": cfg.pack, "native": cfg.native}
         self.chosen: dict = {}         # tune()'s decisions, as each Choice describes them
         self.model, tok, self.path = load_model(cfg, device, role)
         config = self.model.config
@@ -456,8 +475,9 @@ class HFBackend(Backend):
                               f"use {role}.forward=hf")
         return None
 
-    def tune(self, rows: int, positions: int, settings) -> None:
-        """The target: `threads` (auto: all cores or one, timed; backends/threads.py), then
+    def tune(self, rows: int, positions: int, settings=None) -> None:
+        """As its config group says (`threads`, `native`, `pack`: model.* for the target,
+        draft.* for a draft model). The target: `threads` (auto: all cores or one, timed; backends/threads.py), then
         `native` (auto: the native pass where the product pick left it out and it measures
         faster at a one-row pass and the fullest, `positions` in each of `rows` rows;
         backends/lean/native_choice.py), then `pack` (auto: packed when those two passes run faster
@@ -469,7 +489,7 @@ class HFBackend(Backend):
 
         with choice_cache.recording(self.choices):      # beside the product pick's
             for name, plan in self.choice_plans():
-                setting = settings.get(name, "auto")
+                setting = self.settings[name]
                 chosen = plan(self, setting, positions, rows)
                 self.chosen[name] = record(chosen, decide(chosen))
         self.threads = self.chosen.get("threads", self.threads)

@@ -31,7 +31,7 @@ ROUNDS = 3
 
 
 def can_choose(backend) -> bool:
-    lean = getattr(backend, "lean", None)
+    lean = backend.lean            # an HFBackend's lean forward, or None
     return lean is not None and backend.device.type == "cpu" and NativePass.supported(lean)
 
 

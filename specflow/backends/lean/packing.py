@@ -45,7 +45,7 @@ DRAFT_REPS = 15    # passes timed per point and layout for a draft model (its pa
 
 
 def packable(backend) -> bool:
-    lean = getattr(backend, "lean", None)
+    lean = backend.lean            # an HFBackend's lean forward, or None
     return lean is not None and lean.quantized is None and backend.device.type == "cpu" \
         and can_pack(backend.model.dtype)           # (int8/int4 weights have their own layout)
 

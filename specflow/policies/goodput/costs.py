@@ -41,7 +41,7 @@ def target_cost(target, rows: int, positions: int) -> tuple[float, float] | None
     """(fixed, per position) seconds of a target pass from two timed ones (one position in one
     row; `positions` in each of `rows` rows), or None for a simulated target (its clock is the
     truth) or when both would be the same pass."""
-    if target is None or getattr(target, "clock", None) is not None or rows * positions <= 1:
+    if target is None or target.clock is not None or rows * positions <= 1:
         return None
     one = target.time_pass(rows=1, positions=1, reps=REPS)
     full = target.time_pass(rows=rows, positions=positions, reps=REPS)
@@ -72,8 +72,8 @@ def measure(target, rows: int, positions: int, step: StepSeconds, width: int,
     costs are priced against the target's, in the same seconds. With `key` (what the drafting
     depends on: the proposer's settings, the draft model's own key) and a target that has one
     (`choice_key()`), the seconds are kept for later runs (backends/choice_cache.py)."""
-    own = getattr(target, "choice_key", None)
-    if key is None or own is None or getattr(target, "clock", None) is not None:
+    own = None if target is None or target.clock is not None else target.choice_key()
+    if key is None or own is None:
         return _measure(target, rows, positions, step, width)
     from specflow.backends import choice_cache
 
@@ -81,7 +81,7 @@ def measure(target, rows: int, positions: int, step: StepSeconds, width: int,
         return isinstance(kept, dict) and set(kept) == {"target", "draft", "branch", "catch_up"}
 
     kept = choice_cache.recall(
-        "goodput.costs", {"target": own(), "rows": rows, "positions": positions,
+        "goodput.costs", {"target": own, "rows": rows, "positions": positions,
                           "width": width, "reps": REPS, **key},
         lambda: asdict(_measure(target, rows, positions, step, width)), usable)
     pair = lambda v: None if v is None else (float(v[0]), float(v[1]))   # noqa: E731

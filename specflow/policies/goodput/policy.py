@@ -214,13 +214,13 @@ class GoodputPolicy:
         and a head's description; None (keep nothing) without a pipeline or a target key."""
         from omegaconf import OmegaConf
 
-        if pipeline is None or not hasattr(self.target, "choice_key"):
+        if pipeline is None or self.target is None or self.target.choice_key() is None:
             return None
         draft = pipeline.ctx._draft
         proposer = pipeline.cfg.get("proposer")
         return {"proposer": None if proposer is None else OmegaConf.to_container(proposer,
                                                                                  resolve=True),
-                "draft": draft.choice_key() if hasattr(draft, "choice_key") else None,
+                "draft": None if draft is None else draft.choice_key(),
                 "head": pipeline.backends.get("proposer")}
 
     @hookimpl

@@ -88,7 +88,7 @@ class DraftModelProposer:
         self.model = ctx.draft
         self.vocab_size = ctx.target.vocab_size
         self.target_length = ctx.target.max_length
-        if cfg.topk > 1 and not getattr(self.model, "supports_trees", False):
+        if cfg.topk > 1 and not self.model.supports_trees:
             raise ConfigError(f"proposer.topk={cfg.topk}: the draft backend "
                               f"{type(self.model).__name__} cannot score trees; use topk=1")
         self.trees: dict[int, DraftTree] = {}       # by slot, this round's tree rows
@@ -97,9 +97,8 @@ class DraftModelProposer:
     @hookimpl
     def specflow_draft_step_seconds(self, rows, positions):
         """A draft model's pass, timed now on its device (policy=goodput's prior); None for a
-        simulated one (the synthetic model: its clock prices passes) or one that cannot roll
-        back its cache."""
-        if getattr(self.model, "clock", None) is not None or not hasattr(self.model, "truncate"):
+        simulated one (the synthetic model: its clock prices passes)."""
+        if self.model.clock is not None:
             return None
         return self.model.time_pass(rows=rows, positions=positions)
 

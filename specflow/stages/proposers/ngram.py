@@ -124,8 +124,7 @@ class NgramProposer:
     def __init__(self, cfg: NgramProposerConfig, ctx=None):
         self.cfg = cfg
         self.index: dict[int, NgramIndex] = {}          # by slot
-        target = getattr(ctx, "target", None)
-        self.max_length = getattr(target, "max_length", None)
+        self.max_length = ctx.target.max_length if ctx is not None else None
 
     @hookimpl
     def specflow_request_start(self, slot, request):

@@ -36,7 +36,7 @@ class SelfProposerConfig(DraftProposerConfig):
 class SelfProposer(DraftModelProposer):
     def __init__(self, cfg: SelfProposerConfig, ctx):
         from specflow.backends.hf.backend import HFBackend
-        from specflow.pipeline import build_draft
+        from specflow.build import build_draft
 
         node = ctx.cfg.get("model")
         if not isinstance(ctx.target, HFBackend) or node is None or node.get("name") != "hf":

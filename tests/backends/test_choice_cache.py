@@ -155,14 +155,14 @@ def test_pick_reads_its_forms_times_back(kept, monkeypatch):
     import torch
 
     weights = [torch.randn(96, 64), torch.randn(64, 96)]
-    monkeypatch.setattr(kernels, "_PICKED", {})
+    kernels.forget_picks()
     with choice_cache.recording() as seen:
         first = kernels.pick(weights, repeats=2)
     assert seen == {"kernels.pick": "timed"}
     with choice_cache.recording() as seen:                # this process's own memo
         assert kernels.pick(weights, repeats=2) is first
     assert seen == {"kernels.pick": "cache"}
-    monkeypatch.setattr(kernels, "_PICKED", {})
+    kernels.forget_picks()
 
     def untimed(x, w):
         raise AssertionError("a form ran: the pick was timed again")
@@ -195,7 +195,7 @@ def counted_passes(monkeypatch):
 
 def built(*overrides: str) -> Pipeline:
     torch.set_num_threads(START_THREADS)     # as a new process starts, whatever ran before here:
-    kernels._PICKED.clear()                  # no product forms picked earlier in this process
+    kernels.forget_picks()                  # no product forms picked earlier in this process
     pipe = Pipeline.from_config([*DEMO, *overrides])
     assert pipe.draft is not None                         # built (and tuned) on first use
     return pipe
@@ -213,7 +213,7 @@ def test_a_second_pipeline_tunes_from_the_cache_and_decides_the_same(kept, count
     assert said["target"]["choices"]["pack"] == "timed"
     assert said["draft"]["choices"]["draft_pack"] == "timed"
     counted_passes.clear()
-    kernels._PICKED.clear()                               # as in a new process
+    kernels.forget_picks()                               # as in a new process
     second = built()
     assert counted_passes == []
     assert decisions(second) == decisions(first)

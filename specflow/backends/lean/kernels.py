@@ -202,6 +202,13 @@ class Kernels:
 _PICKED: dict[str, Kernels] = {}
 
 
+def forget_picks() -> None:
+    """Forget this process's memo of picked product forms and one-query attention lengths, as
+    a new process starts (the times kept on disk stay: backends/choice_cache.py)."""
+    _PICKED.clear()
+    _GROUPED_FROM.clear()
+
+
 def pick(weights: list[torch.Tensor], repeats: int = 3, budget_s: float = 2.0,
          clock: Clock = time.perf_counter) -> Kernels:
     """Time each dense form over all `weights` for 1 row, 2 and 8 rows, and 32 rows; keep the

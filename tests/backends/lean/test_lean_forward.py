@@ -183,7 +183,7 @@ def test_the_native_form_serves_as_many_rows_as_it_stays_the_fastest(monkeypatch
     monkeypatch.setattr(kernels, "FORMS", {"linear": library, "weight_left": form(10.0, 0.03),
                                            "weight_left_padded": form(10.0, 0.03),
                                            "native": form(1.0, per_row_ms)})
-    monkeypatch.setattr(kernels, "_PICKED", {})
+    kernels.forget_picks()
     picked = pick([torch.zeros(8, 4)], repeats=2, budget_s=60, clock=clock)
     assert picked.few_rows == "native" and picked.many_rows == "linear"
     assert picked.few_upto == upto
@@ -218,7 +218,7 @@ def test_pick_sends_wide_products_native_only_in_16_bits(monkeypatch, dtype, wid
     monkeypatch.setattr(kernels, "FORMS", {"linear": form(10.0, 0.05), "weight_left": form(10.0, 0.05),
                                            "weight_left_padded": form(10.0, 0.05),
                                            "native": form(1.0, 0.01)})
-    monkeypatch.setattr(kernels, "_PICKED", {})
+    kernels.forget_picks()
     picked = pick([torch.zeros(8, 4, dtype=dtype)], repeats=2, budget_s=60, clock=clock)
     assert picked.few_upto == 128 and picked.wide == wide
 
@@ -236,7 +236,7 @@ def test_pick_times_the_forms_competing_for_a_row_count_in_turns(monkeypatch):
         return run
 
     monkeypatch.setattr(kernels, "FORMS", {name: form(name) for name in kernels.FORMS})
-    monkeypatch.setattr(kernels, "_PICKED", {})
+    kernels.forget_picks()
     pick([torch.zeros(8, 4)], repeats=3, budget_s=60)
     one_row = [name for name, rows in order if rows == 1]
     a, b, c = kernels.ONE_ROW
@@ -305,7 +305,7 @@ def test_one_query_attention_is_timed_once_and_only_for_cpu_half_precision(monke
     pick_attention = kernels.pick_one_query_attention
     assert pick_attention(4, 2, 16, torch.float32, cpu) is None
     assert pick_attention(4, 2, 16, torch.bfloat16, torch.device("cuda")) is None
-    kernels._GROUPED_FROM.clear()
+    kernels.forget_picks()
     calls = []
 
     def timed(grouped_wins):
@@ -327,7 +327,7 @@ def test_one_query_attention_is_timed_once_and_only_for_cpu_half_precision(monke
     longest = kernels.ATTENTION_LENGTHS[-1]
     for grouped_wins, want in ((lambda length: length == longest, longest),
                                (lambda length: False, None)):
-        kernels._GROUPED_FROM.clear()
+        kernels.forget_picks()
         monkeypatch.setattr(kernels, "_median_seconds", timed(grouped_wins))
         assert pick_attention(4, 2, 16, torch.float16, cpu) == want
-    kernels._GROUPED_FROM.clear()
+    kernels.forget_picks()

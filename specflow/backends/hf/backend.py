@@ -467,13 +467,13 @@ class HFBackend(Backend):
 
     def tune(self, rows: int, positions: int, settings=None) -> None:
         """As its config group says (`threads`, `native`, `pack`: model.* for the target,
-        draft.* for a draft model). The target: `threads` (auto: all cores or one, timed; backends/threads.py), then
-        `native` (auto: the native pass where the product pick left it out and it measures
-        faster at a one-row pass and the fullest, `positions` in each of `rows` rows;
-        backends/lean/native_choice.py), then `pack` (auto: packed when those two passes run faster
-        so; backends/lean/packing.py). A draft model: `native`, and `pack` timed at its steps of 1, 2,
-        4, ... rows and its fullest. Only the lean forward on a CPU has anything to choose;
-        elsewhere a number of threads is still applied."""
+        draft.* for a draft model). The target: `threads` (auto: all cores or one, timed;
+        backends/threads.py), then `native` (auto: the native pass where the product pick left
+        it out and it measures faster at a one-row pass and the fullest, `positions` in each of
+        `rows` rows; backends/lean/native_choice.py), then `pack` (auto: packed when those two
+        passes run faster so; backends/lean/packing.py). A draft model: `native`, and `pack`
+        timed at its steps of 1, 2, 4, ... rows and its fullest. Only the lean forward on a CPU
+        has anything to choose; elsewhere a number of threads is still applied."""
         from specflow.backends import choice_cache
         from specflow.backends.choice import decide, record
 

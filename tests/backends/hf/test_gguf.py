@@ -214,6 +214,21 @@ def test_dtype_auto_holds_a_q4_files_blocks_and_speculates_exactly(hf_models, tm
     assert run(path, "proposer=ngram", *auto) == run(path, "proposer=none", *auto)
 
 
+def test_proposer_self_drafts_with_a_gguf_targets_own_blocks(hf_models, tmp_path):
+    """proposer=self over a float32 target read from a Q4_0 file: the draft holds the file's
+    blocks as they are (proposer.dtype=auto), and greedy output equals plain decoding."""
+    from specflow.stages.proposers.self_draft import SelfProposer
+
+    path = write_gguf(hf_models["llama"], tmp_path / "tiny-Q4_0.gguf", quant="Q4_0")
+    pipe = Pipeline.from_config([f"model.path={path}", "model=hf", "draft=none", "threads=1",
+                                 "show_progress=false", "proposer=self", "proposer.k=3"])
+    got = [r.token_ids for r in pipe.generate(PROMPTS, max_new_tokens=16)]
+    draft = next(p for p in pipe.pm.get_plugins() if isinstance(p, SelfProposer)).model
+    assert draft.describe()["weights"].startswith("the file's Q4 blocks as they are")
+    assert pipe.target.lean.quantized is None                  # the target stays float32
+    assert got == run(path, "proposer=none", "threads=1")
+
+
 def test_dtype_auto_on_blocks_the_layout_cannot_hold_says_so(hf_models, tmp_path, capfd):
     path = write_gguf(hf_models["llama"], tmp_path / "tiny-Q8_0.gguf", quant="Q8_0")
     pipe = Pipeline.from_config([f"model.path={path}", "model=hf", "draft=none",

@@ -41,7 +41,7 @@ def test_greedy_self_drafting_equals_plain_decoding(plain_ids, extra):
 def test_a_target_it_cannot_copy_and_a_bad_dtype_are_one_line():
     with pytest.raises(ConfigError, match="proposer=self drafts with the target's own weights"):
         Pipeline.from_config(["model=synthetic", "draft=synthetic", "proposer=self"])
-    with pytest.raises(ConfigError, match="proposer.dtype='float16'; use int4 or int8"):
+    with pytest.raises(ConfigError, match="proposer.dtype='float16'; use auto"):
         Pipeline.from_config([*COMMON, "proposer=self", "proposer.dtype=float16"])
 
 

@@ -20,6 +20,13 @@ LOOKUP = re.compile(r"encoded\s+\d+ tokens in\s+([\d.]+) seconds.*?decoded\s+(\d
                     r"([\d.]+) seconds", re.S)
 
 
+def peer_env() -> dict[str, str]:
+    """This process's environment without its OpenMP tuning (OMP_*, GOMP_*, KMP_*): llama.cpp
+    runs at its own defaults. With OMP_WAIT_POLICY=passive its 2 threads decoded slower than 1
+    here, which handicapped the peer in every ratio taken against it."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "KMP_"))}
+
+
 class LlamaCpp:
     """The binaries in `bin_dir` running `gguf` with `threads` threads."""
 
@@ -39,9 +46,7 @@ class LlamaCpp:
         before printing its timings: such a run is retried once."""
         # -p, not -f: a prompt file loses its last newline (a chat prompt's, after
         # "assistant"); --no-escape keeps a code prompt's backslashes as they are
-        # llama.cpp's own waits (OMP_WAIT_POLICY unset): with passive waits its 2 threads
-        # decoded slower than 1 here, which handicapped the peer
-        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+        env = peer_env()
         for _ in range(2):
             proc = subprocess.run(
                 [str(self.bin / tool), "-m", self.gguf, "-p", prompt, "--no-escape",

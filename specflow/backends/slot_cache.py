@@ -8,6 +8,9 @@ and rollback is only a change of the row's length. Memory is bounded by slots x 
 """
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
@@ -20,10 +23,6 @@ def zeros_on_demand(like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     slots x 2k positions)."""
     if like.device.type != "cpu":
         return like.new_zeros(shape)
-    import math
-
-    import numpy as np
-
     nbytes = math.prod(shape) * like.element_size()
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(like.dtype).view(shape)
 

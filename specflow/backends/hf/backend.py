@@ -375,27 +375,31 @@ class HFBackend(Backend):
                               f"{self.path!r} has {why}; use {role}.graphs=false")
         self._want_graphs = bool(cfg.graphs)
 
+    def gguf_file(self) -> str | None:
+        """The GGUF file this model was converted from (its folder records it), or None."""
+        from specflow.backends.hf.gguf import SOURCE
+
+        source = pathlib.Path(self.model.name_or_path) / SOURCE        # a converted folder
+        return source.read_text().strip() if source.is_file() else None
+
     def _file_blocks(self, cfg) -> tuple[dict, int] | None:
         """dtype=auto on a GGUF file whose layers are Q4_0 / Q4_1, on a CPU, with the lean
         forward: the blocks for LeanLlama.quantize(given=...), and the head's bits (8 where
         the file's head or tied embedding is Q8_0 or wider, else 4); None elsewhere (the
         checkpoint's own dtype, as for any folder)."""
-        from specflow.backends.hf.gguf import SOURCE
         from specflow.backends.lean.forward import unsupported_reason
-        from specflow.backends.lean.gguf_blocks import (INT4_TYPES, PARTS, file_types,
-                                                         layer_blocks, matches)
+        from specflow.backends.lean.gguf_blocks import (file_types, layer_blocks, matches,
+                                                         other_layer_types)
 
-        source = pathlib.Path(self.model.name_or_path) / SOURCE        # a converted folder
+        file = self.gguf_file()
         if self.device.type != "cpu" or cfg.forward == "hf" or cfg.device_map \
-                or not source.is_file() or unsupported_reason(self.model.config) is not None:
+                or file is None or unsupported_reason(self.model.config) is not None:
             return None
-        file = source.read_text().strip()
         try:
             types = file_types(file)
         except (OSError, ValueError):
             return None
-        held = sorted({kind for name, kind in types.items() if name.startswith("blk.")
-                       and name.split(".")[2] in PARTS and kind not in INT4_TYPES})
+        held = other_layer_types(types)
         if any(kind not in ("F32", "F16", "BF16") for kind in held):
             # quantized blocks the layout cannot hold: say so (the user expects the file's
             # precision and gets float)

@@ -67,6 +67,13 @@ def file_types(path: str) -> dict[str, str]:
     return {t.name: t.tensor_type.name for t in _reader(path).tensors}
 
 
+def other_layer_types(types: dict[str, str]) -> list[str]:
+    """The types of a file's layer products (`file_types`) other than Q4_0 / Q4_1: none, and
+    the layout holds every layer's blocks as they are."""
+    return sorted({kind for name, kind in types.items() if name.startswith("blk.")
+                   and name.split(".")[2] in PARTS and kind not in INT4_TYPES})
+
+
 def layer_blocks(path: str, layers: int, heads: int, kv_heads: int,
                  rotary_order: bool = True) -> dict | None:
     """{(layer, field): QuantizedWeight} for every product of every layer, from a file whose

@@ -229,6 +229,17 @@ def test_proposer_self_drafts_with_a_gguf_targets_own_blocks(hf_models, tmp_path
     assert got == run(path, "proposer=none", "threads=1")
 
 
+def test_proposer_self_over_a_file_of_other_blocks_drafts_in_int4(hf_models, tmp_path):
+    # dtype=auto would keep Q8_0 layers in float32: a draft as dear as the target
+    from specflow.stages.proposers.self_draft import SelfProposer
+
+    path = write_gguf(hf_models["llama"], tmp_path / "tiny-Q8_0.gguf", quant="Q8_0")
+    pipe = Pipeline.from_config([f"model.path={path}", "model=hf", "draft=none", "threads=1",
+                                 "show_progress=false", "proposer=self"])
+    draft = next(p for p in pipe.pm.get_plugins() if isinstance(p, SelfProposer)).model
+    assert draft.lean.quantized == (4, 32)
+
+
 def test_dtype_auto_on_blocks_the_layout_cannot_hold_says_so(hf_models, tmp_path, capfd):
     path = write_gguf(hf_models["llama"], tmp_path / "tiny-Q8_0.gguf", quant="Q8_0")
     pipe = Pipeline.from_config([f"model.path={path}", "model=hf", "draft=none",

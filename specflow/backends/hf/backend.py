@@ -19,6 +19,7 @@ import torch
 from specflow.config import check_backend_settings
 from specflow.errors import ConfigError
 from specflow.backends.contract import Backend, DecoderShape, GrammarVocabulary, Tokenizer
+from specflow.backends.lean.quantized import activation_dtype
 from specflow.backends.plan import ForwardPlan, make_plan
 from specflow.backends.slot_cache import SlotKVCache
 from specflow.paths import DEMO_DIR  # noqa: F401 - where callers have always found it
@@ -43,8 +44,9 @@ class HFModelConfig:
     dtype: str = "float32"            # float32 | float16 | bfloat16 | int8 | int4 | auto (the
                                       # checkpoint's); int8/int4: weight-only, CPU
     group_size: int = 32              # int4: weights sharing one scale and zero
-    activations: str = "bfloat16"     # int8/int4: what the products read and write (bfloat16:
-                                      # ATen's fast paths; float32: 4-10x slower there)
+    activations: str = "auto"         # int8/int4: what the products read and write: auto
+                                      # (float32 on specflow's native block product, bfloat16 on
+                                      # ATen's, 4-10x slower in float32), float32, bfloat16
     device_map: str | None = None     # "auto": spread a large target over the GPUs (accelerate)
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False
@@ -73,9 +75,9 @@ class HFModelConfig:
                 or self.group_size not in (32, 64, 128, 256):
             raise ConfigError(f"model.group_size={self.group_size!r}; use 32, 64, 128 or 256 "
                               f"(weights per int4 scale)")
-        if self.activations not in ("bfloat16", "float32"):
-            raise ConfigError(f"model.activations={self.activations!r}; use bfloat16 or float32 "
-                              f"(with dtype=int8 or int4)")
+        if self.activations not in ("auto", "bfloat16", "float32"):
+            raise ConfigError(f"model.activations={self.activations!r}; use auto, bfloat16 or "
+                              f"float32 (with dtype=int8 or int4)")
         check_backend_settings(threads=self.threads, pack=self.pack, native=self.native)
         if self.attn_implementation not in ("sdpa", "eager"):
             raise ConfigError(f"model.attn_implementation={self.attn_implementation!r}; use sdpa "
@@ -355,16 +357,19 @@ class HFBackend(Backend):
             raise ConfigError(f"{role}.dtype={cfg.dtype} runs on a CPU (ATen's weight-only "
                               f"products); on {self.device.type} use bfloat16 or float16")
         # LeanLlama.quantize's arguments: (bits, group size, activations[, blocks, head bits])
-        quantize = None if bits is None else (bits, cfg.group_size, DTYPES[cfg.activations])
+        activations = activation_dtype(cfg.activations)
+        quantize = None if bits is None else (bits, cfg.group_size, activations)
         blocks = self._file_blocks(cfg) if cfg.dtype == "auto" else None
         if blocks is not None:                # a GGUF file's Q4 blocks, as they are
-            quantize = (4, 32, DTYPES[cfg.activations], *blocks)
+            quantize = (4, 32, activations, *blocks)
         # where each timed choice's times came from (backends/choice_cache.py): describe()'s
         # `choices`, "cache" or "timed"
         with choice_cache.recording() as self.choices:
             self.lean = self._lean_forward(cfg.forward, role, cfg.device_map, quantize)
         if quantize is not None:
-            self.weights = self._quantized(*quantize[:3], from_file=blocks is not None)
+            self.weights = self._quantized(*quantize[:3], from_file=blocks is not None,
+                                           head_from_file=blocks is not None
+                                           and (-1, 0) in blocks[0])
         self.num_layers = num_layers
         self.hidden_size = config.hidden_size
         self.graphs = None                  # a GraphRunner once tune() knows the fullest pass
@@ -388,8 +393,9 @@ class HFBackend(Backend):
         the file's head or tied embedding is Q8_0 or wider, else 4); None elsewhere (the
         checkpoint's own dtype, as for any folder)."""
         from specflow.backends.lean.forward import unsupported_reason
-        from specflow.backends.lean.gguf_blocks import (file_types, layer_blocks, matches,
-                                                         other_layer_types)
+        from specflow.backends.lean.blocks import reorder_rows
+        from specflow.backends.lean.gguf_blocks import (file_types, head_blocks, layer_blocks,
+                                                         matches, other_layer_types)
 
         file = self.gguf_file()
         if self.device.type != "cpu" or cfg.forward == "hf" or cfg.device_map \
@@ -428,29 +434,38 @@ class HFBackend(Backend):
                 break
         else:
             return None                            # a row order this reader does not know
-        head = types.get("output.weight", types.get("token_embd.weight", "F32"))
-        return blocks, 4 if head in ("Q4_0", "Q4_1") else 8
+        head = head_blocks(file)          # the file's own head blocks (native kernel only)
+        lm_head = self.model.lm_head.weight
+        if head is not None and matches(reorder_rows(head, torch.arange(min(64, len(lm_head)))),
+                                        lm_head[:64]):
+            blocks[(-1, 0)] = head
+        kind = types.get("output.weight", types.get("token_embd.weight", "F32"))
+        return blocks, 4 if kind in ("Q4_0", "Q4_1") else 8
 
     def _quantized(self, bits: int, group_size: int, activations: torch.dtype,
-                   from_file: bool) -> str:
+                   from_file: bool, head_from_file: bool = False) -> str:
         """Where no lean forward runs, transformers' own linears quantized (the lean forward
         quantized its own); what metrics.json says the products read."""
-        from specflow.backends.lean.quantized import QuantizedWeight, quantize_linears
+        from specflow.backends.lean.quantized import QuantizedLinear, quantize_linears
 
         if self.lean is None:
             left = quantize_linears(self.model, bits, group_size)
             self.model.to(activations)
+            held = [m.weight_q for m in self.model.modules() if isinstance(m, QuantizedLinear)]
         else:
             left = self.lean.quantized_left
-        held = f"{QuantizedWeight.kind(bits, group_size)}, {str(activations)[6:]} activations"
+            held = [layer[f] for layer in self.lean.layers for f in (1, 3, 6, 7)
+                    if not isinstance(layer[f], torch.Tensor)]
+        kinds = sorted({w.describe() for w in held}) or ["none quantized"]
+        described = f"{'; '.join(kinds)}, {str(activations)[6:]} activations"
         if left:
-            held += f"; dense (a shape int4 cannot tile): {', '.join(left)}"
+            described += f"; dense (a shape int4 cannot tile): {', '.join(left)}"
         if from_file:
             head = self.lean.lm_head
-            held = f"the file's Q4 blocks as they are: {held}" + (
-                ", the LM head in int8 from its Q8_0 values"
-                if getattr(head, "bits", None) == 8 else "")
-        return held
+            described = f"the file's Q4 blocks as they are: {described}" + (
+                ", the LM head in the file's own blocks" if head_from_file
+                else ", the LM head in int8 from its Q8_0 values" if head.bits == 8 else "")
+        return described
 
     def _lean_forward(self, choice: str, role: str, device_map: str | None,
                       quantize: tuple | None = None):

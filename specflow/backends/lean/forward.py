@@ -220,8 +220,8 @@ class LeanLlama:
         shape off its tiles), which stay dense. `activations`: the dtype the rest of the model
         (embedding, norms, biases, dense leftovers) is cast to afterwards, which every product
         then reads and writes (bfloat16: ATen's fast weight-only paths). `given`: {(layer,
-        field): QuantizedWeight} held as they are instead (a GGUF file's blocks:
-        backends/lean/gguf_blocks.py); `head_bits`: the LM head's bits where they differ. CPU
+        field): QuantizedWeight or BlockWeight} held as they are instead (a GGUF file's blocks:
+        backends/lean/gguf_blocks.py; field (HEAD, 0): the LM head); `head_bits`: the LM head's bits where they differ. CPU
         only; before any pack()."""
         from specflow.backends.lean.quantized import quantize_weight
 
@@ -241,7 +241,8 @@ class LeanLlama:
                     fields[f] = held
                     self._packs.append((i, f, self._owners(i, f)))
                 self.layers[i] = tuple(fields)
-            held = quantize_weight(self.lm_head, head_bits or bits, group_size)
+            held = (given or {}).get((self.HEAD, 0)) or \
+                quantize_weight(self.lm_head, head_bits or bits, group_size)
             if held is None:
                 left.append("lm_head")
             elif self.lm_head.data_ptr() != self.embed.data_ptr():
@@ -447,13 +448,17 @@ class LeanLlama:
         operations a layer, masked attention among them (SmolLM2, 16 rows x 4 positions at 256
         keys: 196-246 ms native, 299 eager, 193-267 with oneDNN's packed weights); with
         native_layers True wherever it runs (native_choice.py timed it the faster), False
-        never."""
-        if self.native_layers is False or rows > native.MAX_ROWS or torch.compiler.is_compiling() \
-                or (self.native_layers is None and self.kernels.form(min(rows, 2)) != "native"):
+        never. A model held in GGUF blocks runs it wherever it can (its eager layers multiply by
+        the same block product, ~35 torch operations a layer more)."""
+        if self.native_layers is False or rows > native.MAX_ROWS or torch.compiler.is_compiling():
             return None
         if self._native_pass is None or self._native_pass.stale(self):
             self._native_pass = NativePass(self)
-        return self._native_pass if self._native_pass.runs else None
+        whole = self._native_pass
+        if not whole.runs or (self.native_layers is None and not whole.blocks
+                              and self.kernels.form(min(rows, 2)) != "native"):
+            return None
+        return whole
 
     def native_pass_rows(self) -> str | None:
         """The pass sizes (queries, B x T) that run as one native call, for metrics.json: "1-32

@@ -312,6 +312,8 @@ static const float *prepare_x(const void *X, const void *G, float eps, int dtype
     return x;
 }
 
+#include "blocks.c"
+
 /* Y = X W^T (G: rms_norm(X) W^T). dtype: 0 float32, 1 bfloat16, 2 float16 (W, X, G, Y alike).
    Returns 0, 1 out of memory, 2 a dtype this build lacks. */
 int specflow_gemv(const void *W, const void *X, void *Y, int64_t N, int64_t K, int64_t M,
@@ -365,6 +367,21 @@ int specflow_has_f16(void) {
 static void product_f32(const float *W, const float *X, float *Y, int64_t N, int64_t K, int64_t M,
                         int threads) {
     SPLIT(rows_f32(W, X, Y, n0, n1, N, K, M))
+}
+
+/* Y [M, N] = X [M, K] W^T for a layer weight of `kind` (F32, or BLOCK_Q4_1 / BLOCK_Q8_0 blocks:
+   X quantized per block first). 0, or 1 out of memory. */
+static int product(const void *W, int kind, const float *X, float *Y, int64_t N, int64_t K,
+                   int64_t M, int threads) {
+    if (kind == F32) {
+        product_f32((const float *)W, X, Y, N, K, M, threads);
+        return 0;
+    }
+    quantized_x q;
+    if (quantize_x(X, M, K, kind == BLOCK_Q8_0, &q)) return 1;
+    block_product(W, kind, &q, Y, N, threads);
+    free_quantized(&q);
+    return 0;
 }
 
 static void rms_rows(const float *X, const float *G, float eps, int64_t M, int64_t K, float *out) {
@@ -584,13 +601,15 @@ static void silu_up(const float *gu, float *act, int64_t R, int64_t I, int threa
 
 /* x [R, E] (in/out): the residual stream entering layer 0, left as it leaves layer L-1.
    W: 4 weights per layer (q/k/v stacked [(H+2Hkv)D, E], o [E, HD], gate/up stacked [2I, E],
-   down [E, I]); G: 2 norm weights per layer [E]; keys/values: each layer's cache [S, Hkv, C, D];
+   down [E, I]), each of kinds[i]: F32, or GGUF blocks (BLOCK_Q4_1, BLOCK_Q8_0: blocks.c, the
+   input quantized per block); G: 2 norm weights per layer [E]; keys/values: each layer's cache [S, Hkv, C, D];
    slot, col, below [R]; see [R, S] or NULL; cos, sin [R, D] (each query's rotary rows, at its
    position);
    capture [L]: -1, or j to copy the input of that layer into caps[j] [R, E]. Returns 0, 1 out of
    memory, 3 a column or visible key outside the cache. */
 int specflow_layers(float *x, int64_t R, int64_t E, int64_t H, int64_t Hkv, int64_t D, int64_t I,
-                    int64_t L, const float *const *W, const float *const *G, float eps,
+                    int64_t L, const void *const *W, const int8_t *kinds, const float *const *G,
+                    float eps,
                     float *const *keys, float *const *values, int64_t C, const int64_t *slot,
                     const int64_t *col, const int64_t *below,
                     const uint8_t *see, int64_t S, const float *cos, const float *sin,
@@ -614,11 +633,12 @@ int specflow_layers(float *x, int64_t R, int64_t E, int64_t H, int64_t Hkv, int6
     int64_t parts = (group + GH - 1) / GH;
     while (parts < group && R * Hkv * parts < 2 * nt) parts++;
     for (int64_t l = 0; l < L && !failed; l++) {
-        const float *wqkv = W[4 * l], *wo = W[4 * l + 1], *wgu = W[4 * l + 2], *wdown = W[4 * l + 3];
+        const void *const *w = W + 4 * l;
+        const int8_t *kind = kinds + 4 * l;
         float *kc = keys[l], *vc = values[l];
         if (capture[l] >= 0) memcpy(caps + capture[l] * R * E, x, (size_t)(R * E) * sizeof(float));
         rms_rows(x, G[2 * l], eps, R, E, xn);
-        product_f32(wqkv, xn, wide, QKV, E, R, threads);                     /* [R, (H+2Hkv)D] */
+        if (product(w[0], kind[0], xn, wide, QKV, E, R, threads)) { failed = 1; break; } /* [R, (H+2Hkv)D] */
         for (int64_t r = 0; r < R; r++) {
             float *q = wide + r * QKV;
             for (int64_t h = 0; h < H + Hkv; h++) rotary(q + h * D, cos + r * D, sin + r * D, D);
@@ -637,12 +657,12 @@ int specflow_layers(float *x, int64_t R, int64_t E, int64_t H, int64_t Hkv, int6
                          below[r] + S, below[r], see ? see + r * S : NULL, D, scale,
                          scores + (int64_t)omp_get_thread_num() * GH * C, att + (r * H + h0) * D);
         }
-        product_f32(wo, att, act, E, H * D, R, threads);                     /* [R, E] */
+        if (product(w[1], kind[1], att, act, E, H * D, R, threads)) { failed = 1; break; } /* [R, E] */
         for (int64_t i = 0; i < R * E; i++) x[i] += act[i];
         rms_rows(x, G[2 * l + 1], eps, R, E, xn);
-        product_f32(wgu, xn, wide, 2 * I, E, R, threads);                    /* [R, 2I] */
+        if (product(w[2], kind[2], xn, wide, 2 * I, E, R, threads)) { failed = 1; break; } /* [R, 2I] */
         silu_up(wide, act, R, I, threads);                                   /* [R, I] */
-        product_f32(wdown, act, xn, E, I, R, threads);                       /* [R, E] */
+        if (product(w[3], kind[3], act, xn, E, I, R, threads)) { failed = 1; break; } /* [R, E] */
         for (int64_t i = 0; i < R * E; i++) x[i] += xn[i];
     }
     free(xn); free(wide); free(att); free(act); free(scores);

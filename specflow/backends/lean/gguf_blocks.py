@@ -1,7 +1,9 @@
-"""A GGUF file's Q4_0 / Q4_1 blocks held as they are in the int4 layout (`dtype=auto` on a GGUF
-file whose layers are Q4_0 or Q4_1).
+"""A GGUF file's Q4_0 / Q4_1 blocks held as they are (`dtype=auto` on a GGUF file whose layers
+are Q4_0 or Q4_1), and its Q8_0 / Q4 LM head.
 
-A Q4_1 block holds 32 weights of a row as 4-bit q with a float16 scale d and minimum m (value =
+Where specflow's native kernel builds, the blocks are kept byte for byte in ggml's layout and
+multiplied by it (backends/lean/blocks.py; Q4_0 rewritten as Q4_1 with m = -8d, exact), the head
+too. Elsewhere they go into ATen's int4 layout, as follows. A Q4_1 block holds 32 weights of a row as 4-bit q with a float16 scale d and minimum m (value =
 q x d + m); Q4_0 as (q - 8) x d. That is the int4 layout with group 32, scale d and zero m + 8d
 (or 0): backends/lean/quantized.py. So the blocks are taken from the file bit for bit, and the
 values the products read are the file's, up to the float32 rounding of m + 8d (the scales and
@@ -20,7 +22,8 @@ import functools
 import numpy as np
 import torch
 
-from specflow.backends.lean.quantized import QuantizedWeight, from_int4_blocks
+from specflow.backends.lean import blocks as native_blocks
+from specflow.backends.lean.quantized import from_int4_blocks
 
 INT4_TYPES = ("Q4_0", "Q4_1")
 BLOCK = 32
@@ -76,11 +79,12 @@ def other_layer_types(types: dict[str, str]) -> list[str]:
 
 def layer_blocks(path: str, layers: int, heads: int, kv_heads: int,
                  rotary_order: bool = True) -> dict | None:
-    """{(layer, field): QuantizedWeight} for every product of every layer, from a file whose
+    """{(layer, field): QuantizedWeight or BlockWeight} for every product of every layer, from a file whose
     layer products are all Q4_0 / Q4_1 (None otherwise): q/k/v and gate/up stacked as the lean
     forward fuses them; `rotary_order`: q/k rows reordered as transformers does for Llama
     (ggml's convert interleaves them; a Qwen2 file is stored in the model's own order)."""
     found: dict[tuple[int, int], list] = {}
+    as_blocks = native_blocks.available()        # else ATen's int4 layout (values as they are)
     for t in _reader(path).tensors:
         parts = t.name.split(".")
         if len(parts) != 4 or parts[0] != "blk" or parts[2] not in PARTS:
@@ -88,21 +92,40 @@ def layer_blocks(path: str, layers: int, heads: int, kv_heads: int,
         if t.tensor_type.name not in INT4_TYPES:
             return None
         i, (field, part) = int(parts[1]), PARTS[parts[2]]
-        q, scale, zero = read_q4(np.asarray(t.data), t.tensor_type.name)
+        if as_blocks:
+            held = native_blocks.from_file_blocks(np.asarray(t.data), t.tensor_type.name)
+        else:
+            held = read_q4(np.asarray(t.data), t.tensor_type.name)
         if rotary_order and parts[2] in ("attn_q", "attn_k"):
-            order = _rotary_rows(q.shape[0], heads if parts[2] == "attn_q" else kv_heads)
-            q, scale, zero = q[order], scale[order], zero[order]
+            n = held.shape[0] if as_blocks else held[0].shape[0]
+            order = _rotary_rows(n, heads if parts[2] == "attn_q" else kv_heads)
+            held = native_blocks.reorder_rows(held, order) if as_blocks else \
+                tuple(p[order] for p in held)
         found.setdefault((i, field), [None] * (3 if field == 1 else 2 if field == 6 else 1))
-        found[(i, field)][part] = (q, scale, zero)
+        found[(i, field)][part] = held
     if len(found) != 4 * layers or any(p is None for parts in found.values() for p in parts):
         return None
+    if as_blocks:
+        return {key: native_blocks.stack(parts) for key, parts in found.items()}
     return {key: from_int4_blocks(torch.cat([p[0] for p in parts]),
                                   torch.cat([p[1] for p in parts]),
                                   torch.cat([p[2] for p in parts]), BLOCK)
             for key, parts in found.items()}
 
 
-def matches(held: QuantizedWeight, dense: torch.Tensor) -> bool:
+def head_blocks(path: str):
+    """The LM head (output.weight, else the tied token_embd.weight) as the file's own Q4_0 /
+    Q4_1 / Q8_0 blocks (backends/lean/blocks.py), or None: another type, or no native kernel."""
+    if not native_blocks.available():
+        return None
+    tensors = {t.name: t for t in _reader(path).tensors}
+    t = tensors.get("output.weight", tensors.get("token_embd.weight"))
+    if t is None or t.tensor_type.name not in (*INT4_TYPES, "Q8_0"):
+        return None
+    return native_blocks.from_file_blocks(np.asarray(t.data), t.tensor_type.name)
+
+
+def matches(held, dense: torch.Tensor) -> bool:
     """The blocks' values are the weights transformers loaded (its dequantization of the same
     file), row for row: the row order and the nibble layout are right."""
     return bool(torch.allclose(held.dequantize(), dense.float(), rtol=1e-3, atol=1e-4))

@@ -35,6 +35,7 @@ import tempfile
 import torch
 
 SOURCE = pathlib.Path(__file__).with_name("gemv.c")
+SOURCES = (SOURCE, SOURCE.with_name("blocks.c"))
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-lm")
 ENV = "SPECFLOW_NATIVE"        # 0: never offer the native product
 MAX_ROWS = 128                 # the most rows the native product and pass take: a batch's k+1
@@ -63,14 +64,14 @@ def _cpu_key() -> str:
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """The compiled kernel, built once per machine into the cache; None without a compiler."""
-    if os.environ.get(ENV, "1") == "0" or not SOURCE.exists():
+    if os.environ.get(ENV, "1") == "0" or not all(f.exists() for f in SOURCES):
         return None
     compiler = _compiler()
     if compiler is None:
         return None
     from specflow.paths import cache_root
 
-    source = SOURCE.read_bytes()
+    source = b"".join(f.read_bytes() for f in SOURCES)      # gemv.c includes blocks.c
     key = hashlib.sha256(source + " ".join(FLAGS).encode() + _cpu_key().encode()
                          + compiler.encode()).hexdigest()[:16]
     target = cache_root() / "kernels" / f"gemv-{key}.so"
@@ -92,10 +93,14 @@ def _library() -> ctypes.CDLL | None:
         ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_float]
     lib.specflow_gemv.restype = ctypes.c_int
     P, I64 = ctypes.c_void_p, ctypes.c_int64
-    lib.specflow_layers.argtypes = [P] + [I64] * 7 + [P, P, ctypes.c_float, P, P, I64, P, P, P, P,
-                                                      I64, P, P, P, P, ctypes.c_int]
+    lib.specflow_layers.argtypes = [P] + [I64] * 7 + [P, P, P, ctypes.c_float, P, P, I64, P, P,
+                                                      P, P, I64, P, P, P, P, ctypes.c_int]
     lib.specflow_layers.restype = ctypes.c_int
+    lib.specflow_blocks.argtypes = [P, ctypes.c_int, P, P, I64, I64, I64, ctypes.c_int, P,
+                                    ctypes.c_float]
+    lib.specflow_blocks.restype = ctypes.c_int
     lib.has_f16 = bool(lib.specflow_has_f16())
+    lib.vnni = bool(lib.specflow_blocks_vnni())
     return lib
 
 

@@ -15,7 +15,7 @@ native pass and the eager layers in turns (backends/turns.py), and runs natively
 ends' native/eager ratios average at most 1 (as `pack` weighs its ends, backends/lean/packing.py; a tie
 goes native; the times are kept for later runs, backends/choice_cache.py). Where the native
 product won both, the native pass wins too (its products are the faster ones), and nothing is
-timed. `true` runs every pass it can natively, `false` none.
+timed; so for a model held in GGUF blocks (its eager layers run the same block products). `true` runs every pass it can natively, `false` none.
 
 Private to the transformers backend: `HFBackend.tune` runs `plan` before choosing
 `pack` (a packed weight never takes the native pass, so packing is timed against the dense
@@ -48,7 +48,8 @@ def plan(backend, setting, positions: int, rows: int = 1) -> Choice | Decided:
         lean.native_layers = setting
         return Decided(setting)
     lean.native_layers = None
-    if lean.kernels.one_row == "native" and lean.kernels.few_rows == "native":
+    if (lean.kernels.one_row == "native" and lean.kernels.few_rows == "native") \
+            or NativePass.holds_blocks(lean):
         return Decided(None)
 
     def measure(on: bool, clock) -> list[float]:

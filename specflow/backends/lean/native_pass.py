@@ -11,8 +11,10 @@ keys and values of the pass are written into the cache before any query attends.
 
 It takes a pass only where its mask is the plan's own (the backend says so with
 `plan_mask=True`: no sliding window past its width, no bucket padding), for float32
-dense weights without biases, a SlotKVCache whose buffers exist, and a row count for which
-`kernels.pick()` chose the native product. A query's result does not depend on the other
+activations, weights float32 dense or in GGUF blocks (`dtype=int4 | int8`, a GGUF file's Q4
+blocks: blocks.py, each product quantizing its input per block as the eager layers' block
+products do) without biases, a SlotKVCache whose buffers exist, and a row count for which
+`kernels.pick()` chose the native product (or, for a model held in blocks, every row count). A query's result does not depend on the other
 queries of the pass or on the thread count, as the native product's rows, and a tree node
 scores as the same tokens in a chain (tests/backends/lean/test_native_pass.py); it equals the eager
 layers' up to float rounding. A ragged batch (rows of different lengths: a policy's per-row
@@ -26,6 +28,7 @@ import ctypes
 import torch
 
 from specflow.backends.lean import native
+from specflow.backends.lean.blocks import BlockWeight
 
 
 def _pointers(tensors: list[torch.Tensor]) -> ctypes.Array:
@@ -40,25 +43,41 @@ class NativePass:
         self.lean = lean
         self.layers = list(lean.layers)               # the tuples the tables were built from
         self.runs = self.supported(lean)
+        self.blocks = self.runs and self.holds_blocks(lean)     # every product in GGUF blocks
         self._at: dict[tuple[int, ...], torch.Tensor] = {}   # capture set -> _capture_slots
         if self.runs:
-            self.weights = _pointers([layer[f] for layer in lean.layers for f in (1, 3, 6, 7)])
+            products = [layer[f] for layer in lean.layers for f in (1, 3, 6, 7)]
+            self.weights = _pointers(products)
+            # each product's kind: 0 float32, else its GGUF block type (blocks.c)
+            self.kinds = torch.tensor([0 if isinstance(w, torch.Tensor) else w.kind_code
+                                       for w in products], dtype=torch.int8)
             self.norms = _pointers([layer[f] for layer in lean.layers for f in (0, 5)])
 
     @staticmethod
     def supported(lean) -> bool:
-        """The model's layers are ones specflow_layers computes: float32, dense, contiguous, no
-        biases, heads that group evenly."""
-        if not native.available(torch.float32) or lean.num_heads % lean.num_kv_heads:
+        """The model's layers are ones specflow_layers computes: float32 activations, products
+        float32 dense and contiguous or GGUF blocks (blocks.py), no biases, heads that group
+        evenly."""
+        if not native.available(torch.float32) or lean.num_heads % lean.num_kv_heads \
+                or lean.embed.dtype != torch.float32:
             return False
         for ln1, wqkv, bqkv, wo, bo, ln2, wgu, wdown in lean.layers:
             if bqkv is not None or bo is not None:
                 return False
             for w in (ln1, wqkv, wo, ln2, wgu, wdown):
-                if w.is_mkldnn or w.dtype != torch.float32 or w.device.type != "cpu" \
-                        or not w.is_contiguous():
+                if isinstance(w, BlockWeight):
+                    continue
+                if not isinstance(w, torch.Tensor) or w.is_mkldnn or w.dtype != torch.float32 \
+                        or w.device.type != "cpu" or not w.is_contiguous():
                     return False
         return True
+
+    @staticmethod
+    def holds_blocks(lean) -> bool:
+        """Every product weight of the layers is GGUF blocks: the eager layers multiply by the
+        same block product, so the one call computes what they do for less."""
+        return all(isinstance(layer[f], BlockWeight) for layer in lean.layers
+                   for f in (1, 3, 6, 7))
 
     def stale(self, lean) -> bool:
         """The lean forward's weights moved since the tables were built (pack(), unpack()
@@ -131,10 +150,10 @@ class NativePass:
         wanted = [i for i in sorted(capture) if i < L]
         at = self._capture_slots(L, tuple(wanted))                                   # [L]
         caps = torch.empty(len(wanted), R, E) if wanted else None                    # [n, R, E]
-        intermediate = lean.layers[0][6].shape[0] // 2                      # gate/up stacked
+        intermediate = lean.layers[0][7].shape[1]                           # down [E, I]
         failed = native._library().specflow_layers(
             x.data_ptr(), R, E, lean.num_heads, lean.num_kv_heads, D, intermediate, L,
-            self.weights, self.norms, lean.eps, tables[0], tables[1], cache.max_capacity,
+            self.weights, self.kinds.data_ptr(), self.norms, lean.eps, tables[0], tables[1], cache.max_capacity,
             slots.data_ptr(), columns.data_ptr(), below.data_ptr(),
             None if see is None else see.data_ptr(), width, cos.data_ptr(), sin.data_ptr(),
             at.data_ptr(), None if caps is None else caps.data_ptr(), torch.get_num_threads())

@@ -125,8 +125,14 @@ def from_int4_blocks(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
     return QuantizedWeight(4, (N, K), packed, scales, group_size)
 
 
-def quantize_weight(w: torch.Tensor, bits: int, group_size: int) -> QuantizedWeight | None:
-    """W in `bits` bits, or None where the layout cannot hold its shape (int4)."""
+def quantize_weight(w: torch.Tensor, bits: int, group_size: int):
+    """W in `bits` bits, or None where no layout can hold its shape: GGUF blocks multiplied by
+    specflow's native kernel where it builds (backends/lean/blocks.py: Q8_0 for int8, Q4_1 for
+    int4; a width that is a multiple of 32), else ATen's layouts."""
+    from specflow.backends.lean import blocks
+
+    if blocks.available() and blocks.fits(w.shape) and group_size % blocks.QK == 0:
+        return blocks.quantize_q8(w) if bits == 8 else blocks.quantize_q4(w, group_size)
     if bits == 8:
         return quantize_int8(w)
     if not int4_fits(w.shape, group_size):
@@ -134,9 +140,25 @@ def quantize_weight(w: torch.Tensor, bits: int, group_size: int) -> QuantizedWei
     return quantize_int4(w, group_size)
 
 
+def activation_dtype(setting: str) -> torch.dtype:
+    """`activations=auto | float32 | bfloat16` as a dtype: auto is float32 where the native
+    block product runs (its products and its one-call pass read float32) and bfloat16 on
+    ATen's weight-only operators (4-10x slower with float32 there)."""
+    from specflow.backends.lean import blocks
+
+    if setting == "auto":
+        return torch.float32 if blocks.available() else torch.bfloat16
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[setting]
+
+
 @functools.cache
 def available(bits: int) -> bool:
-    """This torch build has the CPU weight-only operator for `bits`."""
+    """This machine multiplies weights held in `bits` bits: specflow's native block product, or
+    this torch build's CPU weight-only operator."""
+    from specflow.backends.lean import blocks
+
+    if blocks.available():
+        return True
     try:
         w = torch.randn(16, 64)
         got = quantize_weight(w, bits, 32).matmul(torch.ones(1, 64))

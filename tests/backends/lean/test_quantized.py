@@ -10,18 +10,21 @@ import torch
 
 from specflow import ConfigError, Pipeline
 from specflow.backends.hf.backend import DEMO_DIR, HFBackend, HFModelConfig
+from specflow.backends.lean import blocks
+from specflow.backends.lean.blocks import BlockWeight
 from specflow.backends.lean.quantized import (QuantizedWeight, available, from_int4_blocks,
-                                              quantize_weight)
+                                              quantize_int4, quantize_int8, quantize_weight)
 
 pytestmark = pytest.mark.skipif(not (available(8) and available(4)),
                                 reason="this torch build has no CPU weight-only int8/int4 ops")
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_a_quantized_weight_is_within_half_a_step_and_multiplies_as_its_values(bits):
+def test_atens_layouts_are_within_half_a_step_and_multiply_as_their_values(bits):
+    """ATen's weight-only layouts (where specflow's native kernel does not build)."""
     torch.manual_seed(0)
     w = torch.randn(48, 96)
-    held = quantize_weight(w, bits, 32)
+    held = quantize_int8(w) if bits == 8 else quantize_int4(w, 32)
     values = held.dequantize()                                                     # [N, K]
     if bits == 8:
         step = (w.abs().amax(1) / 127)[:, None]                                    # per row
@@ -50,8 +53,11 @@ def test_gguf_style_int4_blocks_are_held_as_they_are():
     torch.testing.assert_close(held.dequantize(), want.view(32, 64), rtol=0, atol=1e-6)
 
 
-def test_int4_leaves_a_shape_off_its_tiles_dense():
-    assert quantize_weight(torch.randn(20, 64), 4, 32) is None        # N not a multiple of 16
+def test_int4_leaves_a_shape_no_layout_holds_dense():
+    """GGUF blocks hold any N for K a multiple of 32; ATen's int4 layout also needs N a
+    multiple of 16; int8 falls back to ATen's per-row layout."""
+    held = quantize_weight(torch.randn(20, 64), 4, 32)                # N not a multiple of 16
+    assert isinstance(held, BlockWeight) if blocks.available() else held is None
     assert quantize_weight(torch.randn(32, 48), 4, 32) is None        # K not a multiple of 32
     assert isinstance(quantize_weight(torch.randn(20, 48), 8, 32), QuantizedWeight)
 
@@ -80,9 +86,15 @@ def test_a_quantized_backend_says_what_it_holds_and_frees_the_dense_weights():
     dense = HFBackend(HFModelConfig(path=str(DEMO_DIR / "target")), torch.device("cpu"), 1)
     held = HFBackend(HFModelConfig(path=str(DEMO_DIR / "target"), dtype="int4"),
                      torch.device("cpu"), 1)
-    assert held.describe()["weights"] == \
-        "int4 weights (a scale and zero per 32), bfloat16 activations"
-    assert held.dtype == torch.bfloat16 and held.lean.quantized == (4, 32)
+    if blocks.available():      # activations=auto: float32 on the native block product
+        assert held.describe()["weights"] == \
+            "int4 weights in Q4_1 blocks (a scale and minimum per 32), float32 activations"
+        assert held.dtype == torch.float32
+    else:
+        assert held.describe()["weights"] == \
+            "int4 weights (a scale and zero per 32), bfloat16 activations"
+        assert held.dtype == torch.bfloat16
+    assert held.lean.quantized == (4, 32)
 
     def resident(backend) -> int:
         seen, total = set(), 0
@@ -91,10 +103,11 @@ def test_a_quantized_backend_says_what_it_holds_and_frees_the_dense_weights():
                 seen.add(p.untyped_storage().data_ptr())
                 total += p.untyped_storage().nbytes()
         layers = [w for layer in backend.lean.layers for w in layer
-                  if isinstance(w, QuantizedWeight)]
+                  if isinstance(w, (QuantizedWeight, BlockWeight))]
         return total + sum(w.nbytes() for w in layers) + backend.lean.extra_bytes()
 
-    assert resident(held) < 0.4 * resident(dense)
+    # the embedding table stays in the activations' dtype for its lookup (float32 beside blocks)
+    assert resident(held) < (0.45 if blocks.available() else 0.4) * resident(dense)
 
 
 def test_the_transformers_forward_runs_quantized_linears_where_no_lean_forward_does():
@@ -119,7 +132,7 @@ def test_a_state_dict_of_a_quantized_model_reads_its_dequantized_weights():
 
 @pytest.mark.parametrize("override, message", [
     ("model.group_size=48", "model.group_size=48; use 32, 64, 128 or 256"),
-    ("model.activations=float16", "model.activations='float16'; use bfloat16 or float32"),
+    ("model.activations=float16", "model.activations='float16'; use auto, bfloat16 or float32"),
     ("dtype=int3", "model.dtype='int3'; use float32, float16, bfloat16, int8, int4 or auto"),
 ])
 def test_bad_quantization_settings_are_one_line(override, message):

@@ -1,0 +1,133 @@
+"""GGUF blocks multiplied by specflow's native kernel (backends/lean/blocks.py, blocks.c): the
+blocks hold what they say (a file's bytes as they are; specflow's own within half a step), the
+product is the blocks' values times the input quantized per block (exactly, up to the float
+sums' order), a row's result does not depend on the rows beside it or the thread count, and a
+pass through layers held in blocks computes the same natively as eagerly."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specflow.backends.lean import blocks
+from specflow.backends.lean.blocks import Q4_1, Q8_0, BlockWeight
+
+pytestmark = pytest.mark.skipif(not blocks.available(),
+                                reason="no C compiler: specflow's native kernel is not built")
+
+
+def quantized_input(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as the product reads it: int8 per block of 32, scale max |x| / 127."""
+    M, K = x.shape
+    g = x.reshape(M, K // 32, 32)
+    amax = g.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return (torch.round(g * inv).clamp(-127, 127) * (amax / 127)).reshape(M, K)
+
+
+@pytest.mark.parametrize("K", [64, 96, 576])                      # 96: an odd number of blocks
+@pytest.mark.parametrize("kind", ["q4", "q4g64", "q8"])
+def test_the_product_is_the_blocks_times_the_input_quantized_per_block(kind, K):
+    if kind == "q4g64" and K % 64:
+        pytest.skip("group 64 needs a width that is a multiple of 64")
+    torch.manual_seed(0)
+    w = torch.randn(40, K)
+    held = blocks.quantize_q8(w) if kind == "q8" else \
+        blocks.quantize_q4(w, 64 if kind == "q4g64" else 32)
+    values = held.dequantize()                                                     # [N, K]
+    if kind == "q8":
+        step = (w.view(40, -1, 32).abs().amax(-1) / 127).repeat_interleave(32, 1)
+    else:
+        g = 64 if kind == "q4g64" else 32
+        grouped = w.view(40, -1, g)
+        step = ((grouped.amax(-1) - grouped.amin(-1)) / 15).repeat_interleave(g, 1)
+    # within half a step, plus the float16 rounding of the scale and minimum
+    assert ((values - w).abs() <= step / 2 + 2e-3 * w.abs().amax()).all()
+    x = torch.randn(11, K) * 3
+    want = quantized_input(x).double() @ values.double().T                        # [M, N]
+    got = held.matmul(x)
+    assert ((got - want).abs().max() / want.abs().max()) < 1e-6
+    assert held.matmul(x.bfloat16()).dtype == torch.bfloat16
+    for rows in (1, 3, 8, 9):         # a row's bits do not depend on the rows beside it
+        assert torch.equal(held.matmul(x[:rows]), got[:rows])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(held.matmul(x), got)                   # nor on the thread count
+    finally:
+        torch.set_num_threads(threads)
+    bytes_per_block = 34 if kind == "q8" else 20
+    assert held.nbytes() == 40 * K // 32 * bytes_per_block
+
+
+def test_a_files_blocks_are_kept_byte_for_byte_and_q4_0_reads_as_q4_1():
+    """ggml's layouts: Q4_0 [d, 16 nibble bytes], Q4_1 [d, m, 16 bytes], Q8_0 [d, 32 int8];
+    byte j of a Q4 block holds weight j low and weight j + 16 high."""
+    rng = np.random.default_rng(0)
+    N, G = 8, 3
+    d = (rng.random((N, G)) / 10).astype(np.float16)
+    m = (-rng.random((N, G))).astype(np.float16)
+    q = rng.integers(0, 16, (N, G, 32)).astype(np.uint8)
+    nibbles = q[..., :16] | (q[..., 16:] << 4)
+    q4_1 = np.concatenate([d[..., None].view(np.uint8), m[..., None].view(np.uint8), nibbles], -1)
+    held = blocks.from_file_blocks(q4_1.reshape(N, -1), "Q4_1")
+    assert held.kind_code == Q4_1 and held.shape == (N, G * 32)
+    assert np.array_equal(held.data.numpy(), q4_1.reshape(N, -1))
+    want = q.astype(np.float32) * d[..., None].astype(np.float32) + m[..., None].astype(np.float32)
+    assert np.array_equal(held.dequantize().numpy(), want.reshape(N, -1))
+    q4_0 = np.concatenate([d[..., None].view(np.uint8), nibbles], -1)
+    held = blocks.from_file_blocks(q4_0.reshape(N, -1), "Q4_0")
+    want = (q.astype(np.float32) - 8) * d[..., None].astype(np.float32)
+    assert np.array_equal(held.dequantize().numpy(), want.reshape(N, -1))
+    q8 = rng.integers(-127, 128, (N, G, 32)).astype(np.int8)
+    q8_0 = np.concatenate([d[..., None].view(np.uint8), q8.view(np.uint8)], -1)
+    held = blocks.from_file_blocks(q8_0.reshape(N, -1), "Q8_0")
+    assert held.kind_code == Q8_0
+    want = q8.astype(np.float32) * d[..., None].astype(np.float32)
+    assert np.array_equal(held.dequantize().numpy(), want.reshape(N, -1))
+    with pytest.raises(ValueError, match="Q5_K blocks are not held as they are"):
+        blocks.from_file_blocks(q8_0.reshape(N, -1), "Q5_K")
+
+
+def test_rows_reorder_and_stack_with_their_blocks():
+    torch.manual_seed(2)
+    a, b = blocks.quantize_q4(torch.randn(6, 64)), blocks.quantize_q4(torch.randn(4, 64))
+    order = torch.tensor([5, 0, 3, 1, 2, 4])
+    torch.testing.assert_close(blocks.reorder_rows(a, order).dequantize(),
+                               a.dequantize()[order], rtol=0, atol=0)
+    both = blocks.stack([a, b])
+    assert isinstance(both, BlockWeight) and both.shape == (10, 64)
+    torch.testing.assert_close(both.dequantize(), torch.cat([a.dequantize(), b.dequantize()]),
+                               rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_pass_through_layers_held_in_blocks_is_the_same_natively_and_eagerly(bits):
+    """The native pass runs the eager layers' block products inside its one call: a model held
+    in blocks scores nearly the same whichever way its pass runs, and runs natively for every
+    pass size without a timing. Not to float rounding: where the norms, rotary or attention
+    round an input differently, its int8 quantization can land one step apart (1/127 of its
+    block's largest value), so the two ways differ by ~0.1% of the logits' spread (a pipeline
+    runs every pass of a size one way: speculation stays exact against it)."""
+    from specflow.backends.hf.backend import DEMO_DIR, HFBackend, HFModelConfig
+
+    backend = HFBackend(HFModelConfig(path=str(DEMO_DIR / "target"), dtype=f"int{bits}"),
+                        torch.device("cpu"), slots=2)
+    lean = backend.lean
+    assert isinstance(lean.layers[0][1], BlockWeight) and isinstance(lean.lm_head, BlockWeight)
+    assert lean.native_pass_rows() == "1-128 queries" and backend.dtype == torch.float32
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(1, 8000, (2, 30), generator=g)
+    fed = torch.randint(1, 8000, (2, 5), generator=g)
+    logits = {}
+    for native in (True, False):
+        lean.native_layers = native
+        for slot in (0, 1):
+            backend.reset(slot)
+            backend.forward(torch.tensor([slot]), prompts[slot:slot + 1], torch.tensor([30]),
+                            logits=False)
+        logits[native] = backend.forward(torch.arange(2), fed, torch.tensor([5, 5]))
+    apart = (logits[True] - logits[False]).abs()
+    spread = logits[False].std()
+    assert apart.mean() < 3e-3 * spread and apart.max() < 0.05 * spread
+    assert torch.equal(logits[True].argmax(-1), logits[False].argmax(-1))

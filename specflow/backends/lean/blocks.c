@@ -89,47 +89,45 @@ static inline __m512 two(float a, float b) {        /* lanes 0-7 a, 8-15 b */
 }
 
 /* Row n of a Q4_1 weight (G blocks) against MR rows of X (xq, their scales as lane pairs sv
-   [MR, P, 16] and sums xs [MR, G]): y[j * N] for each row j. */
+   [MR, P, 16] and sums xs [MR, G]): y[j * N] for each row j. The minimums' term, m s sum(xq)
+   over the blocks, is one dot product per row of the row's minimums (widened once, mins [G])
+   with xs. */
 #define Q4_GROUP(MR)                                                                             \
 __attribute__((noinline)) static void q4_group_##MR(const block_q4_1 *b, const int8_t *xq,        \
-        const float *sv, const float *xs, float *y, int64_t N, int64_t K, int64_t G) {            \
+        const float *sv, const float *xs, float *y, int64_t N, int64_t K, int64_t G,              \
+        float *mins) {                                                                           \
     __m512 acc[MR];                                                                              \
-    float ms[MR];                                                                                \
     int64_t P = (G + 1) / 2;                                                                     \
-    for (int j = 0; j < MR; j++) { acc[j] = _mm512_setzero_ps(); ms[j] = 0.0f; }                 \
+    for (int j = 0; j < MR; j++) acc[j] = _mm512_setzero_ps();                                   \
     int64_t p = 0;                                                                               \
     for (; 2 * p + 1 < G; p++) {                                                                 \
         const block_q4_1 *bp = b + 2 * p;                                                        \
         __m512i w = q4_pair(bp);                                                                 \
         __m512 dv = two(half_to_f32(bp[0].d), half_to_f32(bp[1].d));                             \
-        float m0 = half_to_f32(bp[0].m), m1 = half_to_f32(bp[1].m);                              \
         for (int j = 0; j < MR; j++) {                                                           \
             __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w,                           \
                                             _mm512_loadu_si512(xq + j * K + 64 * p));            \
             __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_loadu_ps(sv + (j * P + p) * 16)); \
             acc[j] = _mm512_fmadd_ps(dv, t, acc[j]);                                             \
-            ms[j] = fmadd(fmadd(ms[j], m0, xs[j * G + 2 * p]), m1, xs[j * G + 2 * p + 1]);      \
         }                                                                                        \
     }                                                                                            \
-    if (p < (G + 1) / 2) {               /* an odd last block: the upper lanes stay zero */     \
+    if (p < P) {                         /* an odd last block: the upper lanes stay zero */     \
         const block_q4_1 *bp = b + 2 * p;                                                        \
         const __m128i low = _mm_set1_epi8(0x0F);                                                 \
         __m128i v = _mm_loadu_si128((const __m128i *)bp->qs);                                    \
         __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low),                   \
                                      _mm_and_si128(v, low));                                     \
-        __m512i w = _mm512_castsi256_si512(q);                                                   \
-        w = _mm512_inserti64x4(w, _mm256_setzero_si256(), 1);                                    \
+        __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_setzero_si256(), 1);    \
         __m512 dv = _mm512_set1_ps(half_to_f32(bp->d));                                          \
-        float m0 = half_to_f32(bp->m);                                                           \
         for (int j = 0; j < MR; j++) {                                                           \
             __m512i x = _mm512_maskz_loadu_epi8(0xFFFFFFFFull, xq + j * K + 64 * p);             \
             __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x);                       \
             __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_loadu_ps(sv + (j * P + p) * 16)); \
             acc[j] = _mm512_fmadd_ps(dv, t, acc[j]);                                             \
-            ms[j] = fmadd(ms[j], m0, xs[j * G + 2 * p]);                                         \
         }                                                                                        \
     }                                                                                            \
-    for (int j = 0; j < MR; j++) y[j * N] = _mm512_reduce_add_ps(acc[j]) + ms[j];                \
+    for (int64_t g = 0; g < G; g++) mins[g] = half_to_f32(b[g].m);                               \
+    for (int j = 0; j < MR; j++) y[j * N] = _mm512_reduce_add_ps(acc[j]) + dot(mins, xs + j * G, G); \
 }
 
 /* Row n of a Q8_0 weight against MR rows of X, with xu = xq + 128 as unsigned bytes: vpdpbusd
@@ -166,7 +164,8 @@ __attribute__((noinline)) static void q8_group_##MR(const block_q8_0 *b, const u
 /* Portable: each block's integer sum, then d s sum(q xq) added in block order. */
 #define Q4_GROUP(MR)                                                                             \
 static void q4_group_##MR(const block_q4_1 *b, const int8_t *xq, const float *sx,                \
-        const float *xs, float *y, int64_t N, int64_t K, int64_t G) {                            \
+        const float *xs, float *y, int64_t N, int64_t K, int64_t G, float *mins) {               \
+    (void)mins;                                                                                  \
     for (int j = 0; j < MR; j++) {                                                               \
         float acc = 0.0f;                                                                        \
         for (int64_t g = 0; g < G; g++) {                                                        \
@@ -241,17 +240,19 @@ enum { BLOCK_Q4_1 = 3, BLOCK_Q8_0 = 4 };      /* the weight kinds after gemv.c's
 static void block_rows(const void *W, int kind, const quantized_x *x, float *Y, int64_t n0,
                        int64_t n1, int64_t N) {
     int64_t K = x->K, G = x->G;
+    float mins_[512], *mins = G <= 512 ? mins_ : malloc((size_t)G * sizeof(float));
+    if (!mins) return;               /* K past 16384 and no memory: quantize_x's check failed first */
     for (int64_t n = n0; n < n1; n++)
         for (int64_t m0 = 0; m0 < x->M; m0 += MRB) {
             int64_t mr = x->M - m0 < MRB ? x->M - m0 : MRB;
             float *y = Y + m0 * N + n;
 #if BLOCKS_VNNI
             const float *sv = x->sv + m0 * x->P * 16, *xs = x->xs + m0 * G;
-#define Q4CALL(R) q4_group_##R((const block_q4_1 *)W + n * G, x->xq + m0 * K, sv, xs, y, N, K, G)
+#define Q4CALL(R) q4_group_##R((const block_q4_1 *)W + n * G, x->xq + m0 * K, sv, xs, y, N, K, G, mins)
 #define Q8CALL(R) q8_group_##R((const block_q8_0 *)W + n * G, x->xu + m0 * K, sv, y, N, K, G)
 #else
             const float *sx = x->sx + m0 * G, *xs = x->xs + m0 * G;
-#define Q4CALL(R) q4_group_##R((const block_q4_1 *)W + n * G, x->xq + m0 * K, sx, xs, y, N, K, G)
+#define Q4CALL(R) q4_group_##R((const block_q4_1 *)W + n * G, x->xq + m0 * K, sx, xs, y, N, K, G, mins)
 #define Q8CALL(R) q8_group_##R((const block_q8_0 *)W + n * G, x->xq + m0 * K, sx, y, N, K, G)
             (void)xs;
 #endif
@@ -263,6 +264,7 @@ static void block_rows(const void *W, int kind, const quantized_x *x, float *Y, 
 #undef Q4CALL
 #undef Q8CALL
         }
+    if (mins != mins_) free(mins);
 }
 
 static void block_product(const void *W, int kind, const quantized_x *x, float *Y, int64_t N,

@@ -312,8 +312,6 @@ static const float *prepare_x(const void *X, const void *G, float eps, int dtype
     return x;
 }
 
-#include "blocks.c"
-
 /* Y = X W^T (G: rms_norm(X) W^T). dtype: 0 float32, 1 bfloat16, 2 float16 (W, X, G, Y alike).
    Returns 0, 1 out of memory, 2 a dtype this build lacks. */
 int specflow_gemv(const void *W, const void *X, void *Y, int64_t N, int64_t K, int64_t M,
@@ -369,21 +367,6 @@ static void product_f32(const float *W, const float *X, float *Y, int64_t N, int
     SPLIT(rows_f32(W, X, Y, n0, n1, N, K, M))
 }
 
-/* Y [M, N] = X [M, K] W^T for a layer weight of `kind` (F32, or BLOCK_Q4_1 / BLOCK_Q8_0 blocks:
-   X quantized per block first). 0, or 1 out of memory. */
-static int product(const void *W, int kind, const float *X, float *Y, int64_t N, int64_t K,
-                   int64_t M, int threads) {
-    if (kind == F32) {
-        product_f32((const float *)W, X, Y, N, K, M, threads);
-        return 0;
-    }
-    quantized_x q;
-    if (quantize_x(X, M, K, kind == BLOCK_Q8_0, &q)) return 1;
-    block_product(W, kind, &q, Y, N, threads);
-    free_quantized(&q);
-    return 0;
-}
-
 static void rms_rows(const float *X, const float *G, float eps, int64_t M, int64_t K, float *out) {
     memcpy(out, X, (size_t)(M * K) * sizeof(float));
     for (int64_t m = 0; m < M; m++) rms_in_place(out + m * K, G, eps, F32, K);
@@ -420,6 +403,23 @@ static inline void dot4(const float *a, const float *b, int64_t D, float s[4]) {
         s[i] = hsum(acc[i]);
         for (int64_t d = d8; d < D; d++) s[i] = fmadd(s[i], a[d], b[i * D + d]);
     }
+}
+
+#include "blocks.c"      /* GGUF blocks: their product (after dot(), which it uses) */
+
+/* Y [M, N] = X [M, K] W^T for a layer weight of `kind` (F32, or BLOCK_Q4_1 / BLOCK_Q8_0 blocks:
+   X quantized per block first). 0, or 1 out of memory. */
+static int product(const void *W, int kind, const float *X, float *Y, int64_t N, int64_t K,
+                   int64_t M, int threads) {
+    if (kind == F32) {
+        product_f32((const float *)W, X, Y, N, K, M, threads);
+        return 0;
+    }
+    quantized_x q;
+    if (quantize_x(X, M, K, kind == BLOCK_Q8_0, &q)) return 1;
+    block_product(W, kind, &q, Y, N, threads);
+    free_quantized(&q);
+    return 0;
 }
 
 /* out[D] = softmax(q . K[j] * scale) V[j] over the keys j < n that are visible: j < below, or

@@ -29,7 +29,8 @@ class SelfProposerConfig(DraftProposerConfig):
     dtype: str = "auto"            # the draft's weights: auto (a Q4 GGUF file's own blocks,
                                    # else int4) | int4 | int8
     group_size: int = 32           # int4: weights sharing one scale and zero
-    activations: str = "bfloat16"  # bfloat16 | float32 (what the draft's products read)
+    activations: str = "auto"      # auto | bfloat16 | float32 (what the draft's products read;
+                                   # auto: float32 on specflow's native block product)
 
     def __post_init__(self) -> None:
         super().__post_init__()

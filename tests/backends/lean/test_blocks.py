@@ -1,5 +1,6 @@
 """GGUF blocks multiplied by specflow's native kernel (backends/lean/blocks.py, blocks.c): the
-blocks hold what they say (a file's bytes as they are; specflow's own within half a step), the
+blocks hold what they say (a file's scales and weights as they are, tiled; specflow's own
+within half a step), the
 product is the blocks' values times the input quantized per block (exactly, up to the float
 sums' order), a row's result does not depend on the rows beside it or the thread count, and a
 pass through layers held in blocks computes the same natively as eagerly."""
@@ -56,15 +57,17 @@ def test_the_product_is_the_blocks_times_the_input_quantized_per_block(kind, K):
         assert torch.equal(held.matmul(x), got)                   # nor on the thread count
     finally:
         torch.set_num_threads(threads)
-    bytes_per_block = 34 if kind == "q8" else 20
-    assert held.nbytes() == 40 * K // 32 * bytes_per_block
+    # tiles of 16 rows (40 -> 48): Q4_1 20 bytes a block, Q8_0 38 (its 34, and the row sum)
+    assert held.nbytes() == 48 * K // 32 * (38 if kind == "q8" else 20)
 
 
-def test_a_files_blocks_are_kept_byte_for_byte_and_q4_0_reads_as_q4_1():
+def test_a_files_blocks_keep_their_scales_and_weights_and_q4_0_reads_as_q4_1():
     """ggml's layouts: Q4_0 [d, 16 nibble bytes], Q4_1 [d, m, 16 bytes], Q8_0 [d, 32 int8];
-    byte j of a Q4 block holds weight j low and weight j + 16 high."""
+    byte j of a Q4 block holds weight j low and weight j + 16 high. Held tiled, the same
+    scales, minimums and quantized weights come back, whatever the rows' count (here 20: a
+    tile and a part)."""
     rng = np.random.default_rng(0)
-    N, G = 8, 3
+    N, G = 20, 3
     d = (rng.random((N, G)) / 10).astype(np.float16)
     m = (-rng.random((N, G))).astype(np.float16)
     q = rng.integers(0, 16, (N, G, 32)).astype(np.uint8)
@@ -72,7 +75,8 @@ def test_a_files_blocks_are_kept_byte_for_byte_and_q4_0_reads_as_q4_1():
     q4_1 = np.concatenate([d[..., None].view(np.uint8), m[..., None].view(np.uint8), nibbles], -1)
     held = blocks.from_file_blocks(q4_1.reshape(N, -1), "Q4_1")
     assert held.kind_code == Q4_1 and held.shape == (N, G * 32)
-    assert np.array_equal(held.data.numpy(), q4_1.reshape(N, -1))
+    got_d, got_m, got_q = held.parts()
+    assert np.array_equal(got_d, d) and np.array_equal(got_m, m) and np.array_equal(got_q, q)
     want = q.astype(np.float32) * d[..., None].astype(np.float32) + m[..., None].astype(np.float32)
     assert np.array_equal(held.dequantize().numpy(), want.reshape(N, -1))
     q4_0 = np.concatenate([d[..., None].view(np.uint8), nibbles], -1)
@@ -83,8 +87,13 @@ def test_a_files_blocks_are_kept_byte_for_byte_and_q4_0_reads_as_q4_1():
     q8_0 = np.concatenate([d[..., None].view(np.uint8), q8.view(np.uint8)], -1)
     held = blocks.from_file_blocks(q8_0.reshape(N, -1), "Q8_0")
     assert held.kind_code == Q8_0
+    got_d, got_m, got_q = held.parts()
+    assert np.array_equal(got_d, d) and got_m is None and np.array_equal(got_q, q8)
     want = q8.astype(np.float32) * d[..., None].astype(np.float32)
     assert np.array_equal(held.dequantize().numpy(), want.reshape(N, -1))
+    x = torch.randn(3, G * 32)                      # the partial tile's rows multiply right
+    ref = quantized_input(x).double() @ held.dequantize().double().T
+    assert ((held.matmul(x) - ref).abs().max() / ref.abs().max()) < 1e-6
     with pytest.raises(ValueError, match="Q5_K blocks are not held as they are"):
         blocks.from_file_blocks(q8_0.reshape(N, -1), "Q5_K")
 
@@ -131,3 +140,28 @@ def test_a_pass_through_layers_held_in_blocks_is_the_same_natively_and_eagerly(b
     spread = logits[False].std()
     assert apart.mean() < 3e-3 * spread and apart.max() < 0.05 * spread
     assert torch.equal(logits[True].argmax(-1), logits[False].argmax(-1))
+
+
+def test_the_portable_path_computes_what_the_vnni_path_does(tmp_path):
+    """Built without -march=native (no AVX-512 VNNI), the product takes its portable loops:
+    the same integer sums and the same float steps in block order."""
+    import ctypes
+    import subprocess
+
+    from specflow.backends.lean import native
+
+    compiler = native._compiler()
+    built = tmp_path / "portable.so"
+    flags = [f for f in native.FLAGS if f != "-march=native"]
+    subprocess.run([compiler, *flags, str(native.SOURCE), "-o", str(built)], check=True,
+                   capture_output=True, timeout=120)
+    lib = ctypes.CDLL(str(built))
+    assert lib.specflow_blocks_vnni() == 0
+    lib.specflow_blocks.argtypes = native._library().specflow_blocks.argtypes
+    torch.manual_seed(3)
+    w, x = torch.randn(40, 96), torch.randn(5, 96)
+    for held in (blocks.quantize_q4(w), blocks.quantize_q8(w)):
+        out = torch.empty(5, 40)
+        assert lib.specflow_blocks(held.data_ptr(), held.kind_code, x.data_ptr(), out.data_ptr(),
+                                   40, 96, 5, 1, None, 0.0) == 0
+        torch.testing.assert_close(out, held.matmul(x), rtol=1e-5, atol=1e-5)

@@ -3,12 +3,13 @@ are Q4_0 or Q4_1), and its Q8_0 / Q4 LM head.
 
 Where specflow's native kernel builds, the blocks are kept byte for byte in ggml's layout and
 multiplied by it (backends/lean/blocks.py; Q4_0 rewritten as Q4_1 with m = -8d, exact), the head
-too. Elsewhere they go into ATen's int4 layout, as follows. A Q4_1 block holds 32 weights of a row as 4-bit q with a float16 scale d and minimum m (value =
-q x d + m); Q4_0 as (q - 8) x d. That is the int4 layout with group 32, scale d and zero m + 8d
-(or 0): backends/lean/quantized.py. So the blocks are taken from the file bit for bit, and the
-values the products read are the file's, up to the float32 rounding of m + 8d (the scales and
-minimums widen from float16 exactly). In a block, byte j holds weight j in its low nibble and
-weight j + 16 in its high one (ggml's layout).
+too. Elsewhere they go into ATen's int4 layout, as follows. A Q4_1 block holds 32 weights of a
+row as 4-bit q with a float16 scale d and minimum m (value = q x d + m); Q4_0 as (q - 8) x d.
+That is the int4 layout with group 32, scale d and zero m + 8d (or 0):
+backends/lean/quantized.py. So the blocks are taken from the file bit for bit, and the values
+the products read are the file's, up to the float32 rounding of m + 8d (the scales and minimums
+widen from float16 exactly). In a block, byte j holds weight j in its low nibble and weight j +
+16 in its high one (ggml's layout).
 
 transformers reorders the rows of Llama's q and k projections when it reads a GGUF file (ggml
 interleaves each head's rotary halves; not Qwen2's); the blocks' rows are read in the order

@@ -12,10 +12,11 @@ bandwidth), a pick lost by a hair leaves every pass its ~35 ops a layer of Pytho
 So where the product pick went to a library form for one row or for a few, `auto` times whole
 passes at the pipeline's two ends (one row at one position; every slot at k+1 positions), the
 native pass and the eager layers in turns (backends/turns.py), and runs natively where the two
-ends' native/eager ratios average at most 1 (as `pack` weighs its ends, backends/lean/packing.py; a tie
-goes native; the times are kept for later runs, backends/choice_cache.py). Where the native
-product won both, the native pass wins too (its products are the faster ones), and nothing is
-timed; so for a model held in GGUF blocks (its eager layers run the same block products). `true` runs every pass it can natively, `false` none.
+ends' native/eager ratios average at most 1 (as `pack` weighs its ends,
+backends/lean/packing.py; a tie goes native; the times are kept for later runs,
+backends/choice_cache.py). Where the native product won both, the native pass wins too (its
+products are the faster ones), and nothing is timed; so for a model held in GGUF blocks (its
+eager layers run the same block products). `true` runs every pass it can natively, `false` none.
 
 Private to the transformers backend: `HFBackend.tune` runs `plan` before choosing
 `pack` (a packed weight never takes the native pass, so packing is timed against the dense

@@ -10,16 +10,18 @@ keys up to its own column, a token tree's node the committed prefix and its ance
 keys and values of the pass are written into the cache before any query attends.
 
 It takes a pass only where its mask is the plan's own (the backend says so with
-`plan_mask=True`: no sliding window past its width, no bucket padding), for float32
-activations, weights float32 dense or in GGUF blocks (`dtype=int4 | int8`, a GGUF file's Q4
-blocks: blocks.py, each product quantizing its input per block as the eager layers' block
-products do) without biases, a SlotKVCache whose buffers exist, and a row count for which
-`kernels.pick()` chose the native product (or, for a model held in blocks, every row count). A query's result does not depend on the other
-queries of the pass or on the thread count, as the native product's rows, and a tree node
-scores as the same tokens in a chain (tests/backends/lean/test_native_pass.py); it equals the eager
-layers' up to float rounding. A ragged batch (rows of different lengths: a policy's per-row
-draft lengths) runs its real queries only; its padding positions keep their inputs, as no caller
-reads them (the eager layers computed them for nothing).
+`plan_mask=True`: no sliding window past its width, no bucket padding), for float32 activations,
+weights float32 dense or in GGUF blocks (`dtype=int4 | int8`, a GGUF file's Q4 blocks:
+blocks.py, each product quantizing its input per block as the eager layers' block products do)
+without biases, a SlotKVCache whose buffers exist, and a row count for which `kernels.pick()`
+chose the native product (or, for a model held in blocks, every row count). A query's result
+does not depend on the other queries of the pass or on the thread count, as the native product's
+rows, and a tree node scores as the same tokens in a chain
+(tests/backends/lean/test_native_pass.py); it equals the eager layers' up to float rounding (for
+blocks, up to where an input's rounding moves its int8 quantization a step). A ragged batch
+(rows of different lengths: a policy's per-row draft lengths) runs its real queries only; its
+padding positions keep their inputs, as no caller reads them (the eager layers computed them for
+nothing).
 """
 from __future__ import annotations
 

@@ -211,16 +211,17 @@ class LeanLlama:
     def quantize(self, bits: int, group_size: int = 32,
                  activations: torch.dtype | None = None, given: dict | None = None,
                  head_bits: int | None = None) -> list[str]:
-        """Hold every product weight (the layers' and the LM head) in `bits` bits (GGUF blocks
-        where the native kernel builds, backends/lean/blocks.py; else ATen's layouts,
-        backends/lean/quantized.py) and free the dense ones, as pack() does: the owning modules keep one-element placeholders, and a
-        forward or state_dict of the model unpacks first (to the dequantized values: the model
-        is the quantized one from now on). A head tied to the embedding is quantized as a copy
-        (the lookup reads the dense table). Returns the weights the layout cannot hold (int4: a
-        shape off its tiles), which stay dense. `activations`: the dtype the rest of the model
-        (embedding, norms, biases, dense leftovers) is cast to afterwards, which every product
-        then reads and writes (bfloat16: ATen's fast weight-only paths). `given`: {(layer,
-        field): QuantizedWeight or BlockWeight} held as they are instead (a GGUF file's blocks:
+        """Hold every product weight (the layers' and the LM head) in `bits` bits (GGUF blocks where the
+        native kernel builds, backends/lean/blocks.py; else ATen's layouts,
+        backends/lean/quantized.py) and free the dense ones, as pack() does: the owning modules
+        keep one-element placeholders, and a forward or state_dict of the model unpacks first
+        (to the dequantized values: the model is the quantized one from now on). A head tied to
+        the embedding is quantized as a copy (the lookup reads the dense table). Returns the
+        weights the layout cannot hold (int4: a shape off its tiles), which stay dense.
+        `activations`: the dtype the rest of the model (embedding, norms, biases, dense
+        leftovers) is cast to afterwards, which every product then reads and writes (bfloat16:
+        ATen's fast weight-only paths). `given`: {(layer, field): QuantizedWeight or
+        BlockWeight} held as they are instead (a GGUF file's blocks:
         backends/lean/gguf_blocks.py; field (HEAD, 0): the LM head); `head_bits`: the LM head's
         bits where they differ. CPU only; before any pack()."""
         from specflow.backends.lean.quantized import quantize_weight

@@ -26,8 +26,9 @@
    zero. The same scales, minimums and quantized weights as the file's blocks, moved.
 
    Every row of Y is computed by the same operations whatever M and the thread count are (its
-   lane's sums in block order), so a row's result does not depend on the rows beside it. The
-   int sums are exact on every path; the float sums are in the same order on the portable path
+   lane's sums in block order; a Q4_1 row's scaled sums and its minimums' term apart, added
+   last), so a row's result does not depend on the rows beside it. The int sums are exact on
+   every path (their order is free); the float sums are in the same order on the portable path
    and on VNNI's, up to the fusing of multiply-adds. */
 
 #define QK 32
@@ -86,9 +87,9 @@ static inline __m512i bcast4(const int8_t *p) { int32_t v; memcpy(&v, p, 4); ret
 __attribute__((noinline)) static void q4_tile_##MR(const uint8_t *tile, const int8_t *xq,         \
         const float *sx, const float *xs, float *y, int64_t N, int64_t K, int64_t G,              \
         uint16_t valid) {                                                                       \
-    __m512 acc[MR];                                                                              \
+    __m512 acc[MR], accm[MR];        /* the scaled sums, the minimums' term */                 \
     const __m512i low = _mm512_set1_epi8(0x0F);                                                  \
-    for (int j = 0; j < MR; j++) acc[j] = _mm512_setzero_ps();                                   \
+    for (int j = 0; j < MR; j++) acc[j] = accm[j] = _mm512_setzero_ps();                         \
     for (int64_t b = 0; b < G; b++) {                                                            \
         const uint8_t *blk = tile + b * Q4_TILE;                                                 \
         __m512i w[8];                                                                            \
@@ -101,14 +102,19 @@ __attribute__((noinline)) static void q4_tile_##MR(const uint8_t *tile, const in
         __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 288)));           \
         for (int j = 0; j < MR; j++) {                                                           \
             const int8_t *x = xq + j * K + b * QK;                                               \
-            __m512i s = _mm512_setzero_si512();                                                  \
-            for (int k = 0; k < 8; k++) s = _mm512_dpbusd_epi32(s, w[k], bcast4(x + 4 * k));     \
-            __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(sx[j * G + b]));       \
+            __m512i s[4];                  /* four chains of two: a quarter of the latency */  \
+            for (int k = 0; k < 4; k++)                                                          \
+                s[k] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w[k],      \
+                                           bcast4(x + 4 * k)), w[k + 4], bcast4(x + 16 + 4 * k)); \
+            __m512i sum = _mm512_add_epi32(_mm512_add_epi32(s[0], s[1]),                         \
+                                           _mm512_add_epi32(s[2], s[3]));   /* exact */          \
+            __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(sx[j * G + b]));     \
             acc[j] = _mm512_fmadd_ps(dv, t, acc[j]);                                             \
-            acc[j] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[j * G + b]), acc[j]);                  \
+            accm[j] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[j * G + b]), accm[j]);                \
         }                                                                                        \
     }                                                                                            \
-    for (int j = 0; j < MR; j++) _mm512_mask_storeu_ps(y + j * N, valid, acc[j]);                \
+    for (int j = 0; j < MR; j++)                                                                 \
+        _mm512_mask_storeu_ps(y + j * N, valid, _mm512_add_ps(acc[j], accm[j]));                 \
 }
 
 #define Q8_GROUP(MR)                                                                             \
@@ -124,8 +130,12 @@ __attribute__((noinline)) static void q8_tile_##MR(const uint8_t *tile, const ui
         __m512i start = _mm512_loadu_si512(blk + 544);                                          \
         for (int j = 0; j < MR; j++) {                                                           \
             const int8_t *x = (const int8_t *)xu + j * K + b * QK;                               \
-            __m512i s = start;                                                                   \
-            for (int k = 0; k < 8; k++) s = _mm512_dpbusd_epi32(s, bcast4(x + 4 * k), w[k]);     \
+            __m512i s0 = start, s1 = _mm512_setzero_si512();                                     \
+            for (int k = 0; k < 4; k++) {                                                        \
+                s0 = _mm512_dpbusd_epi32(s0, bcast4(x + 4 * k), w[k]);                           \
+                s1 = _mm512_dpbusd_epi32(s1, bcast4(x + 16 + 4 * k), w[k + 4]);                  \
+            }                                                                                    \
+            __m512i s = _mm512_add_epi32(s0, s1);                                                \
             __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(sx[j * G + b]));       \
             acc[j] = _mm512_fmadd_ps(dv, t, acc[j]);                                             \
         }                                                                                        \
@@ -141,7 +151,7 @@ static void q4_tile_##MR(const uint8_t *tile, const int8_t *xq, const float *sx,
     for (int j = 0; j < MR; j++)                                                                 \
         for (int i = 0; i < TR; i++) {                                                           \
             if (!(valid >> i & 1)) continue;                                                     \
-            float acc = 0.0f;                                                                    \
+            float acc = 0.0f, accm = 0.0f;                                                       \
             for (int64_t b = 0; b < G; b++) {                                                    \
                 const uint8_t *blk = tile + b * Q4_TILE;                                         \
                 const int8_t *x = xq + j * K + b * QK;                                           \
@@ -154,9 +164,9 @@ static void q4_tile_##MR(const uint8_t *tile, const int8_t *xq, const float *sx,
                 uint16_t d, m;                                                                   \
                 memcpy(&d, blk + 256 + 2 * i, 2); memcpy(&m, blk + 288 + 2 * i, 2);              \
                 acc = fmadd(acc, half_to_f32(d), (float)s * sx[j * G + b]);                     \
-                acc = fmadd(acc, half_to_f32(m), xs[j * G + b]);                                 \
+                accm = fmadd(accm, half_to_f32(m), xs[j * G + b]);                               \
             }                                                                                    \
-            y[j * N + i] = acc;                                                                  \
+            y[j * N + i] = acc + accm;                                                           \
         }                                                                                        \
 }
 #define Q8_GROUP(MR)                                                                             \

@@ -19,7 +19,7 @@ import torch
 from specflow.config import check_backend_settings
 from specflow.errors import ConfigError
 from specflow.backends.contract import Backend, DecoderShape, GrammarVocabulary, Tokenizer
-from specflow.backends.lean.quantized import activation_dtype
+from specflow.backends.lean.quantized import activation_dtype, bf16_weight_only
 from specflow.backends.plan import ForwardPlan, make_plan
 from specflow.backends.slot_cache import SlotKVCache
 from specflow.paths import DEMO_DIR  # noqa: F401 - where callers have always found it
@@ -44,9 +44,10 @@ class HFModelConfig:
     dtype: str = "float32"            # float32 | float16 | bfloat16 | int8 | int4 | auto (the
                                       # checkpoint's); int8/int4: weight-only, CPU
     group_size: int = 32              # int4: weights sharing one scale and zero
-    activations: str = "auto"         # int8/int4: what the products read and write: auto
-                                      # (float32 on specflow's native block product, bfloat16 on
-                                      # ATen's, 4-10x slower in float32), float32, bfloat16
+    activations: str = "auto"         # int8/int4/bfloat16: what the products read and write:
+                                      # auto (float32 on specflow's native kernel, bfloat16 on
+                                      # ATen's int8/int4, 4-10x slower in float32), float32,
+                                      # bfloat16 (with dtype=bfloat16: a whole bfloat16 model)
     device_map: str | None = None     # "auto": spread a large target over the GPUs (accelerate)
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False
@@ -77,7 +78,7 @@ class HFModelConfig:
                               f"(weights per int4 scale)")
         if self.activations not in ("auto", "bfloat16", "float32"):
             raise ConfigError(f"model.activations={self.activations!r}; use auto, bfloat16 or "
-                              f"float32 (with dtype=int8 or int4)")
+                              f"float32 (with dtype=int8, int4 or bfloat16)")
         check_backend_settings(threads=self.threads, pack=self.pack, native=self.native)
         if self.attn_implementation not in ("sdpa", "eager"):
             raise ConfigError(f"model.attn_implementation={self.attn_implementation!r}; use sdpa "
@@ -282,6 +283,7 @@ def load_model(cfg: HFModelConfig, device: torch.device, role: str = "model"):
                           f"tokenizer_config.json) as save_pretrained writes them") from exc
     refuse_recurrent(config, name)
     dtype = "auto" if cfg.dtype == "auto" else torch.float32 if cfg.dtype in WEIGHT_BITS \
+        or bf16_weight_only(cfg.dtype, cfg.activations, device, cfg.device_map) \
         else DTYPES[cfg.dtype]
     load = dict(kwargs, attn_implementation=cfg.attn_implementation, dtype=dtype)
     if cfg.device_map:
@@ -359,6 +361,8 @@ class HFBackend(Backend):
         # LeanLlama.quantize's arguments: (bits, group size, activations[, blocks, head bits])
         activations = activation_dtype(cfg.activations)
         quantize = None if bits is None else (bits, cfg.group_size, activations)
+        if bf16_weight_only(cfg.dtype, cfg.activations, self.device, cfg.device_map):
+            quantize = (16, cfg.group_size, torch.float32)     # bf16_weights.py
         blocks = self._file_blocks(cfg) if cfg.dtype == "auto" else None
         if blocks is not None:                # a GGUF file's Q4 blocks, as they are
             quantize = (4, 32, activations, *blocks)

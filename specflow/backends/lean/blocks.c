@@ -226,7 +226,9 @@ static int quantize_x(const float *X, int64_t M, int64_t K, int want_u8, quantiz
     return 0;
 }
 
-enum { BLOCK_Q4_1 = 3, BLOCK_Q8_0 = 4 };      /* the weight kinds after gemv.c's F32/BF16/F16 */
+/* the weight kinds after gemv.c's F32/BF16/F16; BF16_WEIGHTS: bfloat16 W read against float32 X
+   (gemv.c's product()) */
+enum { BLOCK_Q4_1 = 3, BLOCK_Q8_0 = 4, BF16_WEIGHTS = 5 };
 
 /* Tiles t0..t1 of a block weight W (N rows, tiled) against every row of x. */
 static void block_rows(const void *W, int kind, const quantized_x *x, float *Y, int64_t t0,
@@ -263,24 +265,6 @@ static void block_product(const void *W, int kind, const quantized_x *x, float *
         int64_t a = t * per, z = a + per < tiles ? a + per : tiles;
         if (a < tiles) block_rows(W, kind, x, Y, a, z, N);
     }
-}
-
-/* Y [M, N] float32 = X [M, K] float32 times W^T, W: N rows of K / 32 blocks of `kind` (3 Q4_1,
-   4 Q8_0), tiled; G [K] float32 or NULL: RMSNorm(X) x G first (eps). Returns 0, 1 out of memory, 2 a
-   K that is not a multiple of 32. */
-int specflow_blocks(const void *W, int kind, const float *X, float *Y, int64_t N, int64_t K,
-                    int64_t M, int threads, const float *G, float eps) {
-    if (K % QK) return 2;
-    float *owned;
-    const float *x = prepare_x(X, G, eps, F32, M, K, &owned);
-    if (!x) return 1;
-    quantized_x q;
-    int failed = quantize_x(x, M, K, kind == BLOCK_Q8_0, &q);
-    free(owned);
-    if (failed) return 1;
-    block_product(W, kind, &q, Y, N, threads);
-    free_quantized(&q);
-    return 0;
 }
 
 int specflow_blocks_vnni(void) { return BLOCKS_VNNI; }

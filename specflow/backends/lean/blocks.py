@@ -117,19 +117,7 @@ class BlockWeight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] (x's dtype)."""
-        N, K = self.shape
-        flat = x.reshape(-1, K)                                                          # [M, K]
-        if flat.dtype != torch.float32 or not flat.is_contiguous():
-            flat = flat.float().contiguous()
-        out = torch.empty(flat.shape[0], N, dtype=torch.float32)                         # [M, N]
-        if flat.shape[0]:
-            failed = native._library().specflow_blocks(
-                self.data.data_ptr(), self.kind_code, flat.data_ptr(), out.data_ptr(), N, K,
-                flat.shape[0], torch.get_num_threads(), None, 0.0)
-            if failed:
-                raise MemoryError(f"specflow's block product could not allocate its buffers for "
-                                  f"{flat.shape[0]} rows of {K}")
-        return out.to(x.dtype).reshape(*x.shape[:-1], N)
+        return native.held(self, x)
 
     def dequantize(self) -> torch.Tensor:
         """W [N, K] float32: each block's values as the kernel reads them."""

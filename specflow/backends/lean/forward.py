@@ -456,7 +456,7 @@ class LeanLlama:
         if self._native_pass is None or self._native_pass.stale(self):
             self._native_pass = NativePass(self)
         whole = self._native_pass
-        if not whole.runs or (self.native_layers is None and not whole.blocks
+        if not whole.runs or (self.native_layers is None and not whole.held
                               and self.kernels.form(min(rows, 2)) != "native"):
             return None
         return whole

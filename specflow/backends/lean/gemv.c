@@ -248,6 +248,7 @@ static void NAME(const WT *W, const float *X, void *Y, int64_t n0, int64_t n1, i
 #define STORE_BF16(Y, i, r) (((uint16_t *)(Y))[i] = f32_to_bf16(r))
 ROWS_OF_W(rows_f32, float, load_f32, AS_F32, STORE_F32)
 ROWS_OF_W(rows_bf16, uint16_t, load_bf16, bf16_to_f32, STORE_BF16)
+ROWS_OF_W(rows_bf16w, uint16_t, load_bf16, bf16_to_f32, STORE_F32)    /* bf16 W, float32 X and Y */
 
 #ifdef __FLT16_MAX__
 typedef _Float16 h8 __attribute__((vector_size(16)));
@@ -407,12 +408,17 @@ static inline void dot4(const float *a, const float *b, int64_t D, float s[4]) {
 
 #include "blocks.c"      /* GGUF blocks: their product (after dot(), which it uses) */
 
-/* Y [M, N] = X [M, K] W^T for a layer weight of `kind` (F32, or BLOCK_Q4_1 / BLOCK_Q8_0 blocks:
-   X quantized per block first). 0, or 1 out of memory. */
+/* Y [M, N] = X [M, K] W^T for a layer weight of `kind`: F32, BF16_WEIGHTS (bfloat16 W widened
+   as it is read, X and Y float32), or BLOCK_Q4_1 / BLOCK_Q8_0 blocks (X quantized per block
+   first). 0, or 1 out of memory. */
 static int product(const void *W, int kind, const float *X, float *Y, int64_t N, int64_t K,
                    int64_t M, int threads) {
     if (kind == F32) {
         product_f32((const float *)W, X, Y, N, K, M, threads);
+        return 0;
+    }
+    if (kind == BF16_WEIGHTS) {
+        SPLIT(rows_bf16w((const uint16_t *)W, X, Y, n0, n1, N, K, M))
         return 0;
     }
     quantized_x q;
@@ -420,6 +426,20 @@ static int product(const void *W, int kind, const float *X, float *Y, int64_t N,
     block_product(W, kind, &q, Y, N, threads);
     free_quantized(&q);
     return 0;
+}
+
+/* Y [M, N] float32 = X [M, K] float32 times a held weight W^T of `kind` (BF16_WEIGHTS,
+   BLOCK_Q4_1, BLOCK_Q8_0: product()); G [K] float32 or NULL: RMSNorm(X) x G first (eps).
+   Returns 0, 1 out of memory, 2 a block weight whose K is not a multiple of 32. */
+int specflow_held(const void *W, int kind, const float *X, float *Y, int64_t N, int64_t K,
+                  int64_t M, int threads, const float *G, float eps) {
+    if (kind != BF16_WEIGHTS && K % QK) return 2;
+    float *owned;
+    const float *x = prepare_x(X, G, eps, F32, M, K, &owned);
+    if (!x) return 1;
+    int failed = product(W, kind, x, Y, N, K, M, threads);
+    free(owned);
+    return failed;
 }
 
 /* out[D] = softmax(q . K[j] * scale) V[j] over the keys j < n that are visible: j < below, or
@@ -601,8 +621,8 @@ static void silu_up(const float *gu, float *act, int64_t R, int64_t I, int threa
 
 /* x [R, E] (in/out): the residual stream entering layer 0, left as it leaves layer L-1.
    W: 4 weights per layer (q/k/v stacked [(H+2Hkv)D, E], o [E, HD], gate/up stacked [2I, E],
-   down [E, I]), each of kinds[i]: F32, or GGUF blocks (BLOCK_Q4_1, BLOCK_Q8_0: blocks.c, the
-   input quantized per block); G: 2 norm weights per layer [E]; keys/values: each layer's cache [S, Hkv, C, D];
+   down [E, I]), each of kinds[i]: F32, BF16_WEIGHTS, or GGUF blocks (BLOCK_Q4_1, BLOCK_Q8_0:
+   blocks.c, the input quantized per block); G: 2 norm weights per layer [E]; keys/values: each layer's cache [S, Hkv, C, D];
    slot, col, below [R]; see [R, S] or NULL; cos, sin [R, D] (each query's rotary rows, at its
    position);
    capture [L]: -1, or j to copy the input of that layer into caps[j] [R, E]. Returns 0, 1 out of

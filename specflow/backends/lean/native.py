@@ -96,9 +96,9 @@ def _library() -> ctypes.CDLL | None:
     lib.specflow_layers.argtypes = [P] + [I64] * 7 + [P, P, P, ctypes.c_float, P, P, I64, P, P,
                                                       P, P, I64, P, P, P, P, ctypes.c_int]
     lib.specflow_layers.restype = ctypes.c_int
-    lib.specflow_blocks.argtypes = [P, ctypes.c_int, P, P, I64, I64, I64, ctypes.c_int, P,
-                                    ctypes.c_float]
-    lib.specflow_blocks.restype = ctypes.c_int
+    lib.specflow_held.argtypes = [P, ctypes.c_int, P, P, I64, I64, I64, ctypes.c_int, P,
+                                  ctypes.c_float]
+    lib.specflow_held.restype = ctypes.c_int
     lib.has_f16 = bool(lib.specflow_has_f16())
     lib.vnni = bool(lib.specflow_blocks_vnni())
     return lib
@@ -150,6 +150,25 @@ def gemv(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = None,
         raise RuntimeError(f"specflow's native product was built without {w.dtype}: rebuild it "
                            f"with a compiler that has it, or set {ENV}=0")
     return out
+
+
+def held(w, x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] times a held weight W [N, K]^T (`w`: GGUF blocks, backends/lean/blocks.py, or
+    bfloat16 weights read against float32 inputs, bf16_weights.py: its `kind_code`, `shape`,
+    `data_ptr()`) -> [..., N] in x's dtype, computed in float32."""
+    N, K = w.shape
+    flat = x.reshape(-1, K)                                                              # [M, K]
+    if flat.dtype != torch.float32 or not flat.is_contiguous():
+        flat = flat.float().contiguous()
+    out = torch.empty(flat.shape[0], N, dtype=torch.float32)                             # [M, N]
+    if flat.shape[0]:
+        failed = _library().specflow_held(w.data_ptr(), w.kind_code, flat.data_ptr(),
+                                          out.data_ptr(), N, K, flat.shape[0],
+                                          torch.get_num_threads(), None, 0.0)
+        if failed:
+            raise MemoryError(f"specflow's native product could not allocate its buffers for "
+                              f"{flat.shape[0]} rows of {K}")
+    return out.to(x.dtype).reshape(*x.shape[:-1], N)
 
 
 def _register_operator():

@@ -50,7 +50,7 @@ def plan(backend, setting, positions: int, rows: int = 1) -> Choice | Decided:
         return Decided(setting)
     lean.native_layers = None
     if (lean.kernels.one_row == "native" and lean.kernels.few_rows == "native") \
-            or NativePass.holds_blocks(lean):
+            or NativePass.all_held(lean):
         return Decided(None)
 
     def measure(on: bool, clock) -> list[float]:

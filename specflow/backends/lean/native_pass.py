@@ -30,7 +30,10 @@ import ctypes
 import torch
 
 from specflow.backends.lean import native
+from specflow.backends.lean.bf16_weights import Bf16Weight
 from specflow.backends.lean.blocks import BlockWeight
+
+HELD = (BlockWeight, Bf16Weight)       # weights only the native kernel multiplies
 
 
 def _pointers(tensors: list[torch.Tensor]) -> ctypes.Array:
@@ -45,7 +48,7 @@ class NativePass:
         self.lean = lean
         self.layers = list(lean.layers)               # the tuples the tables were built from
         self.runs = self.supported(lean)
-        self.blocks = self.runs and self.holds_blocks(lean)     # every product in GGUF blocks
+        self.held = self.runs and self.all_held(lean)   # every product held for the native kernel
         self._at: dict[tuple[int, ...], torch.Tensor] = {}   # capture set -> _capture_slots
         if self.runs:
             products = [layer[f] for layer in lean.layers for f in (1, 3, 6, 7)]
@@ -67,7 +70,7 @@ class NativePass:
             if bqkv is not None or bo is not None:
                 return False
             for w in (ln1, wqkv, wo, ln2, wgu, wdown):
-                if isinstance(w, BlockWeight):
+                if isinstance(w, HELD):
                     continue
                 if not isinstance(w, torch.Tensor) or w.is_mkldnn or w.dtype != torch.float32 \
                         or w.device.type != "cpu" or not w.is_contiguous():
@@ -75,11 +78,11 @@ class NativePass:
         return True
 
     @staticmethod
-    def holds_blocks(lean) -> bool:
-        """Every product weight of the layers is GGUF blocks: the eager layers multiply by the
-        same block product, so the one call computes what they do for less."""
-        return all(isinstance(layer[f], BlockWeight) for layer in lean.layers
-                   for f in (1, 3, 6, 7))
+    def all_held(lean) -> bool:
+        """Every product weight of the layers is held for the native kernel (GGUF blocks,
+        bfloat16 weights): the eager layers multiply by the same native products, so the one
+        call computes what they do for less."""
+        return all(isinstance(layer[f], HELD) for layer in lean.layers for f in (1, 3, 6, 7))
 
     def stale(self, lean) -> bool:
         """The lean forward's weights moved since the tables were built (pack(), unpack()

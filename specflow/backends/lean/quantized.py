@@ -91,6 +91,16 @@ class QuantizedWeight:
             f"int4 weights (a scale and zero per {group_size})"
 
 
+def bf16_weight_only(dtype: str, activations: str, device: torch.device, device_map) -> bool:
+    """`dtype=bfloat16` as bfloat16 weights read against float32 activations
+    (backends/lean/bf16_weights.py): on a CPU where the native kernel builds, with
+    `activations=auto` or `float32`; `activations=bfloat16` (or a GPU) keeps a bfloat16 model."""
+    from specflow.backends.lean import blocks
+
+    return dtype == "bfloat16" and device.type == "cpu" and not device_map \
+        and activations != "bfloat16" and blocks.available()
+
+
 def quantize_int8(w: torch.Tensor) -> QuantizedWeight:
     """Symmetric per-row int8: scale = max |w| / 127 over the row."""
     w32 = w.detach().float()
@@ -128,9 +138,14 @@ def from_int4_blocks(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
 def quantize_weight(w: torch.Tensor, bits: int, group_size: int):
     """W in `bits` bits, or None where no layout can hold its shape: GGUF blocks multiplied by
     specflow's native kernel where it builds (backends/lean/blocks.py: Q8_0 for int8, Q4_1 for
-    int4; a width that is a multiple of 32), else ATen's layouts."""
+    int4; a width that is a multiple of 32), else ATen's layouts; 16: bfloat16 weights for the
+    native kernel (bf16_weights.py), None without it."""
     from specflow.backends.lean import blocks
 
+    if bits == 16:                    # bfloat16 weights, float32 activations (native only)
+        from specflow.backends.lean.bf16_weights import Bf16Weight
+
+        return Bf16Weight(w) if blocks.available() else None
     if blocks.available() and blocks.fits(w.shape) and group_size % blocks.QK == 0:
         return blocks.quantize_q8(w) if bits == 8 else blocks.quantize_q4(w, group_size)
     if bits == 8:

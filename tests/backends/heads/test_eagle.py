@@ -186,9 +186,10 @@ def test_a_head_drafts_in_the_dtype_it_was_saved_in_unless_told(hf_models, tiny_
         assert pipe.backends["proposer"]["dtype"] == str(dtype).removeprefix("torch.")
         assert [r.token_ids for r in pipe.generate(PROMPTS[:4], max_new_tokens=24)] == expected
         assert pipe.last_stats["num_accepted_tokens"] > 0
-    # beside a 16-bit target, auto follows the target (no float16 head on a bfloat16 stream)
+    # beside a 16-bit target, auto follows the target (no float16 head on a bfloat16 stream;
+    # activations=bfloat16: a bfloat16 model, not bfloat16 weights with float32 activations)
     pipe = pipeline(hf_models, "proposer=eagle", f"proposer.path={tiny_head[0]}",
-                    "dtype=bfloat16")
+                    "dtype=bfloat16", "model.activations=bfloat16")
     assert pipe.pm.get_plugin("proposer.eagle").head.fc.weight.dtype == torch.bfloat16
     assert pipe.generate(PROMPTS[:1], max_new_tokens=8)[0].token_ids
     assert saved_dtype({"fc.weight": torch.zeros(2, dtype=torch.float64)}) == torch.float32

@@ -157,11 +157,11 @@ def test_the_portable_path_computes_what_the_vnni_path_does(tmp_path):
                    capture_output=True, timeout=120)
     lib = ctypes.CDLL(str(built))
     assert lib.specflow_blocks_vnni() == 0
-    lib.specflow_blocks.argtypes = native._library().specflow_blocks.argtypes
+    lib.specflow_held.argtypes = native._library().specflow_held.argtypes
     torch.manual_seed(3)
     w, x = torch.randn(40, 96), torch.randn(5, 96)
     for held in (blocks.quantize_q4(w), blocks.quantize_q8(w)):
         out = torch.empty(5, 40)
-        assert lib.specflow_blocks(held.data_ptr(), held.kind_code, x.data_ptr(), out.data_ptr(),
+        assert lib.specflow_held(held.data_ptr(), held.kind_code, x.data_ptr(), out.data_ptr(),
                                    40, 96, 5, 1, None, 0.0) == 0
         torch.testing.assert_close(out, held.matmul(x), rtol=1e-5, atol=1e-5)

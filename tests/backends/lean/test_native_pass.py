@@ -239,9 +239,11 @@ def test_passes_whose_mask_is_not_the_plans_run_the_eager_layers(tmp_path, monke
 
 
 def test_a_16_bit_model_runs_the_eager_layers(monkeypatch):
+    """A bfloat16 model (activations too); dtype=bfloat16 alone holds bfloat16 weights against
+    float32 activations, which the native pass runs (tests/backends/lean/test_bf16_weights.py)."""
     spy = Spy(monkeypatch)
-    backend = HFBackend(HFModelConfig(path=str(DEMO_DIR / "target"), dtype="bfloat16"),
-                        torch.device("cpu"), slots=1)
+    backend = HFBackend(HFModelConfig(path=str(DEMO_DIR / "target"), dtype="bfloat16",
+                                      activations="bfloat16"), torch.device("cpu"), slots=1)
     assert not NativePass.supported(backend.lean)
     prefill(backend, [8])
     backend.forward(torch.tensor([0]), torch.tensor([[5]]), torch.tensor([1]))

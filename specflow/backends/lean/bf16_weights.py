@@ -1,0 +1,54 @@
+"""bfloat16 weights read against float32 activations (`dtype=bfloat16` on a CPU, where specflow's
+native kernel builds): half the bytes a decoding pass reads, the arithmetic float32's.
+
+A decoding pass streams its weights, so holding them in 16 bits halves its time where the
+products read 16-bit weights at the memory's speed. torch's CPU products of bfloat16 inputs do
+not (oneDNN's one-row bfloat16 product of SmolLM2's weights ran at 0.98x float32's). Here the
+native product widens each bfloat16 weight to float32 as it reads it (exact: bfloat16 is
+float32's upper half) and multiplies float32 inputs in float32, so the embedding, norms,
+attention and KV cache stay float32 and the pass runs as the one native call. The weights are
+rounded to bfloat16 once, at load; nothing else is.
+"""
+from __future__ import annotations
+
+import torch
+
+from specflow.backends.lean import native
+
+BF16_WEIGHTS = 5                       # gemv.c's kind
+
+
+class Bf16Weight:
+    """W [N, K] held in bfloat16; `matmul(x)` is x [..., K] @ W^T -> [..., N] in x's dtype."""
+
+    is_mkldnn = False
+    kind_code = BF16_WEIGHTS
+    bits = 16
+    group_size = None
+
+    def __init__(self, w: torch.Tensor):
+        self.data = w.detach().to(torch.bfloat16).contiguous()                         # [N, K]
+        self.shape = self.data.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.bfloat16
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def data_ptr(self) -> int:
+        return self.data.data_ptr()
+
+    def nbytes(self) -> int:
+        return self.data.numel() * 2
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return native.held(self, x)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.data.float()
+
+    def describe(self) -> str:
+        return "bfloat16 weights"

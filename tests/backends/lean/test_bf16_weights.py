@@ -1,0 +1,52 @@
+"""`dtype=bfloat16` on a CPU where specflow's native kernel builds: bfloat16 weights read
+against float32 activations (backends/lean/bf16_weights.py). The product is the bfloat16
+weights' values times the float32 input (float32 sums), a row's bits do not depend on the rows
+beside it, the whole pass runs as the native call, and speculation over it is exact: greedy
+speculative output equals greedy plain output (the arithmetic is float32's)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specflow import Pipeline
+from specflow.backends.hf.backend import DEMO_DIR, HFBackend, HFModelConfig
+from specflow.backends.lean import blocks
+from specflow.backends.lean.bf16_weights import Bf16Weight
+
+pytestmark = pytest.mark.skipif(not blocks.available(),
+                                reason="no C compiler: specflow's native kernel is not built")
+
+
+def test_the_product_reads_bfloat16_weights_against_float32_inputs():
+    torch.manual_seed(0)
+    w, x = torch.randn(50, 72), torch.randn(7, 72)
+    held = Bf16Weight(w)
+    assert held.nbytes() == 50 * 72 * 2 and held.dequantize().dtype == torch.float32
+    want = x.double() @ w.bfloat16().double().T
+    got = held.matmul(x)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    for rows in (1, 3, 6):
+        assert torch.equal(held.matmul(x[:rows]), got[:rows])
+
+
+def test_bfloat16_on_a_cpu_is_weight_only_and_runs_the_native_pass():
+    backend = HFBackend(HFModelConfig(path=str(DEMO_DIR / "target"), dtype="bfloat16"),
+                        torch.device("cpu"), 1)
+    assert backend.dtype == torch.float32 and isinstance(backend.lean.layers[0][1], Bf16Weight)
+    assert backend.describe()["weights"] == "bfloat16 weights, float32 activations"
+    assert backend.lean.native_pass_rows() == "1-128 queries"
+    whole = HFBackend(HFModelConfig(path=str(DEMO_DIR / "target"), dtype="bfloat16",
+                                    activations="bfloat16"), torch.device("cpu"), 1)
+    assert whole.dtype == torch.bfloat16 and whole.lean.quantized is None   # a bfloat16 model
+
+
+def test_greedy_speculation_over_bfloat16_weights_equals_plain_decoding():
+    base = ["model=demo", "dtype=bfloat16", "max_new_tokens=24", "max_batch_size=2",
+            "show_progress=false", "threads=1"]
+    prompts = ["def parse(text):\n", "import os\n\n"]
+    plain = Pipeline.from_config([*base, "proposer=none", "draft=none"]).generate(prompts)
+    spec = Pipeline.from_config([*base, "proposer=ngram", "draft=none"]).generate(prompts)
+    drafted = Pipeline.from_config([*base, "proposer=draft"]).generate(prompts)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    assert [r.token_ids for r in drafted] == [r.token_ids for r in plain]

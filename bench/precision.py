@@ -142,7 +142,9 @@ def main() -> None:
     args = ap.parse_args()
     N, T = args.new_tokens, args.threads
     # first, while this process is small: a child's peak memory starts at its parent's (Linux
-    # keeps ru_maxrss across fork and exec)
+    # keeps ru_maxrss across fork and exec). One run off the record first: a child that builds
+    # the native kernel counts the compiler's memory as its own (wait4 reports its descendants)
+    peak_memory(["model=smollm2", "dtype=auto", f"threads={T}"])
     memory = {name: peak_memory(["model=smollm2", *over, f"threads={T}"])
               for name, over in (("float32", ["dtype=float32"]), ("bfloat16", ["dtype=bfloat16"]),
                                  ("int4", ["dtype=int4"]), ("Q4_1 blocks", ["dtype=auto"]))}

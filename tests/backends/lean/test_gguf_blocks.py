@@ -28,6 +28,23 @@ def test_blocks_read_back_as_the_gguf_package_dequantizes_them(kind):
     torch.testing.assert_close(got, want, rtol=0, atol=0 if kind == "Q4_0" else 1e-6)
 
 
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_native_blocks_are_exactly_what_the_gguf_package_dequantizes(kind):
+    """Where specflow's kernel builds, the file's blocks are held as they are (tiled): their
+    values equal the `gguf` package's dequantization bit for bit, Q4_0 included (m = -8d)."""
+    from specflow.backends.lean import blocks
+
+    if not blocks.available():
+        pytest.skip("no C compiler: specflow's native kernel is not built")
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((40, 96)).astype(np.float32)
+    qtype = getattr(gguf.GGMLQuantizationType, kind)
+    data = gguf.quants.quantize(x, qtype)
+    want = torch.from_numpy(gguf.quants.dequantize(data, qtype)).float()
+    got = blocks.from_file_blocks(data, kind).dequantize()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_q_and_k_rows_come_in_transformers_order_for_llama():
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 

@@ -132,6 +132,22 @@ def best_of_threads(rows: dict, prefix: str) -> tuple[str | None, dict | None]:
     return name, found[name]
 
 
+def memory_table(T: int) -> dict:
+    """Peak memory (MB) of a one-token run per precision, and its ratio to float32's."""
+    # while this process is small: a child's peak memory starts at its parent's (Linux keeps
+    # ru_maxrss across fork and exec). Each setting once off the record first: a first run
+    # builds the native kernel (wait4 counts the compiler's memory as the child's) and times its
+    # choices (pack=auto holds a packed copy of the weights while it is timed)
+    settings = (("float32", ["dtype=float32"]), ("bfloat16", ["dtype=bfloat16"]),
+                ("int4", ["dtype=int4"]), ("Q4_1 blocks", ["dtype=auto"]))
+    for _, over in settings:
+        peak_memory(["model=smollm2", *over, f"threads={T}"])
+    memory = {name: peak_memory(["model=smollm2", *over, f"threads={T}"])
+              for name, over in settings}
+    return {name: {"peak_mb": mb, "vs_float32": mb / memory["float32"]}
+            for name, mb in memory.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=12)
@@ -141,15 +157,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
     N, T = args.new_tokens, args.threads
-    # first, while this process is small: a child's peak memory starts at its parent's (Linux
-    # keeps ru_maxrss across fork and exec). One run off the record first: a child that builds
-    # the native kernel counts the compiler's memory as its own (wait4 reports its descendants)
-    peak_memory(["model=smollm2", "dtype=auto", f"threads={T}"])
-    memory = {name: peak_memory(["model=smollm2", *over, f"threads={T}"])
-              for name, over in (("float32", ["dtype=float32"]), ("bfloat16", ["dtype=bfloat16"]),
-                                 ("int4", ["dtype=int4"]), ("Q4_1 blocks", ["dtype=auto"]))}
-    memory = {name: {"peak_mb": mb, "vs_float32": mb / memory["float32"]}
-              for name, mb in memory.items()}
+    memory = memory_table(T)
     base = ["model=smollm2", "show_progress=false", f"threads={T}", "max_batch_size=1"]
     pipes = {name: Pipeline.from_config([*base, *over]) for name, over in SMOLLM2_ARMS.items()}
     plain = pipes["none float32"]

@@ -18,10 +18,9 @@ from specflow.backends.lean import native
 BF16_WEIGHTS = 5                       # gemv.c's kind
 
 
-class Bf16Weight:
+class Bf16Weight(native.HeldWeight):
     """W [N, K] held in bfloat16; `matmul(x)` is x [..., K] @ W^T -> [..., N] in x's dtype."""
 
-    is_mkldnn = False
     kind_code = BF16_WEIGHTS
     bits = 16
     group_size = None
@@ -29,23 +28,6 @@ class Bf16Weight:
     def __init__(self, w: torch.Tensor):
         self.data = w.detach().to(torch.bfloat16).contiguous()                         # [N, K]
         self.shape = self.data.shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch.bfloat16
-
-    @property
-    def device(self) -> torch.device:
-        return self.data.device
-
-    def data_ptr(self) -> int:
-        return self.data.data_ptr()
-
-    def nbytes(self) -> int:
-        return self.data.numel() * 2
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return native.held(self, x)
 
     def dequantize(self) -> torch.Tensor:
         return self.data.float()

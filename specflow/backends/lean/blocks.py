@@ -80,12 +80,10 @@ def _untile(kind: int, data: np.ndarray, N: int, G: int):
     return d[:N], None, q.reshape(T * TR, G, QK)[:N]
 
 
-class BlockWeight:
+class BlockWeight(native.HeldWeight):
     """W [N, K] as blocks of 32 weights, tiled for blocks.c (`data` uint8 [N / 16 tiles x
     K / 32 x TILE_BYTES]); `matmul(x)` is x [..., K] @ W^T -> [..., N] in x's dtype (computed
     in float32)."""
-
-    is_mkldnn = False
 
     def __init__(self, kind: int, d: np.ndarray, m: np.ndarray | None, q: np.ndarray,
                  group_size: int = QK):
@@ -100,24 +98,6 @@ class BlockWeight:
     def parts(self):
         """(d, m or None, q): the blocks' scales, minimums and quantized weights by row."""
         return _untile(self.kind_code, self.data.numpy(), self.shape[0], self.shape[1] // QK)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch.uint8
-
-    @property
-    def device(self) -> torch.device:
-        return self.data.device
-
-    def data_ptr(self) -> int:
-        return self.data.data_ptr()
-
-    def nbytes(self) -> int:
-        return self.data.numel()
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] -> [..., N] (x's dtype)."""
-        return native.held(self, x)
 
     def dequantize(self) -> torch.Tensor:
         """W [N, K] float32: each block's values as the kernel reads them."""

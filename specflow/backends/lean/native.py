@@ -152,6 +152,35 @@ def gemv(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = None,
     return out
 
 
+class HeldWeight:
+    """A weight only the native kernel multiplies (`data` as the kernel reads it; `kind_code`,
+    `shape`): GGUF blocks (blocks.py) or bfloat16 weights against float32 inputs
+    (bf16_weights.py). The lean forward treats it as its own layout (not a tensor)."""
+
+    is_mkldnn = False
+    data: torch.Tensor
+    kind_code: int
+    shape: torch.Size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def data_ptr(self) -> int:
+        return self.data.data_ptr()
+
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> [..., N] (x's dtype)."""
+        return held(self, x)
+
+
 def held(w, x: torch.Tensor) -> torch.Tensor:
     """x [..., K] times a held weight W [N, K]^T (`w`: GGUF blocks, backends/lean/blocks.py, or
     bfloat16 weights read against float32 inputs, bf16_weights.py: its `kind_code`, `shape`,

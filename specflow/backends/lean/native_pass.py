@@ -30,10 +30,6 @@ import ctypes
 import torch
 
 from specflow.backends.lean import native
-from specflow.backends.lean.bf16_weights import Bf16Weight
-from specflow.backends.lean.blocks import BlockWeight
-
-HELD = (BlockWeight, Bf16Weight)       # weights only the native kernel multiplies
 
 
 def _pointers(tensors: list[torch.Tensor]) -> ctypes.Array:
@@ -70,7 +66,7 @@ class NativePass:
             if bqkv is not None or bo is not None:
                 return False
             for w in (ln1, wqkv, wo, ln2, wgu, wdown):
-                if isinstance(w, HELD):
+                if isinstance(w, native.HeldWeight):
                     continue
                 if not isinstance(w, torch.Tensor) or w.is_mkldnn or w.dtype != torch.float32 \
                         or w.device.type != "cpu" or not w.is_contiguous():
@@ -82,7 +78,7 @@ class NativePass:
         """Every product weight of the layers is held for the native kernel (GGUF blocks,
         bfloat16 weights): the eager layers multiply by the same native products, so the one
         call computes what they do for less."""
-        return all(isinstance(layer[f], HELD) for layer in lean.layers for f in (1, 3, 6, 7))
+        return all(isinstance(layer[f], native.HeldWeight) for layer in lean.layers for f in (1, 3, 6, 7))
 
     def stale(self, lean) -> bool:
         """The lean forward's weights moved since the tables were built (pack(), unpack()

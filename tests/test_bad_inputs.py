@@ -267,6 +267,9 @@ ROWS = [
      "an earlier run on this machine) or true (time them again)", None),
     ("an int4 group size with no kernel", ["dtype=int4", "model.group_size=48", "proposer=none"],
      "compose", "model.group_size=48; use 32, 64, 128 or 256 (weights per int4 scale)", None),
+    ("an int4 group size that does not divide a width",
+     ["dtype=int4", "model.group_size=256", "proposer=none", "draft=none"], "build",
+     "model.group_size=256 does not divide the intermediate width 1408", None),
     ("proposer=self over a model it cannot copy", [*SYN, "proposer=self"], "build",
      "proposer=self drafts with the target's own weights in int4 or int8 and needs a "
      "transformers target (model=hf, model=demo or model=smollm2)", None),

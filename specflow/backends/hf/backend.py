@@ -252,6 +252,23 @@ def held_warnings():
                 lib.handle(record)
 
 
+def check_group_size(config, group: int, role: str, name: str) -> None:
+    """int4 scales whole groups of a row's inputs: the group size must divide the width each
+    product reads (the hidden size, the attention output, the intermediate size), or those
+    weights could not be held; refused before the weights load, naming a size that fits."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    widths = {"hidden": config.hidden_size, "attention output": heads * head_dim,
+              "intermediate": getattr(config, "intermediate_size", config.hidden_size)}
+    bad = next(((what, k) for what, k in widths.items() if k % group), None)
+    if bad is None:
+        return
+    fits = [g for g in (32, 64, 128, 256) if all(k % g == 0 for k in widths.values())]
+    fix = f"use {role}.group_size={fits[-1]}" if fits else f"use {role}.dtype=int8"
+    raise ConfigError(f"{role}.group_size={group} does not divide the {bad[0]} width {bad[1]} of "
+                      f"{name!r} (int4 scales whole groups of a row); {fix}")
+
+
 def load_model(cfg: HFModelConfig, device: torch.device, role: str = "model"):
     import pickle
 
@@ -282,6 +299,8 @@ def load_model(cfg: HFModelConfig, device: torch.device, role: str = "model"):
                           f"folder needs the model's tokenizer files (tokenizer.json, "
                           f"tokenizer_config.json) as save_pretrained writes them") from exc
     refuse_recurrent(config, name)
+    if cfg.dtype == "int4":
+        check_group_size(config, cfg.group_size, role, name)
     dtype = "auto" if cfg.dtype == "auto" else torch.float32 if cfg.dtype in WEIGHT_BITS \
         or bf16_weight_only(cfg.dtype, cfg.activations, device, cfg.device_map) \
         else DTYPES[cfg.dtype]
@@ -398,8 +417,9 @@ class HFBackend(Backend):
         checkpoint's own dtype, as for any folder)."""
         from specflow.backends.lean.forward import unsupported_reason
         from specflow.backends.lean.blocks import reorder_rows
-        from specflow.backends.lean.gguf_blocks import (file_types, head_blocks, layer_blocks,
-                                                         matches, other_layer_types)
+        from specflow.backends.lean.gguf_blocks import (file_types, head_blocks, held_types,
+                                                         layer_blocks, matches,
+                                                         other_layer_types)
 
         file = self.gguf_file()
         if self.device.type != "cpu" or cfg.forward == "hf" or cfg.device_map \
@@ -414,8 +434,9 @@ class HFBackend(Backend):
             # quantized blocks the layout cannot hold: say so (the user expects the file's
             # precision and gets float)
             self.weights = (f"{', '.join(held)} layers kept as {str(self.model.dtype)[6:]}: "
-                            f"the int4 layout holds Q4_0 and Q4_1 blocks as they are, not these; "
-                            f"dtype=int8 or dtype=int4 quantizes them from their values")
+                            f"dtype=auto holds {', '.join(held_types())} blocks as they are, "
+                            f"not these; dtype=int8 or dtype=int4 quantizes them from their "
+                            f"values")
             print(f"specflow: note: {pathlib.Path(file).name}: {self.weights}", file=sys.stderr,
                   flush=True)
             return None
@@ -466,7 +487,7 @@ class HFBackend(Backend):
             described += f"; dense (a shape int4 cannot tile): {', '.join(left)}"
         if from_file:
             head = self.lean.lm_head
-            described = f"the file's Q4 blocks as they are: {described}" + (
+            described = f"the file's blocks as they are: {described}" + (
                 ", the LM head in the file's own blocks" if head_from_file
                 else ", the LM head in int8 from its Q8_0 values" if head.bits == 8 else "")
         return described

@@ -71,26 +71,36 @@ def file_types(path: str) -> dict[str, str]:
     return {t.name: t.tensor_type.name for t in _reader(path).tensors}
 
 
-def other_layer_types(types: dict[str, str]) -> list[str]:
-    """The types of a file's layer products (`file_types`) other than Q4_0 / Q4_1: none, and
-    the layout holds every layer's blocks as they are."""
+def held_types() -> tuple[str, ...]:
+    """The block types dtype=auto holds as they are: Q4_0, Q4_1, and Q8_0 where specflow's
+    native kernel builds (ATen's layouts hold the Q4 types only)."""
+    return (*INT4_TYPES, "Q8_0") if native_blocks.available() else INT4_TYPES
+
+
+def other_layer_types(types: dict[str, str], held: tuple[str, ...] | None = None) -> list[str]:
+    """The types of a file's layer products (`file_types`) other than `held` (held_types()):
+    none, and every layer's blocks are held as they are."""
+    held = held_types() if held is None else held
     return sorted({kind for name, kind in types.items() if name.startswith("blk.")
-                   and name.split(".")[2] in PARTS and kind not in INT4_TYPES})
+                   and name.split(".")[2] in PARTS and kind not in held})
 
 
 def layer_blocks(path: str, layers: int, heads: int, kv_heads: int,
                  rotary_order: bool = True) -> dict | None:
-    """{(layer, field): QuantizedWeight or BlockWeight} for every product of every layer, from a file whose
-    layer products are all Q4_0 / Q4_1 (None otherwise): q/k/v and gate/up stacked as the lean
-    forward fuses them; `rotary_order`: q/k rows reordered as transformers does for Llama
-    (ggml's convert interleaves them; a Qwen2 file is stored in the model's own order)."""
+    """{(layer, field): BlockWeight, or QuantizedWeight on ATen's int4} for every product of
+    every layer, from a file whose layer products are all of held_types() (None otherwise, or
+    where the products the lean forward fuses, q/k/v and gate/up, are of different types):
+    q/k/v and gate/up stacked as the lean forward fuses them; `rotary_order`: q/k rows
+    reordered as transformers does for Llama (ggml's convert interleaves them; a Qwen2 file is
+    stored in the model's own order)."""
     found: dict[tuple[int, int], list] = {}
     as_blocks = native_blocks.available()        # else ATen's int4 layout (values as they are)
+    held_kinds = held_types()
     for t in _reader(path).tensors:
         parts = t.name.split(".")
         if len(parts) != 4 or parts[0] != "blk" or parts[2] not in PARTS:
             continue
-        if t.tensor_type.name not in INT4_TYPES:
+        if t.tensor_type.name not in held_kinds:
             return None
         i, (field, part) = int(parts[1]), PARTS[parts[2]]
         if as_blocks:
@@ -107,6 +117,8 @@ def layer_blocks(path: str, layers: int, heads: int, kv_heads: int,
     if len(found) != 4 * layers or any(p is None for parts in found.values() for p in parts):
         return None
     if as_blocks:
+        if any(len({p.kind_code for p in parts}) > 1 for parts in found.values()):
+            return None                        # fused products of two types: the float path
         return {key: native_blocks.stack(parts) for key, parts in found.items()}
     return {key: from_int4_blocks(torch.cat([p[0] for p in parts]),
                                   torch.cat([p[1] for p in parts]),

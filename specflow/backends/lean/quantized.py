@@ -146,7 +146,8 @@ def quantize_weight(w: torch.Tensor, bits: int, group_size: int):
         from specflow.backends.lean.bf16_weights import Bf16Weight
 
         return Bf16Weight(w) if blocks.available() else None
-    if blocks.available() and blocks.fits(w.shape) and group_size % blocks.QK == 0:
+    if blocks.available() and blocks.fits(w.shape) and group_size % blocks.QK == 0 \
+            and w.shape[1] % group_size == 0:
         return blocks.quantize_q8(w) if bits == 8 else blocks.quantize_q4(w, group_size)
     if bits == 8:
         return quantize_int8(w)

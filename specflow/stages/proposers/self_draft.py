@@ -44,11 +44,11 @@ def holds_q4(target) -> bool:
     """Whether the target was read from a GGUF file whose layers are all Q4_0 / Q4_1 blocks,
     which dtype=auto holds as they are (backends/lean/gguf_blocks.py); a file of other types
     would leave the draft in float, so auto takes int4 there."""
-    from specflow.backends.lean.gguf_blocks import file_types, other_layer_types
+    from specflow.backends.lean.gguf_blocks import INT4_TYPES, file_types, other_layer_types
 
     file = target.gguf_file()
     try:
-        return file is not None and not other_layer_types(file_types(file))
+        return file is not None and not other_layer_types(file_types(file), INT4_TYPES)
     except (OSError, ValueError):
         return False
 

@@ -70,7 +70,7 @@ def test_smollm2s_own_file_runs_on_its_blocks_and_speculates_exactly():
     common = ["model=smollm2", "dtype=auto", "model.activations=float32", "threads=2",
               "max_new_tokens=24", "show_progress=false", "draft=none"]
     plain = Pipeline.from_config([*common, "proposer=none"])
-    assert plain.target.describe()["weights"].startswith("the file's Q4 blocks as they are")
+    assert plain.target.describe()["weights"].startswith("the file's blocks as they are")
     reader = gguf.GGUFReader(path)
     tensor = next(t for t in reader.tensors if t.name == "blk.5.ffn_down.weight")
     want = torch.from_numpy(gguf.quants.dequantize(np.asarray(tensor.data),

@@ -248,63 +248,7 @@ static void NAME(const WT *W, const float *X, void *Y, int64_t n0, int64_t n1, i
 #define STORE_BF16(Y, i, r) (((uint16_t *)(Y))[i] = f32_to_bf16(r))
 ROWS_OF_W(rows_f32, float, load_f32, AS_F32, STORE_F32)
 ROWS_OF_W(rows_bf16, uint16_t, load_bf16, bf16_to_f32, STORE_BF16)
-
-/* bfloat16 W against float32 X and Y (dtype=bfloat16 on a CPU: bf16_weights.py) */
-#ifdef __AVX512F__
-/* bfloat16 W against float32 X with AVX-512: 32 weights widened per step (two shifts of 16
-   lanes), MCK rows of X against each, the 8-wide path's instruction count halved; a row's
-   sum is the same operations whatever M is. pf: prefetch the weight row ahead into L2 (a walk
-   from memory with more than one row of X, as GROUP does). */
-#define BF16W_GROUP(MCK)                                                                         \
-__attribute__((noinline)) static void bf16w_##MCK(const uint16_t *w, const float *x, float *Y,    \
-        int64_t n, int64_t m0, int64_t N, int64_t K, int64_t pf) {                               \
-    int64_t k32 = K - K % 32;                                                                    \
-    __m512 a[MCK][2];                                                                            \
-    for (int j = 0; j < MCK; j++) a[j][0] = a[j][1] = _mm512_setzero_ps();                       \
-    for (int64_t k = 0; k < k32; k += 32) {                                                      \
-        __m512i raw = _mm512_loadu_si512(w + k);                                                 \
-        if (pf) __builtin_prefetch(w + k + pf, 0, 2);                                            \
-        __m512 w0 = _mm512_castsi512_ps(_mm512_slli_epi32(                                       \
-            _mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));                            \
-        __m512 w1 = _mm512_castsi512_ps(_mm512_slli_epi32(                                       \
-            _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));                      \
-        for (int j = 0; j < MCK; j++) {                                                          \
-            a[j][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + j * K + k), a[j][0]);              \
-            a[j][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + j * K + k + 16), a[j][1]);         \
-        }                                                                                        \
-    }                                                                                            \
-    for (int j = 0; j < MCK; j++) {                                                              \
-        float r = _mm512_reduce_add_ps(_mm512_add_ps(a[j][0], a[j][1]));                         \
-        for (int64_t k = k32; k < K; k++) r = fmadd(r, bf16_to_f32(w[k]), x[j * K + k]);        \
-        Y[(m0 + j) * N + n] = r;                                                                 \
-    }                                                                                            \
-}
-BF16W_GROUP(1) BF16W_GROUP(2) BF16W_GROUP(3) BF16W_GROUP(4) BF16W_GROUP(5) BF16W_GROUP(6)
-
-static void rows_bf16w16(const uint16_t *W, const float *X, float *Y, int64_t n0, int64_t n1,
-                         int64_t N, int64_t K, int64_t M) {
-    int64_t groups = (M + MC - 1) / MC, size = M / groups, larger = M % groups;
-    for (int64_t n = n0; n < n1; n++)
-        for (int64_t g = 0, m0 = 0, mc; g < groups; g++, m0 += mc) {
-            mc = size + (g < larger);
-            const uint16_t *w = W + n * K;
-            const float *x = X + m0 * K;
-            int64_t pf = g == 0 && mc > 1 ? PF : 0;
-            switch (mc) {
-            case 1: bf16w_1(w, x, Y, n, m0, N, K, pf); break;
-            case 2: bf16w_2(w, x, Y, n, m0, N, K, pf); break;
-            case 3: bf16w_3(w, x, Y, n, m0, N, K, pf); break;
-            case 4: bf16w_4(w, x, Y, n, m0, N, K, pf); break;
-            case 5: bf16w_5(w, x, Y, n, m0, N, K, pf); break;
-            default: bf16w_6(w, x, Y, n, m0, N, K, pf); break;
-            }
-        }
-}
-#define ROWS_BF16W rows_bf16w16
-#else
-ROWS_OF_W(rows_bf16w, uint16_t, load_bf16, bf16_to_f32, STORE_F32)
-#define ROWS_BF16W rows_bf16w
-#endif
+ROWS_OF_W(rows_bf16w, uint16_t, load_bf16, bf16_to_f32, STORE_F32)    /* bf16 W, float32 X and Y */
 
 #ifdef __FLT16_MAX__
 typedef _Float16 h8 __attribute__((vector_size(16)));
@@ -474,7 +418,7 @@ static int product(const void *W, int kind, const float *X, float *Y, int64_t N,
         return 0;
     }
     if (kind == BF16_WEIGHTS) {
-        SPLIT(ROWS_BF16W((const uint16_t *)W, X, Y, n0, n1, N, K, M))
+        SPLIT(rows_bf16w((const uint16_t *)W, X, Y, n0, n1, N, K, M))
         return 0;
     }
     quantized_x q;

@@ -18,12 +18,12 @@ file matching neither keeps the float path.
 """
 from __future__ import annotations
 
-import functools
 
 import numpy as np
 import torch
 
 from specflow.backends.lean import blocks as native_blocks
+from specflow.backends.lean import gguf_index
 from specflow.backends.lean.quantized import from_int4_blocks
 
 INT4_TYPES = ("Q4_0", "Q4_1")
@@ -58,17 +58,9 @@ def _rotary_rows(n: int, heads: int) -> torch.Tensor:
     return torch.arange(n).reshape(heads, half, 2).transpose(1, 2).reshape(n)
 
 
-@functools.lru_cache(maxsize=2)
-def _reader(path: str):
-    """The file parsed once (gguf's reader takes seconds over a file's metadata)."""
-    import gguf
-
-    return gguf.GGUFReader(path)
-
-
 def file_types(path: str) -> dict[str, str]:
     """Each tensor's quantization type name in a GGUF file."""
-    return {t.name: t.tensor_type.name for t in _reader(path).tensors}
+    return {t.name: t.tensor_type.name for t in gguf_index.read(path)}
 
 
 def held_types() -> tuple[str, ...]:
@@ -96,7 +88,7 @@ def layer_blocks(path: str, layers: int, heads: int, kv_heads: int,
     found: dict[tuple[int, int], list] = {}
     as_blocks = native_blocks.available()        # else ATen's int4 layout (values as they are)
     held_kinds = held_types()
-    for t in _reader(path).tensors:
+    for t in gguf_index.read(path):
         parts = t.name.split(".")
         if len(parts) != 4 or parts[0] != "blk" or parts[2] not in PARTS:
             continue
@@ -131,7 +123,7 @@ def head_blocks(path: str):
     Q4_1 / Q8_0 blocks (backends/lean/blocks.py), or None: another type, or no native kernel."""
     if not native_blocks.available():
         return None
-    tensors = {t.name: t for t in _reader(path).tensors}
+    tensors = {t.name: t for t in gguf_index.read(path)}
     t = tensors.get("output.weight", tensors.get("token_embd.weight"))
     if t is None or t.tensor_type.name not in (*INT4_TYPES, "Q8_0"):
         return None

@@ -124,14 +124,6 @@ def peak_memory(overrides: list[str]) -> float:
     return usage.ru_maxrss / 1024
 
 
-def best_of_threads(rows: dict, prefix: str) -> tuple[str | None, dict | None]:
-    found = {n: r for n, r in rows.items() if n.startswith(prefix)}
-    if not found:
-        return None, None
-    name = max(found, key=lambda n: found[n]["tokens_per_s"])
-    return name, found[name]
-
-
 def memory_table(T: int) -> dict:
     """Peak memory (MB) of a one-token run per precision, and its ratio to float32's."""
     # while this process is small: a child's peak memory starts at its parent's (Linux keeps

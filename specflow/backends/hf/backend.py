@@ -383,8 +383,9 @@ class HFBackend(Backend):
         if bf16_weight_only(cfg.dtype, cfg.activations, self.device, cfg.device_map):
             quantize = (16, cfg.group_size, torch.float32)     # bf16_weights.py
         blocks = self._file_blocks(cfg) if cfg.dtype == "auto" else None
-        if blocks is not None:                # a GGUF file's Q4 blocks, as they are
-            quantize = (4, 32, activations, *blocks)
+        if blocks is not None:                # a GGUF file's blocks, as they are
+            bits = max(w.bits for (layer, _), w in blocks[0].items() if layer >= 0)
+            quantize = (bits, 32, activations, *blocks)
         # where each timed choice's times came from (backends/choice_cache.py): describe()'s
         # `choices`, "cache" or "timed"
         with choice_cache.recording() as self.choices:

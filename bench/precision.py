@@ -3,11 +3,12 @@ llama.cpp on the same files, in one run.
 
 Greedy, batch 1, 12 held-out prompts (6 code from the demo prompt file, 6 chat from MT-Bench
 through the model's chat template) x 128 new tokens, arms interleaved prompt by prompt. specflow:
-`none` at float32, bfloat16, int8, int4 and `dtype=auto` (the Q4_1 file's own blocks), `ngram`
-on the file's blocks, `proposer=self` (the int4 draft) on the float32 and the bfloat16 target.
-llama.cpp (default OpenMP waits, 1 and 2 threads, the faster taken per file and tool): plain
-decoding and `llama-lookup` on the Q4_1 file as it is, on a bf16 and on an f32 GGUF of it (make
-llama-cpp). Tokens/s with the prompt (wall) and decoding alone (the prompt's pass taken off).
+`none` at float32, bfloat16, int8, int4 and `dtype=auto` (the Q4_1 file's own blocks, and a
+Q4_K_M file's: llama-quantize's usual download, make llama-cpp), `ngram` on the file's blocks,
+`proposer=self` (the int4 draft) on the float32 and the bfloat16 target. llama.cpp (default
+OpenMP waits, 1 and 2 threads, the faster taken per file and tool): plain decoding and
+`llama-lookup` on the Q4_1 file as it is, on a bf16 and on an f32 GGUF of it, plain on the
+Q4_K_M file (make llama-cpp). Tokens/s with the prompt (wall) and decoding alone (the prompt's pass taken off).
 Then a 5-position pass against a one-position pass per specflow precision, each process's peak
 memory for a one-token run, and the demo pair: `none` and `self` against llama.cpp f32 on 12
 held-out code prompts. Writes bench/results/precision.{json,md}.
@@ -152,13 +153,17 @@ def main() -> None:
     memory = memory_table(T)
     base = ["model=smollm2", "show_progress=false", f"threads={T}", "max_batch_size=1"]
     pipes = {name: Pipeline.from_config([*base, *over]) for name, over in SMOLLM2_ARMS.items()}
+    q4km = LLAMA_CPP / "smollm2-Q4_K_M.gguf"
+    if q4km.is_file():                     # the same model in llama-quantize's Q4_K_M
+        pipes["none Q4_K_M blocks"] = Pipeline.from_config(
+            [*base, "model=hf", f"model.path={q4km}", "proposer=none", "dtype=auto"])
     plain = pipes["none float32"]
     half = args.prompts // 2
     code = read_prompt_file(str(DEMO_DIR / "prompts.jsonl"), "prompt")[:half]
     prompts = code + chat_prompts(plain.tokenizer, args.prompts - half)
     arms = {f"specflow {name}": specflow_arm(p, N, T) for name, p in pipes.items()}
     files = {"Q4_1": str(package_file(Q4_1)), "bf16": str(LLAMA_CPP / "smollm2-bf16.gguf"),
-             "f32": str(LLAMA_CPP / "smollm2-f32.gguf")}
+             "f32": str(LLAMA_CPP / "smollm2-f32.gguf"), "Q4_K_M": str(q4km)}
     have_llama = (pathlib.Path(args.llama_cpp) / "llama-completion").is_file()
     if have_llama:
         for label, gguf in files.items():
@@ -168,7 +173,8 @@ def main() -> None:
             for t in sorted({1, T}):
                 peer = LlamaCpp(args.llama_cpp, gguf, threads=t)
                 arms[f"llama.cpp {label} plain ({t}t)"] = llama_arm(peer, N, "plain")
-                arms[f"llama.cpp {label} lookup ({t}t)"] = llama_arm(peer, N, "lookup")
+                if label != "Q4_K_M":
+                    arms[f"llama.cpp {label} lookup ({t}t)"] = llama_arm(peer, N, "lookup")
     runs = interleaved(arms, prompts, "SmolLM2")
     ref = [r.ids for r in runs["specflow none float32"]]
     rows = {}
@@ -185,7 +191,10 @@ def main() -> None:
 
     # a 5-position pass against a one-position pass, per precision (verification's price)
     passes = {}
-    for name in ("none float32", "none bfloat16", "none int8", "none int4", "none Q4_1 blocks"):
+    for name in ("none float32", "none bfloat16", "none int8", "none int4", "none Q4_1 blocks",
+                 "none Q4_K_M blocks"):
+        if name not in pipes:
+            continue
         torch.set_num_threads(T)
         target = pipes[name].target
         one = target.time_pass(rows=1, positions=1, reps=15)

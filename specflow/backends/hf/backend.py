@@ -412,8 +412,8 @@ class HFBackend(Backend):
         return source.read_text().strip() if source.is_file() else None
 
     def _file_blocks(self, cfg) -> tuple[dict, int] | None:
-        """dtype=auto on a GGUF file whose layers are Q4_0 / Q4_1, on a CPU, with the lean
-        forward: the blocks for LeanLlama.quantize(given=...), and the head's bits (8 where
+        """dtype=auto on a GGUF file whose layers are all of held_types(), on a CPU, with the
+        lean forward: the blocks for LeanLlama.quantize(given=...), and the head's bits (8 where
         the file's head or tied embedding is Q8_0 or wider, else 4); None elsewhere (the
         checkpoint's own dtype, as for any folder)."""
         from specflow.backends.lean.forward import unsupported_reason

@@ -1,11 +1,17 @@
 /* Products of a few rows by a weight held in GGUF's blocks, tiled for the product (included
    by gemv.c; specflow.backends.lean.blocks).
 
-   Two block types, ggml's own, 32 weights of a row each:
+   Four tile kinds, each 32 weights of a row a block:
    - Q4_1: float16 scale d, float16 minimum m, 4-bit q; weight = q x d + m. A Q4_0 block
      ((q - 8) x d) is this with m = -8d, exact in float16; specflow's own int4 (`dtype=int4`)
      writes these blocks too.
-   - Q8_0: float16 scale d, int8 q; weight = q x d (a GGUF file's LM head; `dtype=int8`).
+   - Q4_K: the same with float32 d and m: a Q4_K block's sub-block of 32 (d x 6-bit scale and
+     dmin x 6-bit minimum, exact in float32, not in float16).
+   - Q8_0: float16 scale d, int8 q; weight = q x d (`dtype=int8`; a Q5_0 block, (q - 16) x d,
+     is this exactly).
+   - U8: 8-bit unsigned q with a float32 scale s and minimum m per 16 weights; weight = q x s +
+     m: Q5_1, Q5_K and Q6_K blocks (Q6_K: q x s - 32 s), and any two of the kinds above fused
+     into one product (q, k, v of two types).
 
    The activations are quantized to int8 per block of 32 (scale s = max |x| / 127, as
    llama.cpp's Q8 blocks), so a block's product is an integer sum, d s sum(q xq) (+ m s sum(xq)
@@ -22,8 +28,10 @@
    + u in its high one, then the 16 rows' d, then their m (float16). Of a Q8_0 block (608
    bytes): 8 chunks of 64 bytes, byte 4i + u of chunk k row i's weight 4k + u, then the 16
    rows' d (float16), then -128 x each row's sum of q (int32: vpdpbusd multiplies unsigned by
-   signed, so the activations go in as xq + 128 and this corrects the sum). Rows past N are
-   zero. The same scales, minimums and quantized weights as the file's blocks, moved.
+   signed, so the activations go in as xq + 128 and this corrects the sum). Of a Q4_K block
+   (384 bytes): Q4_1's 256 bytes of nibbles, then the 16 rows' d and m as float32. Of a U8 block
+   (768 bytes): 8 chunks of 64 bytes as Q8_0's (q unsigned), then float32 s of the 16 rows'
+   first 16 weights, of their second 16, then m likewise. Rows past N are zero. The same scales, minimums and quantized weights as the file's blocks, moved.
 
    Every row of Y is computed by the same operations whatever M and the thread count are (its
    lane's sums in block order; a Q4_1 row's scaled sums and its minimums' term apart, added
@@ -34,7 +42,9 @@
 #define QK 32
 #define TR 16           /* rows per tile */
 #define Q4_TILE 320     /* bytes per tile block */
+#define Q4K_TILE 384
 #define Q8_TILE 608
+#define U8_TILE 768
 
 static inline float half_to_f32(uint16_t h) {     /* IEEE binary16 -> float32, exactly */
 #ifdef __F16C__
@@ -53,8 +63,9 @@ static inline float half_to_f32(uint16_t h) {     /* IEEE binary16 -> float32, e
 }
 
 /* X [M, K] float32 -> per block of 32: xq [M, K] int8, the scale s [M, K/32] and s x sum(xq)
-   [M, K/32]. K: a multiple of 32. */
-static void quantize_rows(const float *X, int64_t M, int64_t K, int8_t *xq, float *sx, float *xs) {
+   [M, K/32]; s x sum(xq) of each half block [M, K/16]. K: a multiple of 32. */
+static void quantize_rows(const float *X, int64_t M, int64_t K, int8_t *xq, float *sx, float *xs,
+                          float *xs16) {
     int64_t G = K / QK;
     for (int64_t m = 0; m < M; m++)
         for (int64_t g = 0; g < G; g++) {
@@ -65,15 +76,17 @@ static void quantize_rows(const float *X, int64_t M, int64_t K, int8_t *xq, floa
                 if (a > amax) amax = a;
             }
             float s = amax / 127.0f, inv = s > 0.0f ? 127.0f / amax : 0.0f;
-            int sum = 0;
+            int half[2] = {0, 0};
             int8_t *q = xq + m * K + g * QK;
             for (int i = 0; i < QK; i++) {
                 int v = (int)nearbyintf(p[i] * inv);
                 q[i] = (int8_t)(v > 127 ? 127 : v < -127 ? -127 : v);
-                sum += q[i];
+                half[i >= QK / 2] += q[i];
             }
             sx[m * G + g] = s;
-            xs[m * G + g] = s * (float)sum;
+            xs[m * G + g] = s * (float)(half[0] + half[1]);
+            xs16[2 * (m * G + g)] = s * (float)half[0];
+            xs16[2 * (m * G + g) + 1] = s * (float)half[1];
         }
 }
 
@@ -82,24 +95,25 @@ static void quantize_rows(const float *X, int64_t M, int64_t K, int8_t *xq, floa
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 static inline __m512i bcast4(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
 
-/* One tile (16 rows, G blocks) against MR rows of X: Y[j, 0..valid) for each row j. */
-#define Q4_GROUP(MR)                                                                             \
-__attribute__((noinline)) static void q4_tile_##MR(const uint8_t *tile, const int8_t *xq,         \
+/* One tile (16 rows, G blocks) against MR rows of X: Y[j, 0..valid) for each row j. Q4_1 and
+   Q4_K differ only in their scales' width (SCALES sets dv and mv from blk). */
+#define NIBBLE_GROUP(NAME, TILE, SCALES, MR)                                             \
+__attribute__((noinline)) static void NAME##_tile_##MR(const uint8_t *tile, const int8_t *xq,         \
         const float *sx, const float *xs, float *y, int64_t N, int64_t K, int64_t G,              \
         uint16_t valid) {                                                                       \
     __m512 acc[MR], accm[MR];        /* the scaled sums, the minimums' term */                 \
     const __m512i low = _mm512_set1_epi8(0x0F);                                                  \
     for (int j = 0; j < MR; j++) acc[j] = accm[j] = _mm512_setzero_ps();                         \
     for (int64_t b = 0; b < G; b++) {                                                            \
-        const uint8_t *blk = tile + b * Q4_TILE;                                                 \
+        const uint8_t *blk = tile + b * TILE;                                                 \
         __m512i w[8];                                                                            \
         for (int c = 0; c < 4; c++) {                                                            \
             __m512i v = _mm512_loadu_si512(blk + 64 * c);                                        \
             w[c] = _mm512_and_si512(v, low);                                                     \
             w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);                           \
         }                                                                                        \
-        __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 256)));           \
-        __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 288)));           \
+        __m512 dv, mv;                                                                           \
+        SCALES                                                                                   \
         for (int j = 0; j < MR; j++) {                                                           \
             const int8_t *x = xq + j * K + b * QK;                                               \
             __m512i s[4];                  /* four chains of two: a quarter of the latency */  \
@@ -111,6 +125,44 @@ __attribute__((noinline)) static void q4_tile_##MR(const uint8_t *tile, const in
             __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(sx[j * G + b]));     \
             acc[j] = _mm512_fmadd_ps(dv, t, acc[j]);                                             \
             accm[j] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[j * G + b]), accm[j]);                \
+        }                                                                                        \
+    }                                                                                            \
+    for (int j = 0; j < MR; j++)                                                                 \
+        _mm512_mask_storeu_ps(y + j * N, valid, _mm512_add_ps(acc[j], accm[j]));                 \
+}
+
+#define F16_SCALES dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 256)));        \
+                   mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 288)));
+#define F32_SCALES dv = _mm512_loadu_ps(blk + 256); mv = _mm512_loadu_ps(blk + 320);
+#define Q4_GROUP(MR) NIBBLE_GROUP(q4, Q4_TILE, F16_SCALES, MR)
+#define Q4K_GROUP(MR) NIBBLE_GROUP(q4k, Q4K_TILE, F32_SCALES, MR)
+
+/* A U8 tile: unsigned q by signed xq as Q4_1's nibbles, each half block its own scale. */
+#define U8_GROUP(MR)                                                                             \
+__attribute__((noinline)) static void u8_tile_##MR(const uint8_t *tile, const int8_t *xq,         \
+        const float *sx, const float *xs16, float *y, int64_t N, int64_t K, int64_t G,            \
+        uint16_t valid) {                                                                       \
+    __m512 acc[MR], accm[MR];                                                                    \
+    for (int j = 0; j < MR; j++) acc[j] = accm[j] = _mm512_setzero_ps();                         \
+    for (int64_t b = 0; b < G; b++) {                                                            \
+        const uint8_t *blk = tile + b * U8_TILE;                                                 \
+        __m512i w[8];                                                                            \
+        for (int k = 0; k < 8; k++) w[k] = _mm512_loadu_si512(blk + 64 * k);                    \
+        __m512 s0 = _mm512_loadu_ps(blk + 512), s1 = _mm512_loadu_ps(blk + 576);                 \
+        __m512 m0 = _mm512_loadu_ps(blk + 640), m1 = _mm512_loadu_ps(blk + 704);                 \
+        for (int j = 0; j < MR; j++) {                                                           \
+            const int8_t *x = xq + j * K + b * QK;                                               \
+            __m512i h[4];                  /* two chains a half */                              \
+            for (int k = 0; k < 4; k++)                                                          \
+                h[k] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(),           \
+                       w[2 * k], bcast4(x + 8 * k)), w[2 * k + 1], bcast4(x + 8 * k + 4));        \
+            __m512 sxv = _mm512_set1_ps(sx[j * G + b]);                                          \
+            __m512 t0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(h[0], h[1])), sxv);     \
+            __m512 t1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(h[2], h[3])), sxv);     \
+            acc[j] = _mm512_fmadd_ps(s1, t1, _mm512_fmadd_ps(s0, t0, acc[j]));                   \
+            const float *xh = xs16 + 2 * (j * G + b);                                            \
+            accm[j] = _mm512_fmadd_ps(m1, _mm512_set1_ps(xh[1]),                                 \
+                                      _mm512_fmadd_ps(m0, _mm512_set1_ps(xh[0]), accm[j]));       \
         }                                                                                        \
     }                                                                                            \
     for (int j = 0; j < MR; j++)                                                                 \
@@ -145,15 +197,15 @@ __attribute__((noinline)) static void q8_tile_##MR(const uint8_t *tile, const ui
 #define BLOCKS_VNNI 1
 #else
 /* Portable: each row's block sums as integers, then the same float steps in block order. */
-#define Q4_GROUP(MR)                                                                             \
-static void q4_tile_##MR(const uint8_t *tile, const int8_t *xq, const float *sx,                 \
+#define NIBBLE_GROUP(NAME, TILE, SCALES, MR)                                             \
+static void NAME##_tile_##MR(const uint8_t *tile, const int8_t *xq, const float *sx,                 \
         const float *xs, float *y, int64_t N, int64_t K, int64_t G, uint16_t valid) {            \
     for (int j = 0; j < MR; j++)                                                                 \
         for (int i = 0; i < TR; i++) {                                                           \
             if (!(valid >> i & 1)) continue;                                                     \
             float acc = 0.0f, accm = 0.0f;                                                       \
             for (int64_t b = 0; b < G; b++) {                                                    \
-                const uint8_t *blk = tile + b * Q4_TILE;                                         \
+                const uint8_t *blk = tile + b * TILE;                                         \
                 const int8_t *x = xq + j * K + b * QK;                                           \
                 int32_t s = 0;                                                                   \
                 for (int c = 0; c < 4; c++)                                                      \
@@ -161,10 +213,39 @@ static void q4_tile_##MR(const uint8_t *tile, const int8_t *xq, const float *sx,
                         uint8_t v = blk[64 * c + 4 * i + u];                                     \
                         s += (v & 0x0F) * x[4 * c + u] + (v >> 4) * x[16 + 4 * c + u];           \
                     }                                                                            \
-                uint16_t d, m;                                                                   \
-                memcpy(&d, blk + 256 + 2 * i, 2); memcpy(&m, blk + 288 + 2 * i, 2);              \
-                acc = fmadd(acc, half_to_f32(d), (float)s * sx[j * G + b]);                     \
-                accm = fmadd(accm, half_to_f32(m), xs[j * G + b]);                               \
+                float d, m;                                                                      \
+                SCALES                                                                           \
+                acc = fmadd(acc, d, (float)s * sx[j * G + b]);                                   \
+                accm = fmadd(accm, m, xs[j * G + b]);                                            \
+            }                                                                                    \
+            y[j * N + i] = acc + accm;                                                           \
+        }                                                                                        \
+}
+static inline float f16_at(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return half_to_f32(h); }
+static inline float f32_at(const uint8_t *p) { float f; memcpy(&f, p, 4); return f; }
+#define F16_SCALES d = f16_at(blk + 256 + 2 * i); m = f16_at(blk + 288 + 2 * i);
+#define F32_SCALES d = f32_at(blk + 256 + 4 * i); m = f32_at(blk + 320 + 4 * i);
+#define Q4_GROUP(MR) NIBBLE_GROUP(q4, Q4_TILE, F16_SCALES, MR)
+#define Q4K_GROUP(MR) NIBBLE_GROUP(q4k, Q4K_TILE, F32_SCALES, MR)
+#define U8_GROUP(MR)                                                                             \
+static void u8_tile_##MR(const uint8_t *tile, const int8_t *xq, const float *sx,                 \
+        const float *xs16, float *y, int64_t N, int64_t K, int64_t G, uint16_t valid) {          \
+    for (int j = 0; j < MR; j++)                                                                 \
+        for (int i = 0; i < TR; i++) {                                                           \
+            if (!(valid >> i & 1)) continue;                                                     \
+            float acc = 0.0f, accm = 0.0f;                                                       \
+            for (int64_t b = 0; b < G; b++) {                                                    \
+                const uint8_t *blk = tile + b * U8_TILE;                                         \
+                const int8_t *x = xq + j * K + b * QK;                                           \
+                int32_t h[2] = {0, 0};                                                           \
+                for (int k = 0; k < 8; k++)                                                      \
+                    for (int u = 0; u < 4; u++)                                                  \
+                        h[k >= 4] += blk[64 * k + 4 * i + u] * x[4 * k + u];                     \
+                const float *xh = xs16 + 2 * (j * G + b);                                        \
+                acc = fmadd(acc, f32_at(blk + 512 + 4 * i), (float)h[0] * sx[j * G + b]);        \
+                acc = fmadd(acc, f32_at(blk + 576 + 4 * i), (float)h[1] * sx[j * G + b]);        \
+                accm = fmadd(accm, f32_at(blk + 640 + 4 * i), xh[0]);                            \
+                accm = fmadd(accm, f32_at(blk + 704 + 4 * i), xh[1]);                            \
             }                                                                                    \
             y[j * N + i] = acc + accm;                                                           \
         }                                                                                        \
@@ -197,6 +278,9 @@ static void q8_tile_##MR(const uint8_t *tile, const uint8_t *xu, const float *sx
 
 Q4_GROUP(1) Q4_GROUP(2) Q4_GROUP(3) Q4_GROUP(4) Q4_GROUP(5) Q4_GROUP(6) Q4_GROUP(7) Q4_GROUP(8)
 Q8_GROUP(1) Q8_GROUP(2) Q8_GROUP(3) Q8_GROUP(4) Q8_GROUP(5) Q8_GROUP(6) Q8_GROUP(7) Q8_GROUP(8)
+Q4K_GROUP(1) Q4K_GROUP(2) Q4K_GROUP(3) Q4K_GROUP(4) Q4K_GROUP(5) Q4K_GROUP(6) Q4K_GROUP(7)
+Q4K_GROUP(8)
+U8_GROUP(1) U8_GROUP(2) U8_GROUP(3) U8_GROUP(4) U8_GROUP(5) U8_GROUP(6) U8_GROUP(7) U8_GROUP(8)
 
 /* X quantized once for every weight a pass multiplies it by. */
 typedef struct {
@@ -204,10 +288,11 @@ typedef struct {
     int8_t *xq;          /* [M, K] */
     uint8_t *xu;         /* [M, K] xq + 128 (Q8_0 products; NULL until wanted) */
     float *sx, *xs;      /* [M, G] */
+    float *xs16;         /* [M, 2G] */
 } quantized_x;
 
 static void free_quantized(quantized_x *q) {
-    free(q->xq); free(q->xu); free(q->sx); free(q->xs);
+    free(q->xq); free(q->xu); free(q->sx); free(q->xs); free(q->xs16);
     memset(q, 0, sizeof *q);
 }
 
@@ -218,9 +303,13 @@ static int quantize_x(const float *X, int64_t M, int64_t K, int want_u8, quantiz
     q->xq = malloc((size_t)(M * K));
     q->sx = malloc((size_t)(M * q->G) * sizeof(float));
     q->xs = malloc((size_t)(M * q->G) * sizeof(float));
+    q->xs16 = malloc((size_t)(2 * M * q->G) * sizeof(float));
     if (want_u8) q->xu = malloc((size_t)(M * K));
-    if (!q->xq || !q->sx || !q->xs || (want_u8 && !q->xu)) { free_quantized(q); return 1; }
-    quantize_rows(X, M, K, q->xq, q->sx, q->xs);
+    if (!q->xq || !q->sx || !q->xs || !q->xs16 || (want_u8 && !q->xu)) {
+        free_quantized(q);
+        return 1;
+    }
+    quantize_rows(X, M, K, q->xq, q->sx, q->xs, q->xs16);
     if (want_u8)
         for (int64_t i = 0; i < M * K; i++) q->xu[i] = (uint8_t)((int)q->xq[i] + 128);
     return 0;
@@ -228,12 +317,14 @@ static int quantize_x(const float *X, int64_t M, int64_t K, int want_u8, quantiz
 
 /* the weight kinds after gemv.c's F32/BF16/F16; BF16_WEIGHTS: bfloat16 W read against float32 X
    (gemv.c's product()) */
-enum { BLOCK_Q4_1 = 3, BLOCK_Q8_0 = 4, BF16_WEIGHTS = 5 };
+enum { BLOCK_Q4_1 = 3, BLOCK_Q8_0 = 4, BF16_WEIGHTS = 5, BLOCK_Q4_K = 6, BLOCK_U8 = 7 };
 
 /* Tiles t0..t1 of a block weight W (N rows, tiled) against every row of x. */
 static void block_rows(const void *W, int kind, const quantized_x *x, float *Y, int64_t t0,
                        int64_t t1, int64_t N) {
-    int64_t K = x->K, G = x->G, bytes = kind == BLOCK_Q4_1 ? Q4_TILE : Q8_TILE;
+    int64_t K = x->K, G = x->G;
+    int64_t bytes = kind == BLOCK_Q4_1 ? Q4_TILE : kind == BLOCK_Q4_K ? Q4K_TILE :
+                    kind == BLOCK_U8 ? U8_TILE : Q8_TILE;
     for (int64_t t = t0; t < t1; t++) {
         const uint8_t *tile = (const uint8_t *)W + t * G * bytes;
         int64_t rows = N - t * TR < TR ? N - t * TR : TR;
@@ -244,11 +335,18 @@ static void block_rows(const void *W, int kind, const quantized_x *x, float *Y, 
             const float *sx = x->sx + m0 * G, *xs = x->xs + m0 * G;
 #define Q4CALL(R) q4_tile_##R(tile, x->xq + m0 * K, sx, xs, y, N, K, G, valid)
 #define Q8CALL(R) q8_tile_##R(tile, x->xu + m0 * K, sx, y, N, K, G, valid)
+#define Q4KCALL(R) q4k_tile_##R(tile, x->xq + m0 * K, sx, xs, y, N, K, G, valid)
+#define U8CALL(R) u8_tile_##R(tile, x->xq + m0 * K, sx, x->xs16 + 2 * m0 * G, y, N, K, G, valid)
 #define BY_ROWS(CALL) switch (mr) { case 1: CALL(1); break; case 2: CALL(2); break;               \
                 case 3: CALL(3); break; case 4: CALL(4); break; case 5: CALL(5); break;          \
                 case 6: CALL(6); break; case 7: CALL(7); break; default: CALL(8); break; }
-            if (kind == BLOCK_Q4_1) { BY_ROWS(Q4CALL) } else { BY_ROWS(Q8CALL) }
+            if (kind == BLOCK_Q4_1) { BY_ROWS(Q4CALL) }
+            else if (kind == BLOCK_Q4_K) { BY_ROWS(Q4KCALL) }
+            else if (kind == BLOCK_U8) { BY_ROWS(U8CALL) }
+            else { BY_ROWS(Q8CALL) }
 #undef BY_ROWS
+#undef Q4KCALL
+#undef U8CALL
 #undef Q4CALL
 #undef Q8CALL
         }

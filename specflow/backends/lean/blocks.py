@@ -1,15 +1,29 @@
 """Weights held in GGUF's own blocks, multiplied by specflow's native kernel (`blocks.c`):
-`dtype=int4` and `dtype=int8` where the kernel builds, and a GGUF file's Q4_0 / Q4_1 / Q8_0
-tensors at `dtype=auto` as the file holds them.
+`dtype=int4` and `dtype=int8` where the kernel builds, and a GGUF file's Q4_0 / Q4_1 / Q5_0 /
+Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K tensors at `dtype=auto` as the file holds them.
 
-A block is 32 weights of a row: Q4_1 (float16 scale d and minimum m, 4-bit q, weight = q x d +
-m) or Q8_0 (float16 d, int8 q, weight = q x d), a file's own scales, minimums and quantized
-weights, moved into tiles of 16 rows (blocks.c says why: one VNNI instruction then serves 16
-rows); 5 and 9.5 bits a weight. A Q4_0 block ((q - 8) x d) is held as Q4_1 with m = -8d (exact
-in float16). The product quantizes its input rows to int8 per block and sums each block's
-products as integers (llama.cpp's arithmetic for these files), reading the weight once, and it
-is also what the native pass (`native_pass.py`) runs inside its one call, so a model held in
-blocks computes every product the same way whether its pass is native or eager.
+A block is 32 weights of a row with its scale(s), minimum and quantized weights, moved into
+tiles of 16 rows (blocks.c says why: one VNNI instruction then serves 16 rows). Four tile kinds
+hold every type above with the file's own values (each type's dequantized values equal the
+`gguf` package's bit for bit, tests/backends/lean/test_gguf_blocks.py):
+
+| kind | a block | bits a weight | holds |
+|---|---|---:|---|
+| Q4_1 | float16 d, m; 4-bit q; q x d + m | 5 | Q4_1; Q4_0 ((q - 8) x d as m = -8d); dtype=int4 |
+| Q4_K | float32 d, m; 4-bit q | 6 | Q4_K (d x 6-bit scale, dmin x 6-bit minimum) |
+| Q8_0 | float16 d; int8 q; q x d | 9.5 | Q8_0; Q5_0 ((q - 16) x d); dtype=int8 |
+| U8 | float32 s, m per 16; 8-bit q; q x s + m | 12 | Q5_1, Q5_K, Q6_K (m = -32 s); fused mixes |
+
+A K-quant's super-block of 256 is 8 (Q6_K: 16) sub-blocks with their own scales: the scales
+multiply out exactly in float32 (a float16 times a 6- or 8-bit integer), not in float16, hence
+the float32 kinds. Products the lean forward fuses (q/k/v, gate/up) whose files' types differ
+(a Q4_K_M file's attn_v is Q6_K beside Q4_K q and k) are held in one kind that holds both
+exactly: Q4_K for Q4_1 with Q4_K, else U8 (Q8_0's q as q + 128 with m = -128 d).
+
+The product quantizes its input rows to int8 per block and sums each block's products as
+integers (llama.cpp's arithmetic for these files), reading the weight once, and it is also what
+the native pass (`native_pass.py`) runs inside its one call, so a model held in blocks computes
+every product the same way whether its pass is native or eager.
 
 specflow's own int4 (`quantize_q4`) writes Q4_1 blocks: each group of `group_size` weights (a
 multiple of 32) shares d = (max - min) / 15 and m = min, both rounded to float16 first and q
@@ -24,9 +38,11 @@ from specflow.backends.lean import native
 
 QK = 32
 TR = 16                                # rows per tile
-Q4_1, Q8_0 = 3, 4                      # blocks.c's kinds
-TILE_BYTES = {Q4_1: 320, Q8_0: 608}    # a tile's bytes per block index (16 rows)
-NAMES = {Q4_1: "Q4_1", Q8_0: "Q8_0"}
+Q4_1, Q8_0, Q4_K, U8 = 3, 4, 6, 7      # blocks.c's kinds
+TILE_BYTES = {Q4_1: 320, Q8_0: 608, Q4_K: 384, U8: 768}   # a tile's bytes per block (16 rows)
+NAMES = {Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_K: "Q4_K", U8: "U8"}
+BITS = {Q4_1: 4, Q4_K: 4, Q8_0: 8, U8: 8}
+SCALE_DTYPE = {Q4_1: np.float16, Q8_0: np.float16, Q4_K: np.float32, U8: np.float32}
 
 
 def available() -> bool:
@@ -38,46 +54,91 @@ def fits(shape) -> bool:
     return shape[1] % QK == 0
 
 
+def _by_tile(a: np.ndarray, T: int, per_block: int) -> np.ndarray:
+    """[T x 16, G x per_block] scales -> bytes [T, G, per_block x 16 x itemsize]: each block's
+    per_block scale vectors of the tile's 16 rows."""
+    G = a.shape[1] // per_block
+    t = a.reshape(T, TR, G, per_block).transpose(0, 2, 3, 1)                # [T, G, part, 16]
+    return np.ascontiguousarray(t).view(np.uint8).reshape(T, G, -1)
+
+
+def _from_tile(b: np.ndarray, dtype, per_block: int) -> np.ndarray:
+    """_by_tile's inverse: bytes [T, G, n] -> [T x 16, G x per_block]."""
+    T, G = b.shape[:2]
+    t = np.ascontiguousarray(b).view(dtype).reshape(T, G, per_block, TR)
+    return t.transpose(0, 3, 1, 2).reshape(T * TR, G * per_block)
+
+
 def _tile(kind: int, d: np.ndarray, m: np.ndarray | None, q: np.ndarray) -> np.ndarray:
-    """Blocks' parts -> blocks.c's tiles: d, m [N, G] float16, q [N, G, 32] (Q4_1: uint8 in
-    0..15; Q8_0: int8) -> uint8 [tiles, G, TILE_BYTES] (rows past N zero)."""
-    N, G = d.shape
+    """Blocks' parts -> blocks.c's tiles: d, m [N, G] (U8: [N, 2G], per 16) in the kind's
+    SCALE_DTYPE, q [N, G, 32] (Q4_1/Q4_K: uint8 in 0..15; Q8_0: int8; U8: uint8) -> uint8
+    [tiles, G, TILE_BYTES] (rows past N zero)."""
+    N, G = q.shape[:2]
     T = -(-N // TR)
     pad = T * TR - N
+    d = d.astype(SCALE_DTYPE[kind])
+    q = q.astype(np.int8 if kind == Q8_0 else np.uint8, copy=False)
+    if m is not None:
+        m = m.astype(SCALE_DTYPE[kind])
     if pad:
-        d = np.concatenate([d, np.zeros((pad, G), d.dtype)])
+        d = np.concatenate([d, np.zeros((pad, d.shape[1]), d.dtype)])
         q = np.concatenate([q, np.zeros((pad, G, QK), q.dtype)])
         if m is not None:
-            m = np.concatenate([m, np.zeros((pad, G), m.dtype)])
-    ds = np.ascontiguousarray(d.reshape(T, TR, G).transpose(0, 2, 1), np.float16)  # [T, G, 16]
-    if kind == Q4_1:
+            m = np.concatenate([m, np.zeros((pad, m.shape[1]), m.dtype)])
+    per = d.shape[1] // G
+    if kind in (Q4_1, Q4_K):
         q = q.reshape(T, TR, G, 2, 4, 4)                                # [T, i, G, half, c, u]
         packed = q[:, :, :, 0] | (q[:, :, :, 1] << 4)                   # [T, i, G, c, u]
         qs = packed.transpose(0, 2, 3, 1, 4).reshape(T, G, 256)         # [T, G, c, i, u]
-        ms = np.ascontiguousarray(m.reshape(T, TR, G).transpose(0, 2, 1), np.float16)
-        parts = [qs, ds.view(np.uint8), ms.view(np.uint8)]
+        parts = [qs, _by_tile(d, T, per), _by_tile(m, T, per)]
     else:
-        q8 = q.astype(np.int8).reshape(T, TR, G, 8, 4)                  # [T, i, G, k, u]
+        q8 = q.reshape(T, TR, G, 8, 4)                                  # [T, i, G, k, u]
         qs = np.ascontiguousarray(q8.transpose(0, 2, 3, 1, 4)).reshape(T, G, 512).view(np.uint8)
-        start = (-128 * q8.astype(np.int32).sum((3, 4))).astype(np.int32).transpose(0, 2, 1)
-        parts = [qs, ds.view(np.uint8), np.ascontiguousarray(start).view(np.uint8)]
+        if kind == U8:
+            parts = [qs, _by_tile(d, T, per), _by_tile(m, T, per)]
+        else:
+            start = (-128 * q8.astype(np.int32).sum((3, 4))).astype(np.int32)     # [T, i, G]
+            parts = [qs, _by_tile(d, T, per),
+                     np.ascontiguousarray(start.transpose(0, 2, 1)).view(np.uint8)]
     return np.ascontiguousarray(np.concatenate(
         [np.ascontiguousarray(p).reshape(T, G, -1) for p in parts], -1))
 
 
 def _untile(kind: int, data: np.ndarray, N: int, G: int):
-    """_tile's inverse: (d [N, G] float16, m [N, G] float16 or None, q [N, G, 32])."""
+    """_tile's inverse: (d, m or None (Q8_0), q) by row."""
     tiles = data.reshape(-1, G, TILE_BYTES[kind])
     T = tiles.shape[0]
-    if kind == Q4_1:
+    if kind in (Q4_1, Q4_K):
         packed = tiles[..., :256].reshape(T, G, 4, TR, 4).transpose(0, 3, 1, 2, 4)  # [T, i, G, c, u]
         q = np.stack([packed & 0x0F, packed >> 4], 3).reshape(T * TR, G, QK)
-        d = tiles[..., 256:288].copy().view(np.float16).transpose(0, 2, 1).reshape(T * TR, G)
-        m = tiles[..., 288:320].copy().view(np.float16).transpose(0, 2, 1).reshape(T * TR, G)
+        size = np.dtype(SCALE_DTYPE[kind]).itemsize * TR
+        d = _from_tile(tiles[..., 256:256 + size], SCALE_DTYPE[kind], 1)
+        m = _from_tile(tiles[..., 256 + size:256 + 2 * size], SCALE_DTYPE[kind], 1)
         return d[:N], m[:N], q[:N]
-    q = tiles[..., :512].copy().view(np.int8).reshape(T, G, 8, TR, 4).transpose(0, 3, 1, 2, 4)
-    d = tiles[..., 512:544].copy().view(np.float16).transpose(0, 2, 1).reshape(T * TR, G)
-    return d[:N], None, q.reshape(T * TR, G, QK)[:N]
+    qdtype = np.uint8 if kind == U8 else np.int8
+    q = tiles[..., :512].copy().view(qdtype).reshape(T, G, 8, TR, 4).transpose(0, 3, 1, 2, 4)
+    q = q.reshape(T * TR, G, QK)[:N]
+    if kind == U8:
+        d = _from_tile(tiles[..., 512:640], np.float32, 2)
+        m = _from_tile(tiles[..., 640:768], np.float32, 2)
+        return d[:N], m[:N], q
+    return _from_tile(tiles[..., 512:544], np.float16, 1)[:N], None, q
+
+
+def _as_kind(kind: int, to: int, d, m, q):
+    """A weight's parts in kind `to`, the same values: Q4_1 -> Q4_K (wider scales); anything ->
+    U8 (scales per 16; Q8_0's q as q + 128 with m = -128 d, exact in float32)."""
+    if kind == to:
+        return d, m, q
+    if to == Q4_K and kind == Q4_1:
+        return d.astype(np.float32), m.astype(np.float32), q
+    if to != U8:
+        raise ValueError(f"{NAMES[kind]} blocks are not held as {NAMES[to]}")
+    per = 2 // (d.shape[1] // q.shape[1])                                   # 2, or 1 from U8
+    s = np.repeat(d.astype(np.float32), per, 1)
+    if kind == Q8_0:
+        return s, -128 * s, (q.astype(np.int16) + 128).astype(np.uint8)
+    return s, np.repeat(m.astype(np.float32), per, 1), q.astype(np.uint8)
 
 
 class BlockWeight(native.HeldWeight):
@@ -86,11 +147,13 @@ class BlockWeight(native.HeldWeight):
     in float32)."""
 
     def __init__(self, kind: int, d: np.ndarray, m: np.ndarray | None, q: np.ndarray,
-                 group_size: int = QK):
-        """d (and Q4_1's m) [N, G] float16, q [N, G, 32]: the blocks' parts."""
+                 group_size: int = QK, source: str | None = None):
+        """d, m (None for Q8_0) [N, G] (U8: [N, 2G]), q [N, G, 32]: the blocks' parts (_tile);
+        `source`: the file's type they came from, for describe()."""
         self.kind_code = kind
-        self.bits = 4 if kind == Q4_1 else 8
-        N, G = d.shape
+        self.bits = BITS[kind]
+        self.source = source
+        N, G = q.shape[:2]
         self.shape = torch.Size((N, G * QK))
         self.data = torch.from_numpy(_tile(kind, d, m, q).reshape(-1))
         self.group_size = group_size
@@ -103,58 +166,131 @@ class BlockWeight(native.HeldWeight):
         """W [N, K] float32: each block's values as the kernel reads them."""
         d, m, q = self.parts()
         N, K = self.shape
-        values = q.astype(np.float32) * d.astype(np.float32)[..., None]
+        sub = q.reshape(N, d.shape[1], -1).astype(np.float32)        # [N, blocks, 32 or 16]
+        values = sub * d.astype(np.float32)[..., None]
         if m is not None:
             values += m.astype(np.float32)[..., None]
         return torch.from_numpy(values.reshape(N, K))
 
     def describe(self) -> str:
-        return ("int8 weights in Q8_0 blocks (a scale per 32)" if self.bits == 8 else
-                f"int4 weights in Q4_1 blocks (a scale and minimum per {self.group_size})")
+        if self.source is not None and self.source != NAMES[self.kind_code]:
+            return f"{self.source} blocks held as {NAMES[self.kind_code]}"
+        if self.kind_code == Q8_0:
+            return "int8 weights in Q8_0 blocks (a scale per 32)"
+        if self.kind_code == Q4_1:
+            return f"int4 weights in Q4_1 blocks (a scale and minimum per {self.group_size})"
+        return f"{NAMES[self.kind_code]} blocks"
+
+
+FILE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+# a block's bytes in the file, and the weights it holds
+FILE_BLOCK = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q5_0": (22, 32), "Q5_1": (24, 32),
+              "Q8_0": (34, 32), "Q4_K": (144, 256), "Q5_K": (176, 256), "Q6_K": (210, 256)}
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """[..., 2] bytes -> [...] float32 (a float16, widened exactly)."""
+    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _k_scales(scales: np.ndarray):
+    """A Q4_K / Q5_K super-block's 12 bytes of 6-bit scales and minimums [..., 12] -> (sc, mn)
+    [..., 8] (ggml's get_scale_min_k4)."""
+    s = scales.reshape(*scales.shape[:-1], 3, 4)
+    d, m, md = s[..., 0, :], s[..., 1, :], s[..., 2, :]
+    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], -1)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], -1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _five_bits(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """A Q5_0 / Q5_1 block's 4 bytes of fifth bits and 16 of nibbles -> q [..., 32] 0..31."""
+    low = np.concatenate([qs & 0x0F, qs >> 4], -1)
+    high = np.unpackbits(np.ascontiguousarray(qh), axis=-1, bitorder="little")
+    return low | (high << 4)
 
 
 def file_parts(data: np.ndarray, type_name: str):
-    """A GGUF tensor's rows as the file holds them (uint8 [N, blocks x bytes]) of type Q4_0,
-    Q4_1 or Q8_0 -> (d [N, G] float16, m [N, G] float16 or None (Q8_0), q [N, G, 32]: Q4 in
-    0..15, Q8_0 int8). A Q4_0 block, (q - 8) x d, comes as Q4_1 with m = -8d (exact in float16:
-    a power of two); in a Q4 block byte j holds weight j low and weight j + 16 high."""
+    """A GGUF tensor's rows as the file holds them (uint8 [N, blocks x bytes]) of a FILE_TYPES
+    type -> (kind, d, m or None, q): BlockWeight's parts holding the same values. Q4_0 comes as
+    Q4_1 with m = -8d and Q5_0 as Q8_0 with q - 16 (both exact); a K-quant's sub-blocks' scales
+    multiplied out in float32 (exact). In a Q4 block byte j holds weight j low and j + 16 high."""
+    if type_name not in FILE_BLOCK:
+        raise ValueError(f"{type_name} blocks are not held as they are; "
+                         f"{', '.join(FILE_TYPES)} are")
     rows = np.ascontiguousarray(data)
     N = rows.shape[0]
+    size, per = FILE_BLOCK[type_name]
+    b = rows.reshape(N, -1, size)                                       # [N, blocks, bytes]
     if type_name == "Q8_0":
-        blocks = rows.reshape(N, -1, 34)
-        return blocks[..., 0:2].copy().view(np.float16)[..., 0], None, \
-            blocks[..., 2:].copy().view(np.int8)
-    if type_name not in ("Q4_0", "Q4_1"):
-        raise ValueError(f"{type_name} blocks are not held as they are; Q4_0, Q4_1 and Q8_0 are")
-    size = 18 if type_name == "Q4_0" else 20
-    blocks = rows.reshape(N, -1, size)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
-    m = d * np.float16(-8) if type_name == "Q4_0" else \
-        blocks[..., 2:4].copy().view(np.float16)[..., 0]
-    nibbles = blocks[..., size - 16:]
-    return d, m, np.concatenate([nibbles & 0x0F, nibbles >> 4], -1)
+        return Q8_0, b[..., 0:2].copy().view(np.float16)[..., 0], None, b[..., 2:].copy().view(np.int8)
+    if type_name in ("Q4_0", "Q4_1"):
+        d = b[..., 0:2].copy().view(np.float16)[..., 0]
+        m = d * np.float16(-8) if type_name == "Q4_0" else b[..., 2:4].copy().view(np.float16)[..., 0]
+        nibbles = b[..., size - 16:]
+        return Q4_1, d, m, np.concatenate([nibbles & 0x0F, nibbles >> 4], -1)
+    if type_name == "Q5_0":
+        q = _five_bits(b[..., 2:6], b[..., 6:22]).astype(np.int8) - np.int8(16)
+        return Q8_0, b[..., 0:2].copy().view(np.float16)[..., 0], None, q
+    if type_name == "Q5_1":
+        d, m = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+        return U8, np.repeat(d, 2, 1), np.repeat(m, 2, 1), _five_bits(b[..., 4:8], b[..., 8:24])
+    G = b.shape[1] * 8                                                   # blocks of 32
+    if type_name == "Q6_K":
+        ql = b[..., :128].reshape(N, -1, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]
+        ql = (ql & 0x0F).reshape(N, -1, 8, 32)
+        qh = b[..., 128:192].reshape(N, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]
+        qh = (qh & 0x03).reshape(N, -1, 8, 32)
+        q = (ql | (qh << 4)).reshape(N, G, 32)                                      # 0..63
+        s = (_f16(b[..., 208:210])[..., None] *
+             b[..., 192:208].copy().view(np.int8).astype(np.float32)).reshape(N, 2 * G)
+        return U8, s, -32 * s, q
+    d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])                        # [N, supers]
+    sc, mn = _k_scales(b[..., 4:16])                                     # [N, supers, 8]
+    s = (d[..., None] * sc).reshape(N, G)
+    m = -(dmin[..., None] * mn).reshape(N, G)
+    ql = b[..., size - 128:].reshape(N, -1, 4, 1, 32) >> np.array([0, 4], np.uint8)[:, None]
+    q = (ql & 0x0F).reshape(N, G, 32)
+    if type_name == "Q4_K":
+        return Q4_K, s, m, q
+    qh = b[..., 16:48].reshape(N, -1, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]
+    q = q | ((qh & 0x01).reshape(N, G, 32) << 4)                                    # 0..31
+    return U8, np.repeat(s, 2, 1), np.repeat(m, 2, 1), q
 
 
 def from_file_blocks(data: np.ndarray, type_name: str) -> BlockWeight:
-    """A GGUF tensor's rows as the file holds them, of type Q4_0, Q4_1 or Q8_0: the same
-    scales, minimums and quantized weights (file_parts), tiled."""
-    return BlockWeight(Q8_0 if type_name == "Q8_0" else Q4_1, *file_parts(data, type_name))
+    """A GGUF tensor's rows as the file holds them, of a FILE_TYPES type: the same values in
+    the kind that holds them (file_parts), tiled."""
+    kind, d, m, q = file_parts(data, type_name)
+    return BlockWeight(kind, d, m, q, source=type_name)
 
 
 def reorder_rows(w: BlockWeight, order: torch.Tensor) -> BlockWeight:
     """The same weight with its rows in `order` (a row's blocks move with it)."""
     d, m, q = w.parts()
     idx = order.numpy()
-    return BlockWeight(w.kind_code, d[idx], None if m is None else m[idx], q[idx], w.group_size)
+    return BlockWeight(w.kind_code, d[idx], None if m is None else m[idx], q[idx],
+                       w.group_size, w.source)
+
+
+def common_kind(kinds) -> int:
+    """The one kind that holds weights of `kinds` exactly (_as_kind)."""
+    kinds = set(kinds)
+    if len(kinds) == 1:
+        return kinds.pop()
+    return Q4_K if kinds <= {Q4_1, Q4_K} else U8
 
 
 def stack(weights: list[BlockWeight]) -> BlockWeight:
-    """Weights of one kind and width stacked along their rows (q/k/v, gate/up)."""
-    parts = [w.parts() for w in weights]
-    first = weights[0]
-    return BlockWeight(first.kind_code, np.concatenate([p[0] for p in parts]),
+    """Weights of one width stacked along their rows (q/k/v, gate/up), in the kind that holds
+    them all (common_kind)."""
+    kind = common_kind(w.kind_code for w in weights)
+    parts = [_as_kind(w.kind_code, kind, *w.parts()) for w in weights]
+    sources = {w.source or NAMES[w.kind_code] for w in weights}
+    return BlockWeight(kind, np.concatenate([p[0] for p in parts]),
                        None if parts[0][1] is None else np.concatenate([p[1] for p in parts]),
-                       np.concatenate([p[2] for p in parts]), first.group_size)
+                       np.concatenate([p[2] for p in parts]), weights[0].group_size,
+                       " + ".join(sorted(sources)) if len(sources) > 1 else sources.pop())
 
 
 def quantize_q4(w: torch.Tensor, group_size: int = QK) -> BlockWeight:

@@ -409,8 +409,8 @@ static inline void dot4(const float *a, const float *b, int64_t D, float s[4]) {
 #include "blocks.c"      /* GGUF blocks: their product (after dot(), which it uses) */
 
 /* Y [M, N] = X [M, K] W^T for a layer weight of `kind`: F32, BF16_WEIGHTS (bfloat16 W widened
-   as it is read, X and Y float32), or BLOCK_Q4_1 / BLOCK_Q8_0 blocks (X quantized per block
-   first). 0, or 1 out of memory. */
+   as it is read, X and Y float32), or blocks.c's BLOCK_* tiles (X quantized per block first).
+   0, or 1 out of memory. */
 static int product(const void *W, int kind, const float *X, float *Y, int64_t N, int64_t K,
                    int64_t M, int threads) {
     if (kind == F32) {
@@ -429,7 +429,7 @@ static int product(const void *W, int kind, const float *X, float *Y, int64_t N,
 }
 
 /* Y [M, N] float32 = X [M, K] float32 times a held weight W^T of `kind` (BF16_WEIGHTS,
-   BLOCK_Q4_1, BLOCK_Q8_0: product()); G [K] float32 or NULL: RMSNorm(X) x G first (eps).
+   or BLOCK_* blocks: product()); G [K] float32 or NULL: RMSNorm(X) x G first (eps).
    Returns 0, 1 out of memory, 2 a block weight whose K is not a multiple of 32. */
 int specflow_held(const void *W, int kind, const float *X, float *Y, int64_t N, int64_t K,
                   int64_t M, int threads, const float *G, float eps) {
@@ -621,8 +621,8 @@ static void silu_up(const float *gu, float *act, int64_t R, int64_t I, int threa
 
 /* x [R, E] (in/out): the residual stream entering layer 0, left as it leaves layer L-1.
    W: 4 weights per layer (q/k/v stacked [(H+2Hkv)D, E], o [E, HD], gate/up stacked [2I, E],
-   down [E, I]), each of kinds[i]: F32, BF16_WEIGHTS, or GGUF blocks (BLOCK_Q4_1, BLOCK_Q8_0:
-   blocks.c, the input quantized per block); G: 2 norm weights per layer [E]; keys/values: each layer's cache [S, Hkv, C, D];
+   down [E, I]), each of kinds[i]: F32, BF16_WEIGHTS, or blocks.c's BLOCK_* tiles (the input
+   quantized per block); G: 2 norm weights per layer [E]; keys/values: each layer's cache [S, Hkv, C, D];
    slot, col, below [R]; see [R, S] or NULL; cos, sin [R, D] (each query's rotary rows, at its
    position);
    capture [L]: -1, or j to copy the input of that layer into caps[j] [R, E]. Returns 0, 1 out of

@@ -1,9 +1,10 @@
-"""A GGUF file's Q4_0 / Q4_1 blocks held as they are (`dtype=auto` on a GGUF file whose layers
-are Q4_0 or Q4_1), and its Q8_0 / Q4 LM head.
+"""A GGUF file's blocks held as they are (`dtype=auto` on a GGUF file whose layers are of the
+types held_types() names), and its LM head's.
 
-Where specflow's native kernel builds, the blocks are kept byte for byte in ggml's layout and
-multiplied by it (backends/lean/blocks.py; Q4_0 rewritten as Q4_1 with m = -8d, exact), the head
-too. Elsewhere they go into ATen's int4 layout, as follows. A Q4_1 block holds 32 weights of a
+Where specflow's native kernel builds, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K blocks
+are kept with the file's own scales, minimums and quantized weights in one of the kernel's four
+tile kinds and multiplied by it (backends/lean/blocks.py says which holds which, all exact), the
+head too. Elsewhere Q4_0 / Q4_1 go into ATen's int4 layout, as follows. A Q4_1 block holds 32 weights of a
 row as 4-bit q with a float16 scale d and minimum m (value = q x d + m); Q4_0 as (q - 8) x d.
 That is the int4 layout with group 32, scale d and zero m + 8d (or 0):
 backends/lean/quantized.py. So the blocks are taken from the file bit for bit, and the values
@@ -37,7 +38,7 @@ def read_q4(data: np.ndarray, kind: str) -> tuple[torch.Tensor, torch.Tensor, to
     """A Q4_0 / Q4_1 tensor's rows (uint8 [N, blocks x bytes]) -> q [N, K] uint8 in [0, 15],
     scale and zero [N, K / 32] float32 (value = (q - 8) x scale + zero): ATen's int4 layout's
     parts from the file's (blocks.file_parts)."""
-    d, m, q = native_blocks.file_parts(data, kind)
+    _, d, m, q = native_blocks.file_parts(data, kind)
     d32 = d.astype(np.float32)
     zero = m.astype(np.float32) + 8 * d32                     # Q4_0: -8d + 8d, exactly 0
     return (torch.from_numpy(q.reshape(q.shape[0], -1).copy()), torch.from_numpy(d32),
@@ -57,9 +58,10 @@ def file_types(path: str) -> dict[str, str]:
 
 
 def held_types() -> tuple[str, ...]:
-    """The block types dtype=auto holds as they are: Q4_0, Q4_1, and Q8_0 where specflow's
-    native kernel builds (ATen's layouts hold the Q4 types only)."""
-    return (*INT4_TYPES, "Q8_0") if native_blocks.available() else INT4_TYPES
+    """The block types dtype=auto holds as they are: where specflow's native kernel builds,
+    blocks.FILE_TYPES (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K); elsewhere Q4_0 and Q4_1
+    (ATen's int4 layout)."""
+    return native_blocks.FILE_TYPES if native_blocks.available() else INT4_TYPES
 
 
 def other_layer_types(types: dict[str, str], held: tuple[str, ...] | None = None) -> list[str]:
@@ -73,9 +75,9 @@ def other_layer_types(types: dict[str, str], held: tuple[str, ...] | None = None
 def layer_blocks(path: str, layers: int, heads: int, kv_heads: int,
                  rotary_order: bool = True) -> dict | None:
     """{(layer, field): BlockWeight, or QuantizedWeight on ATen's int4} for every product of
-    every layer, from a file whose layer products are all of held_types() (None otherwise, or
-    where the products the lean forward fuses, q/k/v and gate/up, are of different types):
-    q/k/v and gate/up stacked as the lean forward fuses them; `rotary_order`: q/k rows
+    every layer, from a file whose layer products are all of held_types() (None otherwise):
+    q/k/v and gate/up stacked as the lean forward fuses them (of two types: in a kind that
+    holds both, blocks.stack); `rotary_order`: q/k rows
     reordered as transformers does for Llama (ggml's convert interleaves them; a Qwen2 file is
     stored in the model's own order)."""
     found: dict[tuple[int, int], list] = {}
@@ -102,8 +104,6 @@ def layer_blocks(path: str, layers: int, heads: int, kv_heads: int,
     if len(found) != 4 * layers or any(p is None for parts in found.values() for p in parts):
         return None
     if as_blocks:
-        if any(len({p.kind_code for p in parts}) > 1 for parts in found.values()):
-            return None                        # fused products of two types: the float path
         return {key: native_blocks.stack(parts) for key, parts in found.items()}
     return {key: from_int4_blocks(torch.cat([p[0] for p in parts]),
                                   torch.cat([p[1] for p in parts]),
@@ -112,13 +112,13 @@ def layer_blocks(path: str, layers: int, heads: int, kv_heads: int,
 
 
 def head_blocks(path: str):
-    """The LM head (output.weight, else the tied token_embd.weight) as the file's own Q4_0 /
-    Q4_1 / Q8_0 blocks (backends/lean/blocks.py), or None: another type, or no native kernel."""
+    """The LM head (output.weight, else the tied token_embd.weight) as the file's own blocks
+    (backends/lean/blocks.py), or None: another type, or no native kernel."""
     if not native_blocks.available():
         return None
     tensors = {t.name: t for t in gguf_index.read(path)}
     t = tensors.get("output.weight", tensors.get("token_embd.weight"))
-    if t is None or t.tensor_type.name not in (*INT4_TYPES, "Q8_0"):
+    if t is None or t.tensor_type.name not in native_blocks.FILE_TYPES:
         return None
     return native_blocks.from_file_blocks(np.asarray(t.data), t.tensor_type.name)
 

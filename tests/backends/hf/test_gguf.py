@@ -7,6 +7,7 @@ import json
 import os
 import pathlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -27,10 +28,15 @@ def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def write_gguf(folder: pathlib.Path, out: pathlib.Path, arch: str = "llama",
-               quant: str | None = None) -> pathlib.Path:
+               quant: str | dict | None = None) -> pathlib.Path:
     """The HF Llama in `folder` written as an f32 GGUF file (weights, hyperparameters and its
-    byte-level BPE tokenizer), as llama.cpp's converter would; `quant` (Q4_0, Q4_1, Q8_0): the
-    layers' products in those blocks."""
+    byte-level BPE tokenizer), as llama.cpp's converter would; `quant` (a type, or {ggml name
+    (attn_q, ...): type}): the layers' products in those blocks, quantized from the model's
+    weights where the `gguf` package quantizes the type (Q4_0, Q4_1, Q5_0, Q8_0, ...), else
+    random bits of the weights' size (the K-quants, IQ4_NL: gguf_fakes.random_blocks)."""
+    from tests.backends.lean.gguf_fakes import random_blocks
+
+    rng = np.random.default_rng(0)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
@@ -71,10 +77,14 @@ def write_gguf(folder: pathlib.Path, out: pathlib.Path, arch: str = "llama",
                 t = _permute(torch.from_numpy(t), c.num_attention_heads).numpy()
             elif gg == "attn_k":
                 t = _permute(torch.from_numpy(t), c.num_key_value_heads).numpy()
-            if quant is not None and "norm" not in gg:
-                qtype = getattr(gguf.GGMLQuantizationType, quant)
-                w.add_tensor(f"blk.{i}.{gg}.weight", gguf.quants.quantize(t, qtype),
-                             raw_dtype=qtype)
+            kind = quant.get(gg) if isinstance(quant, dict) else quant
+            if kind is not None and "norm" not in gg:
+                qtype = getattr(gguf.GGMLQuantizationType, kind)
+                try:
+                    data = gguf.quants.quantize(t, qtype)
+                except NotImplementedError:
+                    data = random_blocks(kind, *t.shape, rng, scale=float(t.std()) / 8)
+                w.add_tensor(f"blk.{i}.{gg}.weight", data, raw_dtype=qtype)
                 continue
             w.add_tensor(f"blk.{i}.{gg}.weight", t)
     w.add_tensor("output_norm.weight", sd["model.norm.weight"])
@@ -197,7 +207,7 @@ def test_the_folder_is_all_a_caller_reads_on_stdout_from_a_clean_cache(tiny_gguf
     assert "converting tiny-llama.gguf" in out.stderr
 
 
-@pytest.mark.parametrize("quant", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("quant", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1"])
 def test_dtype_auto_holds_a_files_blocks_and_speculates_exactly(hf_models, tmp_path, quant):
     """The file's own blocks (backends/lean/gguf_blocks.py; Q8_0 where the native kernel
     builds): the layers' values equal the gguf package's dequantization, and greedy speculation
@@ -217,6 +227,38 @@ def test_dtype_auto_holds_a_files_blocks_and_speculates_exactly(hf_models, tmp_p
     torch.testing.assert_close(pipe.target.lean.layers[1][7].dequantize(), want,
                                rtol=0, atol=1e-6)
     assert run(path, "proposer=ngram", *auto) == run(path, "proposer=none", *auto)
+
+
+def test_dtype_auto_holds_a_k_quant_mix_and_speculates_exactly(hf_models, tmp_path):
+    """A Q4_K_M-like file (widths of 256: q, k, gate, up Q4_K, v and down Q6_K, o Q5_K): every
+    layer is held in the file's blocks (q/k/v of two types fused as U8), its values are the
+    gguf package's dequantization, and greedy speculation equals plain decoding at batch 1
+    and 3."""
+    from specflow.backends.lean import blocks
+    from specflow.backends.lean.gguf_blocks import held_types
+    from tests.backends.conftest import build_model
+
+    if "Q4_K" not in held_types():
+        pytest.skip("K-quants are held by specflow's native kernel, not built here")
+    folder = build_model(tmp_path / "wide", "llama", hf_models["tokenizer"], seed=11, hidden=256)
+    mix = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q5_K",
+           "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K"}
+    path = write_gguf(folder, tmp_path / "tiny-Q4_K_M.gguf", quant=mix)
+    auto = ["dtype=auto", "model.activations=float32", "threads=1"]
+    pipe = Pipeline.from_config([f"model.path={path}", "model=hf", "draft=none",
+                                 "show_progress=false", "proposer=none", *auto])
+    assert pipe.target.describe()["weights"].startswith("the file's blocks as they are")
+    layer = pipe.target.lean.layers[1]
+    assert [layer[f].kind_code for f in (1, 3, 6, 7)] == [blocks.U8, blocks.U8, blocks.Q4_K,
+                                                          blocks.U8]
+    reader = gguf.GGUFReader(str(path))
+    for name, field in (("ffn_down", 7), ("attn_output", 3)):
+        tensor = next(t for t in reader.tensors if t.name == f"blk.1.{name}.weight")
+        want = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type)).float()
+        assert torch.equal(layer[field].dequantize(), want)
+    want = run(path, "proposer=none", *auto)
+    assert run(path, "proposer=ngram", *auto) == want
+    assert run(path, "proposer=ngram", "proposer.k=3", *auto, batch=3) == want
 
 
 def test_proposer_self_drafts_with_a_gguf_targets_own_blocks(hf_models, tmp_path):
@@ -248,11 +290,11 @@ def test_proposer_self_over_a_file_of_other_blocks_drafts_in_int4(hf_models, tmp
 def test_dtype_auto_on_blocks_the_layout_cannot_hold_says_so(hf_models, tmp_path, capfd):
     from specflow.backends.lean.gguf_blocks import held_types
 
-    path = write_gguf(hf_models["llama"], tmp_path / "tiny-Q5_0.gguf", quant="Q5_0")
+    path = write_gguf(hf_models["llama"], tmp_path / "tiny-IQ4_NL.gguf", quant="IQ4_NL")
     pipe = Pipeline.from_config([f"model.path={path}", "model=hf", "draft=none",
                                  "show_progress=false", "proposer=none", "dtype=auto"])
-    said = f"Q5_0 layers kept as float32: dtype=auto holds {', '.join(held_types())} blocks " \
+    said = f"IQ4_NL layers kept as float32: dtype=auto holds {', '.join(held_types())} blocks " \
            f"as they are, not these; dtype=int8 or dtype=int4 quantizes them from their values"
     assert pipe.target.describe()["weights"] == said
-    assert f"specflow: note: tiny-Q5_0.gguf: {said}" in capfd.readouterr().err
+    assert f"specflow: note: tiny-IQ4_NL.gguf: {said}" in capfd.readouterr().err
     assert pipe.target.lean.quantized is None

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specflow.backends.lean import blocks
-from specflow.backends.lean.blocks import Q4_1, Q8_0, BlockWeight
+from specflow.backends.lean.blocks import Q4_1, Q4_K, Q8_0, U8, BlockWeight
 
 pytestmark = pytest.mark.skipif(not blocks.available(),
                                 reason="no C compiler: specflow's native kernel is not built")
@@ -94,8 +94,61 @@ def test_a_files_blocks_keep_their_scales_and_weights_and_q4_0_reads_as_q4_1():
     x = torch.randn(3, G * 32)                      # the partial tile's rows multiply right
     ref = quantized_input(x).double() @ held.dequantize().double().T
     assert ((held.matmul(x) - ref).abs().max() / ref.abs().max()) < 1e-6
-    with pytest.raises(ValueError, match="Q5_K blocks are not held as they are"):
-        blocks.from_file_blocks(q8_0.reshape(N, -1), "Q5_K")
+    with pytest.raises(ValueError, match="Q3_K blocks are not held as they are"):
+        blocks.from_file_blocks(q8_0.reshape(N, -1), "Q3_K")
+
+
+# the kind each file type is held in, and its bytes a tile block (16 rows x 32 weights)
+HELD_AS = {"Q4_0": Q4_1, "Q4_1": Q4_1, "Q5_0": Q8_0, "Q5_1": U8, "Q8_0": Q8_0, "Q4_K": Q4_K,
+           "Q5_K": U8, "Q6_K": U8}
+
+
+@pytest.mark.parametrize("type_name", list(HELD_AS))
+def test_every_file_type_is_held_exactly_and_multiplies_right(type_name):
+    """Each type's blocks go into the kind that holds their values (K-quants' sub-block scales
+    multiplied out in float32): the values equal the `gguf` package's dequantization bit for
+    bit, and the product is those values times the input quantized per block."""
+    gguf = pytest.importorskip("gguf")
+    from tests.backends.lean.gguf_fakes import random_blocks
+
+    rng = np.random.default_rng(4)
+    K = 512 if type_name.endswith("_K") else 96
+    data = random_blocks(type_name, 20, K, rng)
+    held = blocks.from_file_blocks(data, type_name)
+    assert held.kind_code == HELD_AS[type_name] and held.shape == (20, K)
+    qtype = getattr(gguf.GGMLQuantizationType, type_name)
+    want = torch.from_numpy(gguf.quants.dequantize(data, qtype)).float()
+    assert torch.equal(held.dequantize(), want)
+    assert held.nbytes() == 2 * K // 32 * blocks.TILE_BYTES[held.kind_code]        # 2 tiles
+    x = torch.randn(9, K) * 3
+    ref = quantized_input(x).double() @ want.double().T
+    got = held.matmul(x)
+    assert ((got - ref).abs().max() / ref.abs().max()) < 1e-6
+    for rows in (1, 4):
+        assert torch.equal(held.matmul(x[:rows]), got[:rows])
+    torch.testing.assert_close(blocks.reorder_rows(held, torch.arange(19, -1, -1)).dequantize(),
+                               want.flip(0), rtol=0, atol=0)
+
+
+def test_fused_products_of_two_types_are_held_in_a_kind_that_holds_both():
+    """A Q4_K_M file's q, k (Q4_K) and v (Q6_K) stack into one product: Q4_1 with Q4_K as
+    Q4_K (wider scales), anything else as U8 (Q8_0's q as q + 128, m = -128 d): the same
+    values either way."""
+    from tests.backends.lean.gguf_fakes import random_blocks
+
+    rng = np.random.default_rng(5)
+    parts = {t: blocks.from_file_blocks(random_blocks(t, 16 + 8 * i, 256, rng), t)
+             for i, t in enumerate(("Q4_0", "Q4_K", "Q6_K", "Q8_0"))}
+    for names, kind in ((("Q4_0", "Q4_K"), Q4_K), (("Q4_K", "Q6_K"), U8),
+                        (("Q4_0", "Q8_0"), U8), (("Q4_K", "Q4_K", "Q6_K", "Q8_0"), U8)):
+        both = blocks.stack([parts[n] for n in names])
+        assert both.kind_code == kind
+        want = torch.cat([parts[n].dequantize() for n in names])
+        assert torch.equal(both.dequantize(), want)
+        x = torch.randn(3, 256)
+        ref = quantized_input(x).double() @ want.double().T
+        assert ((both.matmul(x) - ref).abs().max() / ref.abs().max()) < 1e-6
+    assert blocks.stack([parts["Q4_K"], parts["Q6_K"]]).describe() == "Q4_K + Q6_K blocks held as U8"
 
 
 def test_rows_reorder_and_stack_with_their_blocks():
@@ -158,10 +211,17 @@ def test_the_portable_path_computes_what_the_vnni_path_does(tmp_path):
     lib = ctypes.CDLL(str(built))
     assert lib.specflow_blocks_vnni() == 0
     lib.specflow_held.argtypes = native._library().specflow_held.argtypes
+    from tests.backends.lean.gguf_fakes import random_blocks
+
     torch.manual_seed(3)
-    w, x = torch.randn(40, 96), torch.randn(5, 96)
-    for held in (blocks.quantize_q4(w), blocks.quantize_q8(w)):
+    rng = np.random.default_rng(3)
+    w, x = torch.randn(40, 256), torch.randn(5, 256)
+    held = [blocks.quantize_q4(w), blocks.quantize_q8(w),
+            *(blocks.from_file_blocks(random_blocks(t, 40, 256, rng), t) for t in ("Q4_K", "Q6_K"))]
+    assert [h.kind_code for h in held] == [Q4_1, Q8_0, Q4_K, U8]
+    for h in held:
         out = torch.empty(5, 40)
-        assert lib.specflow_held(held.data_ptr(), held.kind_code, x.data_ptr(), out.data_ptr(),
-                                   40, 96, 5, 1, None, 0.0) == 0
-        torch.testing.assert_close(out, held.matmul(x), rtol=1e-5, atol=1e-5)
+        assert lib.specflow_held(h.data_ptr(), h.kind_code, x.data_ptr(), out.data_ptr(),
+                                   40, 256, 5, 1, None, 0.0) == 0
+        want = h.matmul(x)      # up to the fusing of multiply-adds: 1e-6 of the row's scale
+        assert (out - want).abs().max() <= 1e-6 * want.abs().max(), blocks.NAMES[h.kind_code]

@@ -1,6 +1,7 @@
-"""A GGUF file's Q4_0 / Q4_1 blocks held as they are (`dtype=auto` on such a file): the values
-the int4 layout reads equal the `gguf` package's dequantization of the same bytes (Q4_0 exactly;
-Q4_1 up to the float32 rounding of m + 8d), q/k rows come in transformers' order, and SmolLM2's
+"""A GGUF file's blocks held as they are (`dtype=auto` on such a file): the values the native
+kernel's tiles (every held type) and ATen's int4 layout (Q4_0 / Q4_1) read equal the `gguf`
+package's dequantization of the same bytes (the tiles exactly; ATen's Q4_1 up to the float32
+rounding of m + 8d), q/k rows come in transformers' order, and SmolLM2's
 own file runs on its blocks with greedy speculation equal to plain decoding."""
 from __future__ import annotations
 
@@ -28,18 +29,24 @@ def test_blocks_read_back_as_the_gguf_package_dequantizes_them(kind):
     torch.testing.assert_close(got, want, rtol=0, atol=0 if kind == "Q4_0" else 1e-6)
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K",
+                                  "Q6_K"])
 def test_native_blocks_are_exactly_what_the_gguf_package_dequantizes(kind):
     """Where specflow's kernel builds, the file's blocks are held as they are (tiled): their
-    values equal the `gguf` package's dequantization bit for bit, Q4_0 included (m = -8d)."""
+    values equal the `gguf` package's dequantization bit for bit, Q4_0 (m = -8d), Q5_0 (as
+    Q8_0) and the K-quants (scales multiplied out in float32) included. The package quantizes
+    the older types; the K-quants' bits are random (it has no quantizer for them)."""
     from specflow.backends.lean import blocks
+    from tests.backends.lean.gguf_fakes import random_blocks
 
     if not blocks.available():
         pytest.skip("no C compiler: specflow's native kernel is not built")
     rng = np.random.default_rng(1)
-    x = rng.standard_normal((40, 96)).astype(np.float32)
     qtype = getattr(gguf.GGMLQuantizationType, kind)
-    data = gguf.quants.quantize(x, qtype)
+    if kind.endswith("_K"):
+        data = random_blocks(kind, 40, 512, rng)
+    else:
+        data = gguf.quants.quantize(rng.standard_normal((40, 96)).astype(np.float32), qtype)
     want = torch.from_numpy(gguf.quants.dequantize(data, qtype)).float()
     got = blocks.from_file_blocks(data, kind).dequantize()
     torch.testing.assert_close(got, want, rtol=0, atol=0)

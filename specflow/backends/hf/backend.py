@@ -19,6 +19,8 @@ import torch
 from specflow.config import check_backend_settings
 from specflow.errors import ConfigError
 from specflow.backends.contract import Backend, DecoderShape, GrammarVocabulary, Tokenizer
+from specflow.backends.hf import file_products
+from specflow.backends.hf.file_products import is_placeholder
 from specflow.backends.lean.quantized import activation_dtype, bf16_weight_only
 from specflow.backends.plan import ForwardPlan, make_plan
 from specflow.backends.slot_cache import SlotKVCache
@@ -269,7 +271,11 @@ def check_group_size(config, group: int, role: str, name: str) -> None:
                       f"{name!r} (int4 scales whole groups of a row); {fix}")
 
 
-def load_model(cfg: HFModelConfig, device: torch.device, role: str = "model"):
+def load_model(cfg: HFModelConfig, device: torch.device, role: str = "model",
+               products_from_file: bool = True):
+    """(model, tokenizer, name). `products_from_file`: where every layer product will be held
+    in a GGUF file's blocks (dtype=auto), build the model without their float32 weights
+    (backends/hf/file_products.py)."""
     import pickle
 
     from safetensors import SafetensorError
@@ -309,6 +315,8 @@ def load_model(cfg: HFModelConfig, device: torch.device, role: str = "model"):
         load["device_map"] = cfg.device_map
     try:
         with held_warnings():
+            if products_from_file and file_products.wanted(cfg, path, config, device):
+                return file_products.load(path, config, cfg.attn_implementation), tokenizer, name
             model = AutoModelForCausalLM.from_pretrained(path, config=config, **load)
     except torch.OutOfMemoryError:
         raise
@@ -348,6 +356,10 @@ class HFBackend(Backend):
         self.settings = {"threads": cfg.threads, "pack": cfg.pack, "native": cfg.native}
         self.chosen: dict = {}         # tune()'s decisions, as each Choice describes them
         self.model, tok, self.path = load_model(cfg, device, role)
+        # the layer products left as placeholders, to be the GGUF file's blocks
+        # (file_products.py): _file_blocks then reads its checks' values from the folder
+        self.products_from_file = is_placeholder(self.model.model.layers[0].mlp.down_proj.weight) \
+            if hasattr(getattr(self.model, "model", None), "layers") else False
         config = self.model.config
         self.device = self.model.device
         eos = getattr(self.model.generation_config, "eos_token_id", None) or tok.eos_token_id
@@ -383,6 +395,10 @@ class HFBackend(Backend):
         if bf16_weight_only(cfg.dtype, cfg.activations, self.device, cfg.device_map):
             quantize = (16, cfg.group_size, torch.float32)     # bf16_weights.py
         blocks = self._file_blocks(cfg) if cfg.dtype == "auto" else None
+        file_products.release_freed()
+        if blocks is None and self.products_from_file:     # not held after all: read them
+            self.model = load_model(cfg, device, role, products_from_file=False)[0]
+            self.products_from_file = False
         if blocks is not None:                # a GGUF file's blocks, as they are
             bits = max(w.bits for (layer, _), w in blocks[0].items() if layer >= 0)
             quantize = (bits, 32, activations, *blocks)
@@ -416,6 +432,7 @@ class HFBackend(Backend):
         lean forward: the blocks for LeanLlama.quantize(given=...), and the head's bits (8 where
         the file's head or tied embedding is Q8_0 or wider, else 4); None elsewhere (the
         checkpoint's own dtype, as for any folder)."""
+        from specflow.backends.hf.file_products import read_tensors
         from specflow.backends.lean.forward import unsupported_reason
         from specflow.backends.lean.blocks import reorder_rows
         from specflow.backends.lean.gguf_blocks import (file_types, head_blocks, held_types,
@@ -444,9 +461,17 @@ class HFBackend(Backend):
         if held:                                   # float layers: the float path is the file's
             return None
         c = self.model.config
-        layer = self.model.model.layers[0]
-        att, mlp = layer.self_attn, layer.mlp
-        dense = torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])
+        names = [f"model.layers.0.{part}.weight" for part in
+                 ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.down_proj")]
+        if self.products_from_file:          # not in the model: the folder's values
+            try:
+                values = read_tensors(self.model.name_or_path, names)
+            except (OSError, KeyError, ValueError):
+                return None
+            q, k, v, down = (values[n] for n in names)
+        else:
+            q, k, v, down = (self.model.get_parameter(n) for n in names)
+        dense = torch.cat([q, k, v])
         for rotary_order in (c.model_type == "llama", c.model_type != "llama"):
             try:
                 blocks = layer_blocks(file, c.num_hidden_layers, c.num_attention_heads,
@@ -456,7 +481,7 @@ class HFBackend(Backend):
                 return None
             if blocks is None:
                 return None
-            if matches(blocks[(0, 1)], dense) and matches(blocks[(0, 7)], mlp.down_proj.weight):
+            if matches(blocks[(0, 1)], dense) and matches(blocks[(0, 7)], down):
                 break
         else:
             return None                            # a row order this reader does not know

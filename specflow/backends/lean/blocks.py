@@ -97,7 +97,7 @@ def _tile(kind: int, d: np.ndarray, m: np.ndarray | None, q: np.ndarray) -> np.n
         if kind == U8:
             parts = [qs, _by_tile(d, T, per), _by_tile(m, T, per)]
         else:
-            start = (-128 * q8.astype(np.int32).sum((3, 4))).astype(np.int32)     # [T, i, G]
+            start = -128 * q8.sum((3, 4), dtype=np.int32)                # [T, i, G]
             parts = [qs, _by_tile(d, T, per),
                      np.ascontiguousarray(start.transpose(0, 2, 1)).view(np.uint8)]
     return np.ascontiguousarray(np.concatenate(
@@ -284,6 +284,8 @@ def common_kind(kinds) -> int:
 def stack(weights: list[BlockWeight]) -> BlockWeight:
     """Weights of one width stacked along their rows (q/k/v, gate/up), in the kind that holds
     them all (common_kind)."""
+    if len(weights) == 1:
+        return weights[0]
     kind = common_kind(w.kind_code for w in weights)
     parts = [_as_kind(w.kind_code, kind, *w.parts()) for w in weights]
     sources = {w.source or NAMES[w.kind_code] for w in weights}

@@ -61,10 +61,15 @@ def unsupported_reason(config) -> str | None:
 
 def fuse_in_place(modules: list, attr: str = "weight") -> torch.Tensor | None:
     """One tensor holding the modules' `attr` stacked on dim 0; each module's parameter becomes a
-    view into it, so the old storages are freed and nothing is held twice."""
+    view into it, so the old storages are freed and nothing is held twice. Placeholders (weights
+    held elsewhere, every stride 0: backends/hf/file_products.py) stack into one, owning
+    nothing."""
     parts = [getattr(m, attr) for m in modules]
     if any(p is None for p in parts):
         return None
+    if all(p.numel() > 1 and not any(p.stride()) for p in parts):
+        return torch.zeros((), dtype=parts[0].dtype).expand(
+            sum(p.shape[0] for p in parts), *parts[0].shape[1:])
     fused = torch.cat([p.detach() for p in parts])
     offset = 0
     for module, part in zip(modules, parts):

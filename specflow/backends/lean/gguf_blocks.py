@@ -103,8 +103,8 @@ def layer_blocks(path: str, layers: int, heads: int, kv_heads: int,
         found[(i, field)][part] = held
     if len(found) != 4 * layers or any(p is None for parts in found.values() for p in parts):
         return None
-    if as_blocks:
-        return {key: native_blocks.stack(parts) for key, parts in found.items()}
+    if as_blocks:      # one product at a time: the unstacked parts freed as it goes
+        return {key: native_blocks.stack(found.pop(key)) for key in list(found)}
     return {key: from_int4_blocks(torch.cat([p[0] for p in parts]),
                                   torch.cat([p[1] for p in parts]),
                                   torch.cat([p[2] for p in parts]), BLOCK)

@@ -1,0 +1,85 @@
+"""A GGUF model whose layer products are the file's blocks is built without their float32
+weights (backends/hf/file_products.py): the products are placeholders from the start, the
+decoding is what the float32-loaded model holding the same blocks decodes, and a file whose
+blocks do not match the folder's values loads the float32 weights after all."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+pytest.importorskip("accelerate")
+
+from specflow import Pipeline  # noqa: E402
+from specflow.backends.hf import file_products  # noqa: E402
+from specflow.backends.lean import blocks  # noqa: E402
+from tests.backends.hf.test_gguf import PROMPTS, write_gguf  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not blocks.available(),
+                                reason="no C compiler: specflow's native kernel is not built")
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("SPECFLOW_CACHE", str(tmp_path_factory.getbasetemp() / "specflow-cache"))
+
+
+@pytest.fixture(scope="module")
+def q4_0_file(hf_models, tmp_path_factory):
+    return write_gguf(hf_models["llama"], tmp_path_factory.mktemp("gguf") / "tiny-Q4_0.gguf",
+                      quant="Q4_0")
+
+
+def decode(path, *overrides):
+    pipe = Pipeline.from_config([f"model.path={path}", "model=hf", "draft=none", "threads=1",
+                                 "show_progress=false", "dtype=auto",
+                                 "model.activations=float32", *overrides])
+    out = [r.token_ids for r in pipe.generate(PROMPTS, max_new_tokens=12)]
+    return pipe.target, out
+
+
+def test_the_products_are_never_read_and_decode_as_the_float_loaded_model_does(q4_0_file,
+                                                                               monkeypatch):
+    target, lean = decode(q4_0_file, "proposer=none")
+    assert target.products_from_file
+    mlp = target.model.model.layers[1].mlp
+    assert file_products.is_placeholder(mlp.down_proj.weight)
+    assert not file_products.is_placeholder(target.model.model.embed_tokens.weight)
+    assert target.describe()["weights"].startswith("the file's blocks as they are")
+    # the same blocks over the model loaded with its float32 products first
+    monkeypatch.setattr(file_products, "wanted", lambda *a: False)
+    dense_target, dense = decode(q4_0_file, "proposer=none")
+    assert not dense_target.products_from_file
+    assert dense == lean
+    # a state_dict reads the blocks' values back into the placeholders' modules, as after
+    # quantizing a loaded model
+    torch.testing.assert_close(target.model.state_dict()["model.layers.1.mlp.down_proj.weight"],
+                               dense_target.model.state_dict()[
+                                   "model.layers.1.mlp.down_proj.weight"], rtol=0, atol=0)
+    _, speculated = decode(q4_0_file, "proposer=ngram", "proposer.k=3")
+    assert speculated == lean
+
+
+def test_blocks_that_do_not_match_the_folder_load_the_float_weights_after_all(q4_0_file,
+                                                                             monkeypatch):
+    from specflow.backends.lean import gguf_blocks
+
+    monkeypatch.setattr(gguf_blocks, "matches", lambda held, dense: False)
+    target, got = decode(q4_0_file, "proposer=none")
+    assert not target.products_from_file and target.lean.quantized is None
+    assert not file_products.is_placeholder(target.model.model.layers[1].mlp.down_proj.weight)
+    _, want = decode(q4_0_file, "proposer=none", "dtype=float32")
+    assert got == want
+
+
+def test_tensors_are_read_alone_from_one_file_or_shards(hf_models, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_models["llama"], dtype=torch.float32)
+    model.save_pretrained(tmp_path / "shards", max_shard_size="100KB")
+    assert (tmp_path / "shards" / "model.safetensors.index.json").is_file()
+    names = ["model.norm.weight", "model.layers.1.mlp.down_proj.weight"]
+    for folder in (hf_models["llama"], tmp_path / "shards"):
+        got = file_products.read_tensors(str(folder), names)
+        for n in names:
+            assert torch.equal(got[n], model.get_parameter(n))

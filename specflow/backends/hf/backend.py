@@ -401,7 +401,8 @@ class HFBackend(Backend):
             self.products_from_file = False
         if blocks is not None:                # a GGUF file's blocks, as they are
             bits = max(w.bits for (layer, _), w in blocks[0].items() if layer >= 0)
-            quantize = (bits, 32, activations, *blocks)
+            # a tied embedding looked up in the file's head blocks (LeanLlama.quantize)
+            quantize = (bits, 32, activations, *blocks, True)
         # where each timed choice's times came from (backends/choice_cache.py): describe()'s
         # `choices`, "cache" or "timed"
         with choice_cache.recording() as self.choices:
@@ -625,6 +626,10 @@ class HFBackend(Backend):
         return self.model.dtype
 
     def input_embeddings(self) -> torch.Tensor:
+        """The embedding table [V, E]; where the lean forward looks it up in the tied head's
+        blocks (a GGUF file's, dtype=auto), their values, dense (a copy the caller holds)."""
+        if self.lean is not None and self.lean.embed_held is not None:
+            return self.lean.embed_held.dequantize().to(self.lean.embed.dtype)        # [V, E]
         return self.model.get_input_embeddings().weight                               # [V, E]
 
     def decoder_shape(self) -> DecoderShape:

@@ -90,6 +90,9 @@ static void quantize_rows(const float *X, int64_t M, int64_t K, int8_t *xq, floa
         }
 }
 
+static inline float f16_at(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return half_to_f32(h); }
+static inline float f32_at(const uint8_t *p) { float f; memcpy(&f, p, 4); return f; }
+
 #define MRB 8          /* rows of X one walk of a tile takes (accumulators in registers) */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -221,8 +224,6 @@ static void NAME##_tile_##MR(const uint8_t *tile, const int8_t *xq, const float 
             y[j * N + i] = acc + accm;                                                           \
         }                                                                                        \
 }
-static inline float f16_at(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return half_to_f32(h); }
-static inline float f32_at(const uint8_t *p) { float f; memcpy(&f, p, 4); return f; }
 #define F16_SCALES d = f16_at(blk + 256 + 2 * i); m = f16_at(blk + 288 + 2 * i);
 #define F32_SCALES d = f32_at(blk + 256 + 4 * i); m = f32_at(blk + 320 + 4 * i);
 #define Q4_GROUP(MR) NIBBLE_GROUP(q4, Q4_TILE, F16_SCALES, MR)
@@ -319,12 +320,15 @@ static int quantize_x(const float *X, int64_t M, int64_t K, int want_u8, quantiz
    (gemv.c's product()) */
 enum { BLOCK_Q4_1 = 3, BLOCK_Q8_0 = 4, BF16_WEIGHTS = 5, BLOCK_Q4_K = 6, BLOCK_U8 = 7 };
 
+static int64_t tile_bytes(int kind) {
+    return kind == BLOCK_Q4_1 ? Q4_TILE : kind == BLOCK_Q4_K ? Q4K_TILE :
+           kind == BLOCK_U8 ? U8_TILE : Q8_TILE;
+}
+
 /* Tiles t0..t1 of a block weight W (N rows, tiled) against every row of x. */
 static void block_rows(const void *W, int kind, const quantized_x *x, float *Y, int64_t t0,
                        int64_t t1, int64_t N) {
-    int64_t K = x->K, G = x->G;
-    int64_t bytes = kind == BLOCK_Q4_1 ? Q4_TILE : kind == BLOCK_Q4_K ? Q4K_TILE :
-                    kind == BLOCK_U8 ? U8_TILE : Q8_TILE;
+    int64_t K = x->K, G = x->G, bytes = tile_bytes(kind);
     for (int64_t t = t0; t < t1; t++) {
         const uint8_t *tile = (const uint8_t *)W + t * G * bytes;
         int64_t rows = N - t * TR < TR ? N - t * TR : TR;
@@ -366,3 +370,43 @@ static void block_product(const void *W, int kind, const quantized_x *x, float *
 }
 
 int specflow_blocks_vnni(void) { return BLOCKS_VNNI; }
+
+/* out [n, K] float32 = rows ids[0..n) of a block weight W [N, K] of `kind`, as its values (q x d
+   (+ m), each a float32 product then a sum: what BlockWeight.dequantize computes): an embedding
+   table held in its blocks, looked up. Returns 0, or 2 an id outside 0..N. */
+int specflow_block_rows(const void *W, int kind, const int64_t *ids, int64_t n, int64_t N,
+                        int64_t K, float *out) {
+    int64_t G = K / QK, bytes = tile_bytes(kind);
+    for (int64_t r = 0; r < n; r++) {
+        int64_t id = ids[r];
+        if (id < 0 || id >= N) return 2;
+        int64_t i = id % TR;
+        const uint8_t *row = (const uint8_t *)W + (id / TR) * G * bytes;
+        for (int64_t b = 0; b < G; b++) {
+            const uint8_t *blk = row + b * bytes;
+            float *o = out + r * K + b * QK;
+            if (kind == BLOCK_Q4_1 || kind == BLOCK_Q4_K) {
+                int wide = kind == BLOCK_Q4_K;
+                float d = wide ? f32_at(blk + 256 + 4 * i) : f16_at(blk + 256 + 2 * i);
+                float m = wide ? f32_at(blk + 320 + 4 * i) : f16_at(blk + 288 + 2 * i);
+                for (int c = 0; c < 4; c++)
+                    for (int u = 0; u < 4; u++) {
+                        uint8_t v = blk[64 * c + 4 * i + u];
+                        o[4 * c + u] = (float)(v & 0x0F) * d + m;
+                        o[16 + 4 * c + u] = (float)(v >> 4) * d + m;
+                    }
+            } else if (kind == BLOCK_U8) {
+                for (int j = 0; j < QK; j++) {
+                    int h = j >= QK / 2;
+                    o[j] = (float)blk[64 * (j / 4) + 4 * i + j % 4] * f32_at(blk + 512 + 64 * h + 4 * i)
+                           + f32_at(blk + 640 + 64 * h + 4 * i);
+                }
+            } else {
+                float d = f16_at(blk + 512 + 2 * i);
+                for (int j = 0; j < QK; j++)
+                    o[j] = (float)(int8_t)blk[64 * (j / 4) + 4 * i + j % 4] * d;
+            }
+        }
+    }
+    return 0;
+}

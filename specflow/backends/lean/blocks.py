@@ -69,10 +69,23 @@ def _from_tile(b: np.ndarray, dtype, per_block: int) -> np.ndarray:
     return t.transpose(0, 3, 1, 2).reshape(T * TR, G * per_block)
 
 
+CHUNK = 4096        # rows tiled at a time: the temporaries stay small beside the tiles
+
+
 def _tile(kind: int, d: np.ndarray, m: np.ndarray | None, q: np.ndarray) -> np.ndarray:
     """Blocks' parts -> blocks.c's tiles: d, m [N, G] (U8: [N, 2G], per 16) in the kind's
     SCALE_DTYPE, q [N, G, 32] (Q4_1/Q4_K: uint8 in 0..15; Q8_0: int8; U8: uint8) -> uint8
-    [tiles, G, TILE_BYTES] (rows past N zero)."""
+    [tiles, G, TILE_BYTES] (rows past N zero), CHUNK rows at a time."""
+    N, G = q.shape[:2]
+    out = np.empty((-(-N // TR), G, TILE_BYTES[kind]), np.uint8)
+    for r in range(0, N, CHUNK):
+        out[r // TR:(r + CHUNK) // TR] = _tile_rows(
+            kind, d[r:r + CHUNK], None if m is None else m[r:r + CHUNK], q[r:r + CHUNK])
+    return out
+
+
+def _tile_rows(kind: int, d: np.ndarray, m: np.ndarray | None, q: np.ndarray) -> np.ndarray:
+    """_tile of a few rows (a multiple of 16, or the last)."""
     N, G = q.shape[:2]
     T = -(-N // TR)
     pad = T * TR - N
@@ -172,6 +185,18 @@ class BlockWeight(native.HeldWeight):
             values += m.astype(np.float32)[..., None]
         return torch.from_numpy(values.reshape(N, K))
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [...] long -> [..., K] float32: those rows' values (dequantize()'s, bit for bit),
+        read from the tiles alone: an embedding table held in its blocks, looked up."""
+        N, K = self.shape
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty(flat.numel(), K, dtype=torch.float32)                    # [n, K]
+        if flat.numel() and native._library().specflow_block_rows(
+                self.data_ptr(), self.kind_code, flat.data_ptr(), flat.numel(), N, K,
+                out.data_ptr()):
+            raise IndexError(f"a row id outside 0..{N - 1}: {flat.min()}..{flat.max()}")
+        return out.reshape(*ids.shape, K)
+
     def describe(self) -> str:
         if self.source is not None and self.source != NAMES[self.kind_code]:
             return f"{self.source} blocks held as {NAMES[self.kind_code]}"
@@ -222,8 +247,8 @@ def file_parts(data: np.ndarray, type_name: str):
     N = rows.shape[0]
     size, per = FILE_BLOCK[type_name]
     b = rows.reshape(N, -1, size)                                       # [N, blocks, bytes]
-    if type_name == "Q8_0":
-        return Q8_0, b[..., 0:2].copy().view(np.float16)[..., 0], None, b[..., 2:].copy().view(np.int8)
+    if type_name == "Q8_0":                         # q a view: _tile copies it a chunk at a time
+        return Q8_0, b[..., 0:2].copy().view(np.float16)[..., 0], None, b[..., 2:].view(np.int8)
     if type_name in ("Q4_0", "Q4_1"):
         d = b[..., 0:2].copy().view(np.float16)[..., 0]
         m = d * np.float16(-8) if type_name == "Q4_0" else b[..., 2:4].copy().view(np.float16)[..., 0]

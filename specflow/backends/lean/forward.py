@@ -106,6 +106,9 @@ class LeanLlama:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         self.eps = cfg.rms_norm_eps
         self.embed = inner.embed_tokens.weight
+        # a tied embedding read from the LM head's blocks (quantize(share_embedding=True)):
+        # then self.embed is a placeholder of the table's shape and dtype
+        self.embed_held = None
         rotary = inner.rotary_emb
         self.inv_freq = rotary.inv_freq                                   # [D/2]
         self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
@@ -213,9 +216,16 @@ class LeanLlama:
         self.kernels = dataclasses.replace(self.kernels, pack=True)
         self.mm = self.kernels.matmul
 
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [...] -> [..., E]: the embedding table's rows (or the held head's, which are
+        the same values: quantize(share_embedding=True))."""
+        if self.embed_held is not None:
+            return self.embed_held.rows(ids).to(self.embed.dtype)
+        return F.embedding(ids, self.embed)
+
     def quantize(self, bits: int, group_size: int = 32,
                  activations: torch.dtype | None = None, given: dict | None = None,
-                 head_bits: int | None = None) -> list[str]:
+                 head_bits: int | None = None, share_embedding: bool = False) -> list[str]:
         """Hold every product weight (the layers' and the LM head) in `bits` bits (GGUF blocks where the
         native kernel builds, backends/lean/blocks.py; else ATen's layouts,
         backends/lean/quantized.py) and free the dense ones, as pack() does: the owning modules
@@ -228,7 +238,10 @@ class LeanLlama:
         ATen's fast weight-only paths). `given`: {(layer, field): QuantizedWeight or
         BlockWeight} held as they are instead (a GGUF file's blocks:
         backends/lean/gguf_blocks.py; field (HEAD, 0): the LM head); `head_bits`: the LM head's
-        bits where they differ. CPU only; before any pack()."""
+        bits where they differ. `share_embedding`: a tied embedding whose values are the given
+        head's (a GGUF file's tied table: its own blocks) is looked up in the head's blocks and
+        its dense table freed (checked on rows across the vocabulary first, bit for bit; else
+        kept). CPU only; before any pack()."""
         from specflow.backends.lean.quantized import quantize_weight
 
         if self._packs or self._dual is not None:
@@ -258,11 +271,24 @@ class LeanLlama:
             else:             # tied: the embedding lookup reads the dense table
                 self._packs.append((self.HEAD, 0, []))
                 self.lm_head = held
+                if share_embedding and (self.HEAD, 0) in (given or {}):
+                    self._share_embedding(held)
         self._hook_unpack()
         self.quantized = (bits, group_size)
         if activations is not None and activations != self.embed.dtype:
             self._cast(activations)
         return left
+
+    def _share_embedding(self, head) -> None:
+        """The embedding looked up in the tied head's blocks, its table freed, where the
+        blocks' rows equal the table's (bit for bit, 257 rows across the vocabulary)."""
+        V = self.embed.shape[0]
+        probe = torch.unique(torch.linspace(0, V - 1, 257).long())
+        if not hasattr(head, "rows") or not torch.equal(head.rows(probe),
+                                                        self.embed[probe].float()):
+            return
+        self.embed_held = head
+        self._release([self.model.get_input_embeddings()])
 
     def _cast(self, dtype: torch.dtype) -> None:
         """The model's float parameters in `dtype` (placeholders stay one element), and the
@@ -329,6 +355,9 @@ class LeanLlama:
         with torch.no_grad():
             for index, field, modules in self._packs:
                 if not modules:            # a tied head's packed copy: the embedding is the head
+                    if self.embed_held is not None:       # the table back from the blocks
+                        self.embed.data = self.embed_held.dequantize().to(self.embed.dtype)
+                        self.embed_held = None
                     self.lm_head = self.embed
                     continue
                 held = self.lm_head if index == self.HEAD else self.layers[index][field]
@@ -356,7 +385,7 @@ class LeanLlama:
         timed on the dense weights left, or on the embedding table when every product is packed
         (a tied head's dense copy: what an unpacked pass multiplies)."""
         dense = self._dense_weights()
-        if not dense and self._tied_copy:
+        if not dense and self._tied_copy and self.embed_held is None:
             dense = [self.embed]
         again = pick(dense) if dense else self.kernels
         self.kernels = dataclasses.replace(again, pack=self.packed)
@@ -379,7 +408,7 @@ class LeanLlama:
             if ptr not in own and ptr not in seen:
                 seen.add(ptr)
                 extra += t.untyped_storage().nbytes()
-        if self._tied_copy:                           # the head's copy of the embedding table
+        if self._tied_copy and self.embed_held is None:  # the head's copy of the table
             extra += self.lm_head.nbytes() if self.quantized is not None \
                 else self.embed.numel() * self.embed.element_size()
         if self._dual is not None:                                 # the packed copies
@@ -486,7 +515,7 @@ class LeanLlama:
         token tree's; no sliding window past its width, no bucket padding), so a pass of a few
         queries (a ragged batch's real ones) may run as one native call (backends/lean/native_pass.py)."""
         B, T = input_ids.shape
-        x = F.embedding(input_ids, self.embed)                                        # [B, T, E]
+        x = self.embedding(input_ids)                                                 # [B, T, E]
         # a row fed nothing sits at its length, which may equal kv_len: one row more
         cos, sin = self._rope(positions, x.dtype, cache.get_seq_length() + 1)         # [B, 1, T, D]
         ragged = cache.plan.ragged if plan_mask else None

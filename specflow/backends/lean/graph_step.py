@@ -21,7 +21,6 @@ and plain passes of the lean forward; trees, hidden-state captures and prefills 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 
 def static_forward(lean, keys: list[torch.Tensor], values: list[torch.Tensor],
@@ -32,7 +31,7 @@ def static_forward(lean, keys: list[torch.Tensor], values: list[torch.Tensor],
     ids, positions, write [B, T] long: the inputs, their rotary positions, and the cache column
     each one's keys and values go to (padding: the scratch column); slots [B] long: each row's
     cache row; columns [C] long: 0..C-1; keys / values: the cache's [S, Hkv, C, D] per layer."""
-    x = F.embedding(ids, lean.embed)                                                 # [B, T, E]
+    x = lean.embedding(ids)                                                          # [B, T, E]
     cos, sin = lean._cos[positions][:, None], lean._sin[positions][:, None]          # [B, 1, T, D]
     mask = (columns[None, None, :] <= positions[:, :, None])[:, None]                # [B, 1, T, C]
     B, T = ids.shape

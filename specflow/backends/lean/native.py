@@ -99,6 +99,8 @@ def _library() -> ctypes.CDLL | None:
     lib.specflow_held.argtypes = [P, ctypes.c_int, P, P, I64, I64, I64, ctypes.c_int, P,
                                   ctypes.c_float]
     lib.specflow_held.restype = ctypes.c_int
+    lib.specflow_block_rows.argtypes = [P, ctypes.c_int, P, I64, I64, I64, P]
+    lib.specflow_block_rows.restype = ctypes.c_int
     lib.has_f16 = bool(lib.specflow_has_f16())
     lib.vnni = bool(lib.specflow_blocks_vnni())
     return lib

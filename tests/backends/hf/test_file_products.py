@@ -83,3 +83,32 @@ def test_tensors_are_read_alone_from_one_file_or_shards(hf_models, tmp_path):
         got = file_products.read_tensors(str(folder), names)
         for n in names:
             assert torch.equal(got[n], model.get_parameter(n))
+
+
+def test_a_tied_embedding_is_looked_up_in_the_files_head_blocks(hf_models, tmp_path, monkeypatch):
+    """A file whose embedding is tied and in blocks (SmolLM2's Q8_0 token_embd): the lean
+    forward looks its rows up in the head's blocks and frees the table; the tokens are those of
+    the table kept, the table's values come back for a caller that wants it dense (an EAGLE
+    head) and when the model is unpacked."""
+    from specflow.backends.lean.forward import LeanLlama
+    from tests.backends.conftest import build_model
+
+    folder = build_model(tmp_path / "tied", "llama", hf_models["tokenizer"], seed=12,
+                         tie_word_embeddings=True)
+    path = write_gguf(folder, tmp_path / "tied-Q8_0.gguf",
+                      quant={"token_embd": "Q8_0", **{n: "Q8_0" for n in (
+                          "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                          "ffn_down")}})
+    target, shared = decode(path, "proposer=none")
+    lean = target.lean
+    assert lean.embed_held is lean.lm_head and file_products.is_placeholder(lean.embed)
+    table = target.input_embeddings()
+    ids = torch.arange(table.shape[0])
+    assert torch.equal(lean.embedding(ids), table)
+    assert target.describe()["weights"].endswith("the LM head in the file's own blocks")
+    monkeypatch.setattr(LeanLlama, "_share_embedding", lambda self, head: None)
+    kept_target, kept = decode(path, "proposer=none")
+    assert kept_target.lean.embed_held is None and shared == kept
+    assert torch.equal(kept_target.input_embeddings(), table)
+    lean.unpack()                                           # the table back, from the blocks
+    assert lean.embed_held is None and torch.equal(lean.embed, table)

@@ -31,9 +31,11 @@ def write_gguf(folder: pathlib.Path, out: pathlib.Path, arch: str = "llama",
                quant: str | dict | None = None) -> pathlib.Path:
     """The HF Llama in `folder` written as an f32 GGUF file (weights, hyperparameters and its
     byte-level BPE tokenizer), as llama.cpp's converter would; `quant` (a type, or {ggml name
-    (attn_q, ...): type}): the layers' products in those blocks, quantized from the model's
-    weights where the `gguf` package quantizes the type (Q4_0, Q4_1, Q5_0, Q8_0, ...), else
-    random bits of the weights' size (the K-quants, IQ4_NL: gguf_fakes.random_blocks)."""
+    (attn_q, ..., token_embd): type}): the layers' products (and the embedding) in those
+    blocks, quantized from the model's weights where the `gguf` package quantizes the type
+    (Q4_0, Q4_1, Q5_0, Q8_0, ...), else random bits of the weights' size (the K-quants, IQ4_NL:
+    gguf_fakes.random_blocks). A model with tied embeddings is written without output.weight,
+    as llama.cpp's converter does."""
     from tests.backends.lean.gguf_fakes import random_blocks
 
     rng = np.random.default_rng(0)
@@ -69,7 +71,13 @@ def write_gguf(folder: pathlib.Path, out: pathlib.Path, arch: str = "llama",
              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
-    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    embed = quant.get("token_embd") if isinstance(quant, dict) else None
+    if embed is None:
+        w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    else:
+        qtype = getattr(gguf.GGMLQuantizationType, embed)
+        w.add_tensor("token_embd.weight",
+                     gguf.quants.quantize(sd["model.embed_tokens.weight"], qtype), raw_dtype=qtype)
     for i in range(c.num_hidden_layers):
         for hf, gg in names.items():
             t = sd[f"model.layers.{i}.{hf}.weight"]
@@ -88,7 +96,8 @@ def write_gguf(folder: pathlib.Path, out: pathlib.Path, arch: str = "llama",
                 continue
             w.add_tensor(f"blk.{i}.{gg}.weight", t)
     w.add_tensor("output_norm.weight", sd["model.norm.weight"])
-    w.add_tensor("output.weight", sd["lm_head.weight"])
+    if not getattr(c, "tie_word_embeddings", False):
+        w.add_tensor("output.weight", sd["lm_head.weight"])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

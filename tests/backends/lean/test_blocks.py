@@ -130,6 +130,19 @@ def test_every_file_type_is_held_exactly_and_multiplies_right(type_name):
                                want.flip(0), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_K", "Q8_0", "Q6_K"])     # the four kinds
+def test_rows_are_looked_up_as_their_values(type_name):
+    """An embedding table held in its blocks: rows() gives dequantize()'s rows bit for bit."""
+    from tests.backends.lean.gguf_fakes import random_blocks
+
+    held = blocks.from_file_blocks(random_blocks(type_name, 37, 256, np.random.default_rng(6)),
+                                   type_name)
+    ids = torch.tensor([[36, 0, 17], [5, 5, 16]])
+    assert torch.equal(held.rows(ids), held.dequantize()[ids])
+    with pytest.raises(IndexError, match="outside 0..36"):
+        held.rows(torch.tensor([37]))
+
+
 def test_fused_products_of_two_types_are_held_in_a_kind_that_holds_both():
     """A Q4_K_M file's q, k (Q4_K) and v (Q6_K) stack into one product: Q4_1 with Q4_K as
     Q4_K (wider scales), anything else as U8 (Q8_0's q as q + 128, m = -128 d): the same

@@ -34,3 +34,42 @@ class Bf16Weight(native.HeldWeight):
 
     def describe(self) -> str:
         return "bfloat16 weights"
+
+
+F16_WEIGHTS, F32 = 8, 0                # gemv.c's kinds
+
+
+class F16Weight(Bf16Weight):
+    """W [N, K] held in float16 as it is (an EAGLE head saved so), widened exactly as it is read
+    against float32 inputs (where the compiler has _Float16: native.available(float16))."""
+
+    kind_code = F16_WEIGHTS
+
+    def __init__(self, w: torch.Tensor):
+        self.data = w.detach().to(torch.float16).contiguous()                          # [N, K]
+        self.shape = self.data.shape
+
+    def describe(self) -> str:
+        return "float16 weights"
+
+
+class F32Weight(Bf16Weight):
+    """W [N, K] float32, for the native calls that take held weights."""
+
+    kind_code = F32
+    bits = 32
+
+    def __init__(self, w: torch.Tensor):
+        self.data = w.detach().float().contiguous()                                    # [N, K]
+        self.shape = self.data.shape
+
+    def describe(self) -> str:
+        return "float32 weights"
+
+
+def hold(w: torch.Tensor):
+    """A float weight as it is, for the native calls: float16 and bfloat16 read against float32
+    inputs, float32 as float32; None where this build has no float16 products."""
+    if w.dtype == torch.float16:
+        return F16Weight(w) if native.available(torch.float16) else None
+    return Bf16Weight(w) if w.dtype == torch.bfloat16 else F32Weight(w)

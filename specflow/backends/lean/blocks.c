@@ -316,9 +316,10 @@ static int quantize_x(const float *X, int64_t M, int64_t K, int want_u8, quantiz
     return 0;
 }
 
-/* the weight kinds after gemv.c's F32/BF16/F16; BF16_WEIGHTS: bfloat16 W read against float32 X
-   (gemv.c's product()) */
-enum { BLOCK_Q4_1 = 3, BLOCK_Q8_0 = 4, BF16_WEIGHTS = 5, BLOCK_Q4_K = 6, BLOCK_U8 = 7 };
+/* the weight kinds after gemv.c's F32/BF16/F16; BF16_WEIGHTS, F16_WEIGHTS: bfloat16 or float16 W
+   read against float32 X (gemv.c's product()) */
+enum { BLOCK_Q4_1 = 3, BLOCK_Q8_0 = 4, BF16_WEIGHTS = 5, BLOCK_Q4_K = 6, BLOCK_U8 = 7,
+       F16_WEIGHTS = 8 };
 
 static int64_t tile_bytes(int kind) {
     return kind == BLOCK_Q4_1 ? Q4_TILE : kind == BLOCK_Q4_K ? Q4K_TILE :

@@ -263,6 +263,7 @@ static inline v8 load_f16(const _Float16 *p) {
 #define F16_TO_F32(h) ((float)(h))
 #define STORE_F16(Y, i, r) (((_Float16 *)(Y))[i] = (_Float16)(r))
 ROWS_OF_W(rows_f16, _Float16, load_f16, F16_TO_F32, STORE_F16)
+ROWS_OF_W(rows_f16w, _Float16, load_f16, F16_TO_F32, STORE_F32)    /* float16 W, float32 X and Y */
 #endif
 
 #define SPLIT(CALL)                                                                              \
@@ -421,6 +422,12 @@ static int product(const void *W, int kind, const float *X, float *Y, int64_t N,
         SPLIT(rows_bf16w((const uint16_t *)W, X, Y, n0, n1, N, K, M))
         return 0;
     }
+    if (kind == F16_WEIGHTS) {
+#ifdef __FLT16_MAX__
+        SPLIT(rows_f16w((const _Float16 *)W, X, Y, n0, n1, N, K, M))
+#endif
+        return 0;
+    }
     quantized_x q;
     if (quantize_x(X, M, K, kind == BLOCK_Q8_0, &q)) return 1;
     block_product(W, kind, &q, Y, N, threads);
@@ -428,12 +435,12 @@ static int product(const void *W, int kind, const float *X, float *Y, int64_t N,
     return 0;
 }
 
-/* Y [M, N] float32 = X [M, K] float32 times a held weight W^T of `kind` (BF16_WEIGHTS,
-   or BLOCK_* blocks: product()); G [K] float32 or NULL: RMSNorm(X) x G first (eps).
+/* Y [M, N] float32 = X [M, K] float32 times a held weight W^T of `kind` (F32, BF16_WEIGHTS,
+   F16_WEIGHTS or BLOCK_* blocks: product()); G [K] float32 or NULL: RMSNorm(X) x G first (eps).
    Returns 0, 1 out of memory, 2 a block weight whose K is not a multiple of 32. */
 int specflow_held(const void *W, int kind, const float *X, float *Y, int64_t N, int64_t K,
                   int64_t M, int threads, const float *G, float eps) {
-    if (kind != BF16_WEIGHTS && K % QK) return 2;
+    if (kind != F32 && kind != BF16_WEIGHTS && kind != F16_WEIGHTS && K % QK) return 2;
     float *owned;
     const float *x = prepare_x(X, G, eps, F32, M, K, &owned);
     if (!x) return 1;
@@ -625,15 +632,18 @@ static void silu_up(const float *gu, float *act, int64_t R, int64_t I, int threa
    quantized per block); G: 2 norm weights per layer [E]; keys/values: each layer's cache [S, Hkv, C, D];
    slot, col, below [R]; see [R, S] or NULL; cos, sin [R, D] (each query's rotary rows, at its
    position);
-   capture [L]: -1, or j to copy the input of that layer into caps[j] [R, E]. Returns 0, 1 out of
-   memory, 3 a column or visible key outside the cache. */
-int specflow_layers(float *x, int64_t R, int64_t E, int64_t H, int64_t Hkv, int64_t D, int64_t I,
-                    int64_t L, const void *const *W, const int8_t *kinds, const float *const *G,
-                    float eps,
-                    float *const *keys, float *const *values, int64_t C, const int64_t *slot,
-                    const int64_t *col, const int64_t *below,
-                    const uint8_t *see, int64_t S, const float *cos, const float *sin,
-                    const int64_t *capture, float *caps, int threads) {
+   capture [L]: -1, or j to copy the input of that layer into caps[j] [R, E]. side [R, E] or NULL:
+   layer 0's q/k/v read [RMSNorm(side) x side_norm, RMSNorm(x) x G[0]] ([R, 2E]; its q/k/v
+   weight [(H+2Hkv)D, 2E]): an EAGLE-3 head's layer, side the drafted tokens' embeddings.
+   Returns 0, 1 out of memory, 3 a column or visible key outside the cache. */
+static int layers(float *x, int64_t R, int64_t E, int64_t H, int64_t Hkv, int64_t D, int64_t I,
+                  int64_t L, const void *const *W, const int8_t *kinds, const float *const *G,
+                  float eps,
+                  float *const *keys, float *const *values, int64_t C, const int64_t *slot,
+                  const int64_t *col, const int64_t *below,
+                  const uint8_t *see, int64_t S, const float *cos, const float *sin,
+                  const int64_t *capture, float *caps, const float *side, const float *side_norm,
+                  int threads) {
     if (!see) S = 0;
     for (int64_t r = 0; r < R; r++)
         if (col[r] < 0 || col[r] >= C || below[r] < 0 || below[r] + S > C) return 3;
@@ -644,7 +654,8 @@ int specflow_layers(float *x, int64_t R, int64_t E, int64_t H, int64_t Hkv, int6
     float *att = malloc((size_t)(R * H * D) * sizeof(float));
     float *act = malloc((size_t)(R * (I > E ? I : E)) * sizeof(float));
     float *scores = malloc((size_t)(nt * GH * C) * sizeof(float));
-    int failed = !xn || !wide || !att || !act || !scores;
+    float *both = side ? malloc((size_t)(R * 2 * E) * sizeof(float)) : NULL;   /* [R, 2E] */
+    int failed = !xn || !wide || !att || !act || !scores || (side && !both);
     float scale = 1.0f / sqrtf((float)D);
     int64_t group = H / Hkv;
     /* attention units: a query's key/value head with up to GH of its query heads, the groups
@@ -658,7 +669,14 @@ int specflow_layers(float *x, int64_t R, int64_t E, int64_t H, int64_t Hkv, int6
         float *kc = keys[l], *vc = values[l];
         if (capture[l] >= 0) memcpy(caps + capture[l] * R * E, x, (size_t)(R * E) * sizeof(float));
         rms_rows(x, G[2 * l], eps, R, E, xn);
-        if (product(w[0], kind[0], xn, wide, QKV, E, R, threads)) { failed = 1; break; } /* [R, (H+2Hkv)D] */
+        if (side && l == 0) {                                /* [side normed, x normed] */
+            rms_rows(side, side_norm, eps, R, E, act);
+            for (int64_t r = 0; r < R; r++) {
+                memcpy(both + r * 2 * E, act + r * E, (size_t)E * sizeof(float));
+                memcpy(both + r * 2 * E + E, xn + r * E, (size_t)E * sizeof(float));
+            }
+            if (product(w[0], kind[0], both, wide, QKV, 2 * E, R, threads)) { failed = 1; break; }
+        } else if (product(w[0], kind[0], xn, wide, QKV, E, R, threads)) { failed = 1; break; } /* [R, (H+2Hkv)D] */
         for (int64_t r = 0; r < R; r++) {
             float *q = wide + r * QKV;
             for (int64_t h = 0; h < H + Hkv; h++) rotary(q + h * D, cos + r * D, sin + r * D, D);
@@ -685,6 +703,32 @@ int specflow_layers(float *x, int64_t R, int64_t E, int64_t H, int64_t Hkv, int6
         if (product(w[3], kind[3], act, xn, E, I, R, threads)) { failed = 1; break; } /* [R, E] */
         for (int64_t i = 0; i < R * E; i++) x[i] += xn[i];
     }
-    free(xn); free(wide); free(att); free(act); free(scores);
+    free(xn); free(wide); free(att); free(act); free(scores); free(both);
     return failed;
+}
+
+int specflow_layers(float *x, int64_t R, int64_t E, int64_t H, int64_t Hkv, int64_t D, int64_t I,
+                    int64_t L, const void *const *W, const int8_t *kinds, const float *const *G,
+                    float eps,
+                    float *const *keys, float *const *values, int64_t C, const int64_t *slot,
+                    const int64_t *col, const int64_t *below,
+                    const uint8_t *see, int64_t S, const float *cos, const float *sin,
+                    const int64_t *capture, float *caps, int threads) {
+    return layers(x, R, E, H, Hkv, D, I, L, W, kinds, G, eps, keys, values, C, slot, col, below,
+                  see, S, cos, sin, capture, caps, NULL, NULL, threads);
+}
+
+/* One EAGLE-3 head layer (layers() with L = 1 and its side input): x [R, E] the head states in
+   and out, side [R, E] the tokens' embeddings, side_norm [E] its input_layernorm, G its
+   hidden_norm and post_attention_layernorm. */
+int specflow_side_layer(float *x, const float *side, const float *side_norm, int64_t R,
+                        int64_t E, int64_t H, int64_t Hkv, int64_t D, int64_t I,
+                        const void *const *W, const int8_t *kinds, const float *const *G,
+                        float eps, float *const *keys, float *const *values, int64_t C,
+                        const int64_t *slot, const int64_t *col, const int64_t *below,
+                        const uint8_t *see, int64_t S, const float *cos, const float *sin,
+                        int threads) {
+    const int64_t none = -1;
+    return layers(x, R, E, H, Hkv, D, I, 1, W, kinds, G, eps, keys, values, C, slot, col, below,
+                  see, S, cos, sin, &none, NULL, side, side_norm, threads);
 }

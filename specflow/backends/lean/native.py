@@ -99,6 +99,10 @@ def _library() -> ctypes.CDLL | None:
     lib.specflow_held.argtypes = [P, ctypes.c_int, P, P, I64, I64, I64, ctypes.c_int, P,
                                   ctypes.c_float]
     lib.specflow_held.restype = ctypes.c_int
+    lib.specflow_side_layer.argtypes = [P, P, P] + [I64] * 6 + [P, P, P, ctypes.c_float, P, P,
+                                                              I64, P, P, P, P, I64, P, P,
+                                                              ctypes.c_int]
+    lib.specflow_side_layer.restype = ctypes.c_int
     lib.specflow_block_rows.argtypes = [P, ctypes.c_int, P, I64, I64, I64, P]
     lib.specflow_block_rows.restype = ctypes.c_int
     lib.has_f16 = bool(lib.specflow_has_f16())
@@ -183,10 +187,11 @@ class HeldWeight:
         return held(self, x)
 
 
-def held(w, x: torch.Tensor) -> torch.Tensor:
+def held(w, x: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
     """x [..., K] times a held weight W [N, K]^T (`w`: GGUF blocks, backends/lean/blocks.py, or
-    bfloat16 weights read against float32 inputs, bf16_weights.py: its `kind_code`, `shape`,
-    `data_ptr()`) -> [..., N] in x's dtype, computed in float32."""
+    16- or 32-bit weights read against float32 inputs, bf16_weights.py: its `kind_code`,
+    `shape`, `data_ptr()`) -> [..., N] in x's dtype, computed in float32. norm [K] float32:
+    RMSNorm(x) x norm first (eps), in the same call."""
     N, K = w.shape
     flat = x.reshape(-1, K)                                                              # [M, K]
     if flat.dtype != torch.float32 or not flat.is_contiguous():
@@ -195,7 +200,8 @@ def held(w, x: torch.Tensor) -> torch.Tensor:
     if flat.shape[0]:
         failed = _library().specflow_held(w.data_ptr(), w.kind_code, flat.data_ptr(),
                                           out.data_ptr(), N, K, flat.shape[0],
-                                          torch.get_num_threads(), None, 0.0)
+                                          torch.get_num_threads(),
+                                          None if norm is None else norm.data_ptr(), eps)
         if failed:
             raise MemoryError(f"specflow's native product could not allocate its buffers for "
                               f"{flat.shape[0]} rows of {K}")

@@ -36,6 +36,46 @@ def _pointers(tensors: list[torch.Tensor]) -> ctypes.Array:
     return (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
 
 
+def cache_tables(cache, kv_heads: int, head_dim: int) -> tuple[ctypes.Array, ctypes.Array] | None:
+    """The cache's per-layer key and value buffers as pointer tables, kept on the cache
+    (SlotKVCache.native_tables: its buffers never move once allocated); None where they are not
+    float32 and contiguous. A fresh cache's buffers are allocated here: left to the eager
+    layers' first write, a backend's first pass would take the eager layers and a later one of
+    the same tokens the native call, and the two differ by float rounding (the same prompt
+    scored differently on a fresh backend and on a used one)."""
+    if cache.native_tables is not None:
+        return cache.native_tables
+    if any(t is None for t in (*cache.keys, *cache.values)):
+        cache.allocate(torch.empty(1, kv_heads, 1, head_dim))
+    keys, values = cache.keys, cache.values
+    if any(t is None or t.dtype != torch.float32 or not t.is_contiguous()
+           for t in (*keys, *values)):
+        return None
+    cache.native_tables = (_pointers(keys), _pointers(values))
+    return cache.native_tables
+
+
+def query_rows(cache, B: int, T: int):
+    """Where each of a pass's B x T queries reads and writes the cache (`cache.plan`): (slots,
+    columns, below [B, T] long, see [B, T, W] uint8 or None, W, real [N] long or None): its cache
+    row and column, the keys below `below` it sees, the tree keys it sees past them, and a
+    ragged batch's real queries (flat indices). None where a tree's columns pass the cache (the
+    eager mask ignores them)."""
+    plan = cache.plan
+    slots = plan.slots if T == 1 else plan.slots[:, None].expand(B, T).contiguous()  # [B, T]
+    columns = plan.write_positions.contiguous()                                  # [B, T]
+    tree = plan.tree
+    if tree is None:                             # causal: a query sees keys 0..its column
+        return slots, columns, columns + 1, None, 0, \
+            plan.ragged[2] if plan.ragged is not None else None
+    width = tree.see.shape[2]       # the committed prefix, and the tree keys `see` marks
+    if max(tree.visible_below) + width > cache.max_capacity:
+        return None
+    below = torch.tensor(tree.visible_below)[:, None].expand(B, T).contiguous()
+    see = tree.see.to(torch.uint8).contiguous()                                  # [B, T, W]
+    return slots, columns, below, see, width, plan.ragged[2] if plan.ragged is not None else None
+
+
 class NativePass:
     """Pointer tables of one LeanLlama's weights (built once; `stale()` after a re-layout) and of
     the caches it has run on."""
@@ -87,22 +127,7 @@ class NativePass:
             now is not then for now, then in zip(lean.layers, self.layers))
 
     def _caches(self, cache) -> tuple[ctypes.Array, ctypes.Array] | None:
-        """The cache's per-layer key and value buffers as pointer tables, kept on the cache
-        (SlotKVCache.native_tables: its buffers never move once allocated). A fresh cache's
-        buffers are allocated here: left to the eager layers' first write, a backend's first
-        pass would take the eager layers and a later one of the same tokens the native call,
-        and the two differ by float rounding (the same prompt scored differently on a fresh
-        backend and on a used one)."""
-        if cache.native_tables is not None:
-            return cache.native_tables
-        if any(t is None for t in (*cache.keys, *cache.values)):
-            cache.allocate(torch.empty(1, self.lean.num_kv_heads, 1, self.lean.head_dim))
-        keys, values = cache.keys, cache.values
-        if any(t is None or t.dtype != torch.float32 or not t.is_contiguous()
-               for t in (*keys, *values)):
-            return None
-        cache.native_tables = (_pointers(keys), _pointers(values))
-        return cache.native_tables
+        return cache_tables(cache, self.lean.num_kv_heads, self.lean.head_dim)
 
     def _capture_slots(self, layers: int, wanted: tuple[int, ...]) -> torch.Tensor:
         """[layers] long: where layer i's input goes among the captured states, -1 for none
@@ -122,23 +147,15 @@ class NativePass:
         tables = self._caches(cache)
         if tables is None:
             return None
-        lean, plan = self.lean, cache.plan
+        lean = self.lean
         B, T, E = x.shape
         R, L, D = B * T, len(lean.layers), lean.head_dim
-        slots = plan.slots if T == 1 else plan.slots[:, None].expand(B, T).contiguous()  # [B, T]
-        columns = plan.write_positions.contiguous()                                  # [B, T]
-        tree = plan.tree
-        if tree is None:                         # causal: a query sees keys 0..its column
-            below, see, width = columns + 1, None, 0                                 # [B, T]
-        else:          # the committed prefix, and the tree keys its row of `see` marks
-            width = tree.see.shape[2]
-            if max(tree.visible_below) + width > cache.max_capacity:
-                return None         # tree columns past the cache: the eager mask ignores them
-            below = torch.tensor(tree.visible_below)[:, None].expand(B, T).contiguous()
-            see = tree.see.to(torch.uint8).contiguous()                              # [B, T, W]
+        rows = query_rows(cache, B, T)
+        if rows is None:
+            return None
+        slots, columns, below, see, width, real = rows
         cos = cos.reshape(R, D).contiguous()                                         # [R, D]
         sin = sin.reshape(R, D).contiguous()
-        real = plan.ragged[2] if plan.ragged is not None else None   # [N] flat indices
         whole = x
         if real is not None:  # a ragged batch: its N real queries only (padding is never read)
             R = real.numel()

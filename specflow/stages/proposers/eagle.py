@@ -87,6 +87,11 @@ class EagleProposer:
         self.cfg = cfg
         self.path = path
         self.head = load_head(path, target, target.device, head_dtype(cfg.dtype, target))
+        # the head's step as native calls where the kernel builds (float32 activations)
+        from specflow.backends.heads.native_step import NativeHead
+
+        self.native = NativeHead.build(self.head, target.device)
+        self.dtype = torch.float32 if self.native is not None else self.head.fc.weight.dtype
         self.layers = tuple(self.head.shape.layer_ids)    # read in layer order (load_head)
         self.cache = SlotKVCache(1, ctx.slots, (target.max_length or 1 << 16) + 64)
         self.pending: dict[int, list] = {}    # slot -> [(first position, [n, nE]), ...]
@@ -101,7 +106,8 @@ class EagleProposer:
         """The head that drafts (metrics.json `backends.proposer`)."""
         dtype = str(self.head.fc.weight.dtype).removeprefix("torch.")
         return {"head": str(self.path), "dtype": dtype,
-                "draft_vocab_size": self.head.shape.draft_vocab_size}
+                "draft_vocab_size": self.head.shape.draft_vocab_size,
+                "step": "native (float32 activations)" if self.native is not None else "torch"}
 
     @torch.inference_mode()
     def step_seconds(self, rows: int, reps: int = 5, context: int = 64, positions: int = 1) -> float:
@@ -113,7 +119,7 @@ class EagleProposer:
 
         shape = self.head.shape
         slots = list(range(rows))
-        dtype = self.head.fc.weight.dtype
+        dtype = self.dtype
         width = len(shape.layer_ids) * shape.target_hidden_size
         for s in slots:
             self.cache.reset(s)
@@ -126,7 +132,7 @@ class EagleProposer:
         for _ in range(reps + 1):
             start = time.perf_counter()
             out = self._forward(slots, g, token, [positions] * rows)
-            self._on_target_vocab(self.head.logits(out).flatten(0, 1).float())
+            self._on_target_vocab(self._logits(out).flatten(0, 1).float())
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             times.append(time.perf_counter() - start)
@@ -248,6 +254,13 @@ class EagleProposer:
                          self.device, tree)
         self.cache.begin(plan)
         positions, kv_len = plan.positions, plan.kv_len                                # [B, T]
+        if self.native is not None:                                # two native calls
+            cos, sin = head.rope(positions, torch.float32, kv_len)                    # [B, 1, T, D]
+            out = self.native.layer(self.native.layer_input(h), tokens, self.cache, cos, sin)
+            if out is not None:
+                self.cache.commit(slots, lens)
+                return out                                                            # [B, T, E]
+            h = h.to(head.fc.weight.dtype)          # the eager step, in the head's dtype
         x = head.layer_input(h)                                                       # [B, T, E]
         q, k, v = head.qkv(x, tokens, positions, kv_len)        # every position < kv_len
         k_all, v_all = self.cache.update(k, v, 0)                                     # [B, Hkv, L, D]
@@ -259,7 +272,13 @@ class EagleProposer:
             mask = (keys[None, None, :] <= positions[:, :, None])[:, None]           # [B, 1, T, L]
         out = head.finish(x, head.attend(q, k_all, v_all, mask))
         self.cache.commit(slots, lens)
-        return out
+        return out.to(self.dtype)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [.., Vd] of the head's pre-norm states [.., E]."""
+        if self.native is not None:
+            return self.native.logits(h)
+        return self.head.logits(h)
 
     def _on_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [L, Vd] placed on the target's vocabulary [L, V] (-inf else)."""
@@ -280,7 +299,7 @@ class EagleProposer:
         lens = [e - s for s, e in zip(starts, ends)]
         T = max(lens)
         width = self.pending[slots[0]][0][1].shape[-1]
-        h = torch.zeros(B, T, width, dtype=self.head.fc.weight.dtype, device=device)  # [B, T, nE]
+        h = torch.zeros(B, T, width, dtype=self.dtype, device=device)                 # [B, T, nE]
         tokens = torch.zeros(B, T, dtype=torch.long)                                  # [B, T]
         for b, (s, a, e) in enumerate(zip(slots, starts, ends)):
             chunks = self.pending.pop(s)                   # all read: later positions come next pass
@@ -306,7 +325,7 @@ class EagleProposer:
                 g = g[still_live]
             if i > 0:   # the head's own state and the token it just drafted, one position on
                 g = self._forward(sub.slots.tolist(), g, previous[:, None], [1] * len(still_live))
-            return self._on_target_vocab(self.head.logits(g[:, 0]).float())            # [L, V]
+            return self._on_target_vocab(self._logits(g[:, 0]).float())                # [L, V]
         drafts, probs = draft_steps(batch, ks, K, self.vocab_size, self.device, step)
         self.cache.truncate(slots, read)      # draft steps rest on the head's states: drop them
         return drafts, probs
@@ -316,7 +335,7 @@ class EagleProposer:
         """Read the unread pairs, then a tree per row. -> (tokens [B, N], parents [B, N])."""
         slots = batch.slots.tolist()
         g, read = self._read(batch)                                                   # [B, 1, E]
-        first = self._on_target_vocab(self.head.logits(g[:, 0]).float())              # [B, V]
+        first = self._on_target_vocab(self._logits(g[:, 0]).float())                  # [B, V]
         try:
             tokens, parents, trees = draft_trees(
                 _HeadTree(self, slots, g[:, 0], self.cfg.topk * (max(ks) - 1)), batch, ks,
@@ -363,4 +382,4 @@ class _HeadTree:
         h = self.states[r, src]                                                        # [L, T, E]
         out = self.proposer._forward(slot_list, h, ids.clamp(min=0).to(device), n, tree)   # [L, T, E]
         self.states[r, dst] = out
-        return self.proposer.head.logits(out).float()                                  # [L, T, Vd]
+        return self.proposer._logits(out).float()                                      # [L, T, Vd]

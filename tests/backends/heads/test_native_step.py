@@ -1,0 +1,63 @@
+"""An EAGLE-3 head's step as native calls (backends/heads/native_step.py): the head's layer with
+its side input and its final norm and LM head compute what the eager step computes (to float
+rounding), from weights saved in float16 or float32, for chains and trees, and greedy
+speculation over it equals plain decoding."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specflow.backends.lean import native
+from tests.backends.heads.test_eagle import PROMPTS, pipeline, tiny_head  # noqa: F401
+
+pytestmark = pytest.mark.skipif(not native.available(torch.float32),
+                                reason="no C compiler: specflow's native kernel is not built")
+
+
+def proposer(hf_models, tiny_head, *overrides):  # noqa: F811
+    pipe = pipeline(hf_models, "proposer=eagle", f"proposer.path={tiny_head[0]}", *overrides)
+    return pipe, pipe.pm.get_plugin("proposer.eagle")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "auto"])           # auto: as saved, float16
+def test_the_native_step_computes_what_the_eager_step_does(hf_models, tiny_head, dtype):  # noqa: F811
+    from specflow.backends.slot_cache import SlotKVCache
+
+    _, prop = proposer(hf_models, tiny_head, f"proposer.dtype={dtype}")
+    assert prop.native is not None and prop.describe()["step"].startswith("native")
+    # the eager step on the same weights in float32 (float16's widen exactly)
+    _, eager = proposer(hf_models, tiny_head, "proposer.dtype=float32")
+    eager.native, eager.dtype = None, torch.float32
+    head = prop.head
+    gen = torch.Generator().manual_seed(0)
+    T = 9
+    states = torch.randn(2, T, len(head.shape.layer_ids) * 64, generator=gen)       # [B, T, nE]
+    tokens = torch.randint(0, 300, (2, T + 3), generator=gen)
+    runs = {}
+    for way in ("native", "eager"):
+        prop = eager if way == "eager" else prop
+        prop.cache = SlotKVCache(1, 2, 64)
+        out = prop._forward([0, 1], states, tokens[:, 1:T + 1], [T, T - 3])           # [2, T, E]
+        g = torch.stack([out[0, T - 1], out[1, T - 4]])[:, None]                       # [2, 1, E]
+        steps = [g]
+        for j in range(2):
+            g = prop._forward([0, 1], g, tokens[:, T + 1 + j:T + 2 + j], [1, 1])
+            steps.append(g)
+        # row 1's last 3 positions are padding: never read (the native step leaves them)
+        runs[way] = (out[0], out[1, :T - 3], torch.cat(steps, 1),
+                     prop._logits(torch.cat(steps, 1)))
+    for a, b in zip(runs["native"], runs["eager"]):
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_speculation_over_the_native_step_equals_plain_decoding(hf_models, tiny_head,  # noqa: F811
+                                                                       batch):
+    plain = pipeline(hf_models, "proposer=none")
+    want = [r.token_ids for r in plain.generate(PROMPTS, max_new_tokens=24, max_batch_size=1)]
+    for tree in ([], ["proposer.topk=2", "proposer.num_draft_tokens=6"]):
+        pipe, prop = proposer(hf_models, tiny_head, *tree)
+        assert prop.native is not None
+        got = pipe.generate(PROMPTS, max_new_tokens=24, max_batch_size=batch)
+        assert [r.token_ids for r in got] == want
+        assert pipe.last_stats["num_accepted_tokens"] > 0

@@ -181,9 +181,9 @@ def main() -> None:
     for name, rs in runs.items():
         row = summary(rs)
         if name.startswith("specflow"):
-            same = name.split()[-1]      # compare with none at the same precision
-            twin = next((n for n in runs if n.startswith("specflow none") and n.endswith(same)),
-                        "specflow none float32")
+            same = " ".join(name.split()[2:])    # compare with none at the same precision
+            twin = f"specflow none {same}" if f"specflow none {same}" in runs \
+                else "specflow none float32"
             row["same_as_none_same_dtype"] = sum(
                 a.ids == b.ids for a, b in zip(rs, runs[twin])) / len(rs)
             row["same_as_none_float32"] = sum(a.ids == b for a, b in zip(rs, ref)) / len(rs)

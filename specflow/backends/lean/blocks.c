@@ -76,17 +76,18 @@ static void quantize_rows(const float *X, int64_t M, int64_t K, int8_t *xq, floa
                 if (a > amax) amax = a;
             }
             float s = amax / 127.0f, inv = s > 0.0f ? 127.0f / amax : 0.0f;
-            int half[2] = {0, 0};
             int8_t *q = xq + m * K + g * QK;
             for (int i = 0; i < QK; i++) {
                 int v = (int)nearbyintf(p[i] * inv);
                 q[i] = (int8_t)(v > 127 ? 127 : v < -127 ? -127 : v);
-                half[i >= QK / 2] += q[i];
             }
+            int lo = 0, hi = 0;           /* the halves' sums in loops of their own: vectorized */
+            for (int i = 0; i < QK / 2; i++) lo += q[i];
+            for (int i = QK / 2; i < QK; i++) hi += q[i];
             sx[m * G + g] = s;
-            xs[m * G + g] = s * (float)(half[0] + half[1]);
-            xs16[2 * (m * G + g)] = s * (float)half[0];
-            xs16[2 * (m * G + g) + 1] = s * (float)half[1];
+            xs[m * G + g] = s * (float)(lo + hi);
+            xs16[2 * (m * G + g)] = s * (float)lo;
+            xs16[2 * (m * G + g) + 1] = s * (float)hi;
         }
 }
 

@@ -45,9 +45,11 @@ class NativeHead:
         self.shape = s
 
     @classmethod
-    def build(cls, head, device: torch.device):
+    def build(cls, head, device: torch.device, bits: int | None = None):
         """A prepared head (head.prepare()) on a CPU whose weights the native calls read; None
-        elsewhere (the eager step runs)."""
+        elsewhere (the eager step runs). `bits` 8 or 4: the weights in GGUF's Q8_0 / Q4_1
+        blocks (backends/lean/blocks.py; proposer.dtype=int8 | int4), a half or a quarter of
+        float16's bytes a step reads."""
         s = head.shape
         if device.type != "cpu" or not native.available(torch.float32) \
                 or s.num_attention_heads % s.num_key_value_heads or head._mm is None:
@@ -55,7 +57,12 @@ class NativeHead:
         m = head.midlayer
         weights = [head.fc.weight, head.lm_head.weight, head._wqkv, m.self_attn.o_proj.weight,
                    head._wgu, m.mlp.down_proj.weight]
-        held = [hold(w) for w in weights]
+        if bits is not None:
+            from specflow.backends.lean.quantized import quantize_weight
+
+            held = [quantize_weight(w.detach().float(), bits, 32) for w in weights]
+        else:
+            held = [hold(w) for w in weights]
         if any(h is None for h in held):
             return None
         return cls(head, held)

@@ -39,7 +39,8 @@ from specflow.state import Proposal
 # proposer.dtype: None = the head's weights as saved (draft numerics never change the output's
 # distribution, only how often drafts are accepted)
 HEAD_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,
-               "float16": torch.float16}
+               "float16": torch.float16, "int8": None, "int4": None}
+HEAD_BITS = {"int8": 8, "int4": 4}     # weights in GGUF blocks: the native step only
 
 
 def head_dtype(setting: str, target) -> torch.dtype | None:
@@ -68,7 +69,7 @@ class EagleProposerConfig:
             raise ConfigError(f"proposer.k={self.k} must be >= 0 (0 = no drafting)")
         if self.dtype not in HEAD_DTYPES:
             raise ConfigError(f"proposer.dtype={self.dtype!r}; use auto (the head as saved, or the target's "
-                              f"16-bit dtype), float32, bfloat16 or float16")
+                              f"16-bit dtype), float32, bfloat16, float16, int8 or int4")
         self.nodes = tree_budget(self.k, self.topk, self.num_draft_tokens)
 
 
@@ -90,7 +91,11 @@ class EagleProposer:
         # the head's step as native calls where the kernel builds (float32 activations)
         from specflow.backends.heads.native_step import NativeHead
 
-        self.native = NativeHead.build(self.head, target.device)
+        self.native = NativeHead.build(self.head, target.device, HEAD_BITS.get(cfg.dtype))
+        if self.native is None and cfg.dtype in HEAD_BITS:
+            raise ConfigError(f"proposer.dtype={cfg.dtype} holds the head in GGUF blocks for "
+                              f"specflow's native kernel, which does not run here (a CPU target "
+                              f"and a C compiler); use proposer.dtype=auto")
         self.dtype = torch.float32 if self.native is not None else self.head.fc.weight.dtype
         self.layers = tuple(self.head.shape.layer_ids)    # read in layer order (load_head)
         self.cache = SlotKVCache(1, ctx.slots, (target.max_length or 1 << 16) + 64)
@@ -104,7 +109,8 @@ class EagleProposer:
 
     def describe(self) -> dict:
         """The head that drafts (metrics.json `backends.proposer`)."""
-        dtype = str(self.head.fc.weight.dtype).removeprefix("torch.")
+        dtype = self.cfg.dtype if self.cfg.dtype in HEAD_BITS else \
+            str(self.head.fc.weight.dtype).removeprefix("torch.")
         return {"head": str(self.path), "dtype": dtype,
                 "draft_vocab_size": self.head.shape.draft_vocab_size,
                 "step": "native (float32 activations)" if self.native is not None else "torch"}

@@ -197,7 +197,7 @@ def test_a_head_drafts_in_the_dtype_it_was_saved_in_unless_told(hf_models, tiny_
 
 
 def test_an_unknown_head_dtype_is_one_line(hf_models, tiny_head):
-    with pytest.raises(ConfigError, match=r"proposer.dtype='fp8'; use auto .* float16$"):
+    with pytest.raises(ConfigError, match=r"proposer.dtype='fp8'; use auto .* int8 or int4$"):
         pipeline(hf_models, "proposer=eagle", f"proposer.path={tiny_head[0]}", "proposer.dtype=fp8")
 
 

@@ -61,3 +61,29 @@ def test_greedy_speculation_over_the_native_step_equals_plain_decoding(hf_models
         got = pipe.generate(PROMPTS, max_new_tokens=24, max_batch_size=batch)
         assert [r.token_ids for r in got] == want
         assert pipe.last_stats["num_accepted_tokens"] > 0
+
+
+def test_a_head_held_in_blocks_drafts_natively_and_exactly(hf_models, tiny_head):  # noqa: F811
+    """proposer.dtype=int8 | int4: the head's products in GGUF blocks (a half or a quarter of
+    float16's bytes a step reads); drafts change a little, the output not at all."""
+    from specflow.backends.lean.blocks import BlockWeight
+
+    plain = pipeline(hf_models, "proposer=none")
+    want = [r.token_ids for r in plain.generate(PROMPTS[:4], max_new_tokens=24)]
+    for dtype in ("int8", "int4"):
+        pipe, prop = proposer(hf_models, tiny_head, f"proposer.dtype={dtype}")
+        assert isinstance(prop.native.lm_head, BlockWeight)
+        assert all(isinstance(w, BlockWeight) for w in prop.native.products)
+        assert pipe.backends["proposer"]["dtype"] == dtype
+        assert [r.token_ids for r in pipe.generate(PROMPTS[:4], max_new_tokens=24)] == want
+        assert pipe.last_stats["num_accepted_tokens"] > 0
+
+
+def test_a_head_in_blocks_without_the_native_step_is_one_line(hf_models, tiny_head,  # noqa: F811
+                                                              monkeypatch):
+    from specflow import ConfigError
+    from specflow.backends.heads.native_step import NativeHead
+
+    monkeypatch.setattr(NativeHead, "build", classmethod(lambda cls, *a: None))
+    with pytest.raises(ConfigError, match="proposer.dtype=int8 holds the head in GGUF blocks"):
+        proposer(hf_models, tiny_head, "proposer.dtype=int8")

@@ -186,8 +186,8 @@ ROWS = [
     ("a draft head that repeats a layer", ["proposer=eagle", "proposer.path={tmp}/head-repeat"],
      "compose", "eagle_aux_hidden_state_layer_ids repeats layer 2 in [1, 2, 2]", None),
     ("an unknown draft-head dtype", ["proposer=eagle", "proposer.dtype=fp8"], "compose",
-     "proposer.dtype='fp8'; use auto (the head as saved, or the target's 16-bit dtype), float32, bfloat16 "
-     "or float16", None),
+     "proposer.dtype='fp8'; use auto (the head as saved, or the target's 16-bit dtype), float32, bfloat16, "
+     "float16, int8 or int4", None),
     ("tree width < 1", [*SYN, "proposer=ngram", "proposer.topk=0"], "compose",
      "proposer.topk=0 must be >= 1 (1 = a chain, more = a tree)", None),
     ("node budget under the tree depth", [*SYN, "proposer=draft", "proposer.topk=4",

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 from specflow.backends.lean import native
 from specflow.backends.lean.bf16_weights import hold
-from specflow.backends.lean.native_pass import _pointers, cache_tables, query_rows
+from specflow.backends.lean.native_pass import (_pointers, cache_tables, only_real,
+                                                  query_rows, raise_failed)
 
 
 class NativeHead:
@@ -87,17 +88,11 @@ class NativeHead:
         slots, columns, below, see, width, real = rows
         s, D = self.shape, self.shape.dim
         R = B * T
-        side = F.embedding(tokens, self.embed).reshape(R, E)                         # [R, E]
-        cos, sin = cos.reshape(R, D).contiguous(), sin.reshape(R, D).contiguous()     # [R, D]
-        flat = x.view(R, E)
-        if real is not None:         # a ragged batch: its real queries only (padding unread)
-            flat = flat.index_select(0, real)
-            R = real.numel()
-            side, cos, sin = (t.index_select(0, real) for t in (side, cos, sin))
-            slots, columns, below = (t.reshape(-1).index_select(0, real)
-                                     for t in (slots, columns, below))
-            if see is not None:
-                see = see.view(B * T, width).index_select(0, real)
+        flat, slots, columns, below, side, cos, sin, see = only_real(
+            real, x.view(R, E), slots.reshape(R), columns.reshape(R), below.reshape(R),
+            F.embedding(tokens, self.embed).reshape(R, E), cos.reshape(R, D).contiguous(),
+            sin.reshape(R, D).contiguous(), None if see is None else see.view(R, width))
+        R = flat.shape[0]
         side = side.contiguous()
         failed = native._library().specflow_side_layer(
             flat.data_ptr(), side.data_ptr(), self.side_norm.data_ptr(), R, E,
@@ -106,12 +101,7 @@ class NativeHead:
             cache.max_capacity, slots.data_ptr(), columns.data_ptr(), below.data_ptr(),
             None if see is None else see.data_ptr(), width, cos.data_ptr(), sin.data_ptr(),
             torch.get_num_threads())
-        if failed == 1:
-            raise MemoryError(f"the head's native step could not allocate its buffers for {R} "
-                              f"queries")
-        if failed:
-            raise ValueError(f"a cache column in {columns.tolist()} lies outside the head's KV "
-                             f"cache ({cache.max_capacity} columns)")
+        raise_failed(failed, "the head's native step", R, columns, cache.max_capacity)
         if real is not None:
             x.view(B * T, E).index_copy_(0, real, flat)
         return x

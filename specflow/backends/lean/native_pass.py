@@ -76,6 +76,24 @@ def query_rows(cache, B: int, T: int):
     return slots, columns, below, see, width, plan.ragged[2] if plan.ragged is not None else None
 
 
+def only_real(real: torch.Tensor | None, *rows: torch.Tensor | None) -> list:
+    """Each [B x T, ...] tensor's rows of a ragged batch's real queries (`real` [N] flat indices;
+    padding is never read), or the tensors as they are (None stays None)."""
+    if real is None:
+        return list(rows)
+    return [None if t is None else t.index_select(0, real) for t in rows]
+
+
+def raise_failed(failed: int, what: str, R: int, columns: torch.Tensor, capacity: int) -> None:
+    """A native layer call's status as one error: 1 out of memory, else a cache column past
+    the cache (0: nothing to say)."""
+    if failed == 1:
+        raise MemoryError(f"{what} could not allocate its buffers for {R} queries")
+    if failed:
+        raise ValueError(f"a cache column in {columns.tolist()} or a visible key lies outside "
+                         f"{what}'s KV cache ({capacity} columns)")
+
+
 class NativePass:
     """Pointer tables of one LeanLlama's weights (built once; `stale()` after a re-layout) and of
     the caches it has run on."""
@@ -154,17 +172,13 @@ class NativePass:
         if rows is None:
             return None
         slots, columns, below, see, width, real = rows
-        cos = cos.reshape(R, D).contiguous()                                         # [R, D]
-        sin = sin.reshape(R, D).contiguous()
         whole = x
-        if real is not None:  # a ragged batch: its N real queries only (padding is never read)
-            R = real.numel()
-            x = x.view(B * T, E).index_select(0, real)                                # [N, E]
-            slots, columns, below = (t.reshape(-1).index_select(0, real)
-                                     for t in (slots, columns, below))                # [N]
-            cos, sin = cos.index_select(0, real), sin.index_select(0, real)          # [N, D]
-            if see is not None:
-                see = see.view(B * T, width).index_select(0, real)                   # [N, W]
+        # a ragged batch: its N real queries only (padding is never read)
+        x, slots, columns, below, cos, sin, see = only_real(
+            real, x.view(R, E), slots.reshape(R), columns.reshape(R), below.reshape(R),
+            cos.reshape(R, D).contiguous(), sin.reshape(R, D).contiguous(),
+            None if see is None else see.view(R, width))
+        R = x.shape[0]
         wanted = [i for i in sorted(capture) if i < L]
         at = self._capture_slots(L, tuple(wanted))                                   # [L]
         caps = torch.empty(len(wanted), R, E) if wanted else None                    # [n, R, E]
@@ -175,12 +189,7 @@ class NativePass:
             slots.data_ptr(), columns.data_ptr(), below.data_ptr(),
             None if see is None else see.data_ptr(), width, cos.data_ptr(), sin.data_ptr(),
             at.data_ptr(), None if caps is None else caps.data_ptr(), torch.get_num_threads())
-        if failed == 1:
-            raise MemoryError(f"specflow's native pass could not allocate its buffers for {R} "
-                              f"queries")
-        if failed:
-            raise ValueError(f"a cache column in {columns.tolist()} or a visible key lies outside "
-                             f"the KV cache ({cache.max_capacity} columns)")
+        raise_failed(failed, "specflow's native pass", R, columns, cache.max_capacity)
         if real is not None:                     # back in place; padding keeps its input
             whole.view(B * T, E).index_copy_(0, real, x)
             if caps is not None:

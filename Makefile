@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 PLUGINS := plugins/specflow-suffix plugins/specflow-trace
 
 # the example plugins' tests run in their own pytest session (autoload on)
-.PHONY: demo test test-slow test-all test-vllm vllm bench bench-policies bench-real bench-precision bench-vllm llama-cpp sim calibrate demo-head smollm2 smollm2-head wheel-check clean
+.PHONY: demo test test-slow test-all test-vllm vllm bench bench-policies bench-real bench-precision bench-drafters bench-vllm llama-cpp sim calibrate demo-head smollm2 smollm2-head wheel-check clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -118,6 +118,11 @@ bench-real: smollm2
 # file's, ngram and proposer=self, against llama.cpp on the same files (make llama-cpp first)
 bench-precision: smollm2
 	$(PY) bench/precision.py
+
+# make bench-drafters: each drafter's tokens/s, tau and c (a draft step over a target pass) on the
+# demo pair (EAGLE head as saved, int8, int4; draft model) and SmolLM2 (its head, fp32 and Q4_1)
+bench-drafters: smollm2
+	$(PY) bench/drafters.py
 
 bench-policies: $(VENV)/.installed
 	$(PY) bench/policies.py

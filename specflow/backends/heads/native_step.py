@@ -64,8 +64,8 @@ class NativeHead:
             held = [quantize_weight(w.detach().float(), bits, 32) for w in weights]
         else:
             held = [hold(w) for w in weights]
-        if any(h is None for h in held):
-            return None
+        if any(not isinstance(h, native.HeldWeight) for h in held):
+            return None          # a width off the blocks' 32 (ATen's layouts are not native)
         return cls(head, held)
 
     def layer_input(self, hidden: torch.Tensor) -> torch.Tensor:

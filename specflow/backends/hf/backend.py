@@ -395,7 +395,8 @@ class HFBackend(Backend):
         if bf16_weight_only(cfg.dtype, cfg.activations, self.device, cfg.device_map):
             quantize = (16, cfg.group_size, torch.float32)     # bf16_weights.py
         blocks = self._file_blocks(cfg) if cfg.dtype == "auto" else None
-        file_products.release_freed()
+        if blocks is not None:               # the blocks' loading left freed temporaries
+            file_products.release_freed()
         if blocks is None and self.products_from_file:     # not held after all: read them
             self.model = load_model(cfg, device, role, products_from_file=False)[0]
             self.products_from_file = False

@@ -23,16 +23,9 @@ import pathlib
 
 import torch
 
+from specflow.backends.lean.forward import is_placeholder, placeholder  # noqa: F401
+
 PRODUCTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def placeholder(shape, dtype: torch.dtype) -> torch.Tensor:
-    """A tensor of `shape` that owns one element (every stride 0): a weight held elsewhere."""
-    return torch.zeros((), dtype=dtype).expand(shape)
-
-
-def is_placeholder(t: torch.Tensor) -> bool:
-    return t.numel() > 1 and all(s == 0 for s in t.stride())
 
 
 def _files(folder: pathlib.Path) -> dict[str, pathlib.Path]:

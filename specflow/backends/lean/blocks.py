@@ -237,7 +237,8 @@ def _five_bits(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
 
 def file_parts(data: np.ndarray, type_name: str):
     """A GGUF tensor's rows as the file holds them (uint8 [N, blocks x bytes]) of a FILE_TYPES
-    type -> (kind, d, m or None, q): BlockWeight's parts holding the same values. Q4_0 comes as
+    type -> (kind, d, m or None, q): BlockWeight's parts holding the same values (scales as
+    float32, exact; the tile keeps each kind's SCALE_DTYPE, also exact). Q4_0 comes as
     Q4_1 with m = -8d and Q5_0 as Q8_0 with q - 16 (both exact); a K-quant's sub-blocks' scales
     multiplied out in float32 (exact). In a Q4 block byte j holds weight j low and j + 16 high."""
     if type_name not in FILE_BLOCK:
@@ -245,18 +246,18 @@ def file_parts(data: np.ndarray, type_name: str):
                          f"{', '.join(FILE_TYPES)} are")
     rows = np.ascontiguousarray(data)
     N = rows.shape[0]
-    size, per = FILE_BLOCK[type_name]
+    size = FILE_BLOCK[type_name][0]
     b = rows.reshape(N, -1, size)                                       # [N, blocks, bytes]
     if type_name == "Q8_0":                         # q a view: _tile copies it a chunk at a time
-        return Q8_0, b[..., 0:2].copy().view(np.float16)[..., 0], None, b[..., 2:].view(np.int8)
-    if type_name in ("Q4_0", "Q4_1"):
-        d = b[..., 0:2].copy().view(np.float16)[..., 0]
-        m = d * np.float16(-8) if type_name == "Q4_0" else b[..., 2:4].copy().view(np.float16)[..., 0]
+        return Q8_0, _f16(b[..., 0:2]), None, b[..., 2:].view(np.int8)
+    if type_name in ("Q4_0", "Q4_1"):               # -8d: exact (a power of two)
+        d = _f16(b[..., 0:2])
+        m = -8 * d if type_name == "Q4_0" else _f16(b[..., 2:4])
         nibbles = b[..., size - 16:]
         return Q4_1, d, m, np.concatenate([nibbles & 0x0F, nibbles >> 4], -1)
     if type_name == "Q5_0":
         q = _five_bits(b[..., 2:6], b[..., 6:22]).astype(np.int8) - np.int8(16)
-        return Q8_0, b[..., 0:2].copy().view(np.float16)[..., 0], None, q
+        return Q8_0, _f16(b[..., 0:2]), None, q
     if type_name == "Q5_1":
         d, m = _f16(b[..., 0:2]), _f16(b[..., 2:4])
         return U8, np.repeat(d, 2, 1), np.repeat(m, 2, 1), _five_bits(b[..., 4:8], b[..., 8:24])

@@ -59,6 +59,16 @@ def unsupported_reason(config) -> str | None:
     return None
 
 
+def placeholder(shape, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of `shape` that owns one element (every stride 0): a weight held elsewhere (a
+    quantized or packed layout, a GGUF file's blocks), what its module keeps meanwhile."""
+    return torch.zeros((), dtype=dtype).expand(shape)
+
+
+def is_placeholder(t: torch.Tensor) -> bool:
+    return t.numel() > 1 and not any(t.stride())
+
+
 def fuse_in_place(modules: list, attr: str = "weight") -> torch.Tensor | None:
     """One tensor holding the modules' `attr` stacked on dim 0; each module's parameter becomes a
     view into it, so the old storages are freed and nothing is held twice. Placeholders (weights
@@ -67,9 +77,8 @@ def fuse_in_place(modules: list, attr: str = "weight") -> torch.Tensor | None:
     parts = [getattr(m, attr) for m in modules]
     if any(p is None for p in parts):
         return None
-    if all(p.numel() > 1 and not any(p.stride()) for p in parts):
-        return torch.zeros((), dtype=parts[0].dtype).expand(
-            sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+    if all(is_placeholder(p) for p in parts):
+        return placeholder((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), parts[0].dtype)
     fused = torch.cat([p.detach() for p in parts])
     offset = 0
     for module, part in zip(modules, parts):
@@ -297,8 +306,8 @@ class LeanLlama:
             for p in self.model.parameters():
                 if not p.is_floating_point():
                     continue
-                if p.numel() and all(st == 0 for st in p.stride()):           # a placeholder
-                    p.data = torch.zeros((), dtype=dtype).expand(p.shape)
+                if is_placeholder(p):
+                    p.data = placeholder(p.shape, dtype)
                 else:
                     p.data = p.data.to(dtype)
             self.layers = [tuple(t.to(dtype) if isinstance(t, torch.Tensor) else t
@@ -318,8 +327,7 @@ class LeanLlama:
     def _release(modules: list) -> None:
         """The modules' weights become one-element placeholders of the same shape."""
         for m in modules:
-            w = m.weight
-            w.data = torch.zeros((), dtype=w.dtype).expand(w.shape)
+            m.weight.data = placeholder(m.weight.shape, m.weight.dtype)
 
     @staticmethod
     def _pack_one(dense: torch.Tensor, modules: list) -> torch.Tensor:

@@ -56,24 +56,28 @@ def cache_tables(cache, kv_heads: int, head_dim: int) -> tuple[ctypes.Array, cty
 
 
 def query_rows(cache, B: int, T: int):
-    """Where each of a pass's B x T queries reads and writes the cache (`cache.plan`): (slots,
-    columns, below [B, T] long, see [B, T, W] uint8 or None, W, real [N] long or None): its cache
-    row and column, the keys below `below` it sees, the tree keys it sees past them, and a
-    ragged batch's real queries (flat indices). None where a tree's columns pass the cache (the
-    eager mask ignores them)."""
+    """Where the queries of a pass of B x T read and write the cache (`cache.plan`), the real
+    ones of a ragged batch only (padding is never read): (slots, columns, below [R] long, see
+    [R, W] uint8 or None, W, real [R] flat indices or None (every query)): each query's cache
+    row and column, the keys below `below` it sees, and the tree keys past them it sees. None
+    where a tree's columns pass the cache (the eager mask ignores them)."""
     plan = cache.plan
-    slots = plan.slots if T == 1 else plan.slots[:, None].expand(B, T).contiguous()  # [B, T]
-    columns = plan.write_positions.contiguous()                                  # [B, T]
-    tree = plan.tree
+    slots = plan.slots if T == 1 else plan.slots[:, None].expand(B, T)             # [B, T]
+    columns = plan.write_positions                                                # [B, T]
+    tree, width, see = plan.tree, 0, None
     if tree is None:                             # causal: a query sees keys 0..its column
-        return slots, columns, columns + 1, None, 0, \
-            plan.ragged[2] if plan.ragged is not None else None
-    width = tree.see.shape[2]       # the committed prefix, and the tree keys `see` marks
-    if max(tree.visible_below) + width > cache.max_capacity:
-        return None
-    below = torch.tensor(tree.visible_below)[:, None].expand(B, T).contiguous()
-    see = tree.see.to(torch.uint8).contiguous()                                  # [B, T, W]
-    return slots, columns, below, see, width, plan.ragged[2] if plan.ragged is not None else None
+        below = columns + 1
+    else:                           # the committed prefix, and the tree keys `see` marks
+        width = tree.see.shape[2]
+        if max(tree.visible_below) + width > cache.max_capacity:
+            return None
+        below = torch.tensor(tree.visible_below)[:, None].expand(B, T)
+        see = tree.see.to(torch.uint8).reshape(B * T, width)                     # [BT, W]
+    real = plan.ragged[2] if plan.ragged is not None else None
+    slots, columns, below, see = only_real(
+        real, *(t.reshape(B * T) for t in (slots, columns, below)), see)
+    return (slots.contiguous(), columns.contiguous(), below.contiguous(),
+            None if see is None else see.contiguous(), width, real)
 
 
 def only_real(real: torch.Tensor | None, *rows: torch.Tensor | None) -> list:
@@ -144,9 +148,6 @@ class NativePass:
         return len(lean.layers) != len(self.layers) or any(
             now is not then for now, then in zip(lean.layers, self.layers))
 
-    def _caches(self, cache) -> tuple[ctypes.Array, ctypes.Array] | None:
-        return cache_tables(cache, self.lean.num_kv_heads, self.lean.head_dim)
-
     def _capture_slots(self, layers: int, wanted: tuple[int, ...]) -> torch.Tensor:
         """[layers] long: where layer i's input goes among the captured states, -1 for none
         (kept per capture set: a pass reads it, never writes it)."""
@@ -162,7 +163,7 @@ class NativePass:
         """x [B, T, E] float32 (the embedded inputs, overwritten) -> the residual stream after
         the last layer [B, T, E]; None where the cache cannot be read this way (the eager
         layers run instead). cos, sin [B, 1, T, D]: the queries' rotary rows."""
-        tables = self._caches(cache)
+        tables = cache_tables(cache, self.lean.num_kv_heads, self.lean.head_dim)
         if tables is None:
             return None
         lean = self.lean
@@ -173,12 +174,8 @@ class NativePass:
             return None
         slots, columns, below, see, width, real = rows
         whole = x
-        # a ragged batch: its N real queries only (padding is never read)
-        x, slots, columns, below, cos, sin, see = only_real(
-            real, x.view(R, E), slots.reshape(R), columns.reshape(R), below.reshape(R),
-            cos.reshape(R, D).contiguous(), sin.reshape(R, D).contiguous(),
-            None if see is None else see.view(R, width))
-        R = x.shape[0]
+        x, cos, sin = only_real(real, x.view(R, E), cos.reshape(R, D), sin.reshape(R, D))
+        cos, sin, R = cos.contiguous(), sin.contiguous(), x.shape[0]
         wanted = [i for i in sorted(capture) if i < L]
         at = self._capture_slots(L, tuple(wanted))                                   # [L]
         caps = torch.empty(len(wanted), R, E) if wanted else None                    # [n, R, E]

@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 PLUGINS := plugins/specflow-suffix plugins/specflow-trace
 
 # the example plugins' tests run in their own pytest session (autoload on)
-.PHONY: demo test test-slow test-all test-vllm vllm bench bench-policies bench-real bench-precision bench-drafters bench-vllm llama-cpp sim calibrate demo-head smollm2 smollm2-head wheel-check clean
+.PHONY: demo test test-slow test-all test-vllm vllm bench bench-policies bench-real bench-precision bench-drafters bench-vllm llama-cpp sim calibrate demo-head smollm2 smollm2-head smollm2-head-data head-curve wheel-check clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -87,6 +87,18 @@ smollm2-head: smollm2
 	  train_head.checkpoint_every=100 train_head.output=$(SMOLLM2_HEAD) hydra.run.dir=$(SMOLLM2_HEAD)/run
 	mkdir -p specflow/weights/smollm2/eagle
 	cp $(SMOLLM2_HEAD)/config.json $(SMOLLM2_HEAD)/model.safetensors specflow/weights/smollm2/eagle/
+
+# grow SmolLM2's head data (head_data/smollm2, committed: token ids, about 1 MB per 1024
+# sequences; each run adds 1024, half code continuations and half answers to user turns the
+# target writes, about 10 minutes of 2 cores); train-head reads it with train_head.sequences=
+smollm2-head-data: smollm2
+	$(VENV)/bin/specflow head-data model=smollm2 threads=2 head_data.folder=head_data/smollm2 \
+	  head_data.sequences=1024 head_data.generate_batch=64 hydra.run.dir=build/head-data-run
+
+# the SmolLM2 head's held-out acceptance against its training data (bench/results/head_curve.*,
+# docs/heads-smollm2-curve.png): every head scored on the folder's held-out sequences
+head-curve: smollm2
+	$(PY) bench/head_curve.py --folder head_data/smollm2 --head shipped=specflow/weights/smollm2/eagle
 
 # llama.cpp (the peer in make bench-real) built from the llama-cpp-python sdist's vendored source,
 # and SmolLM2's dequantized weights and the demo target as f32 GGUFs for it, and SmolLM2 as a

@@ -23,6 +23,8 @@ commands:
   calibrate load sweep with speculation on and off; writes policy/calibrated.yaml + a PNG
   train-head  self-distil an EAGLE-3 draft head for the target (proposer=eagle reads it):
             specflow train-head model=demo train_head.output=heads/demo
+  head-data grow a head's data, kept as token ids (train-head reads it: train_head.sequences=):
+            specflow head-data model=smollm2 head_data.folder=head_data/smollm2
   serve     an OpenAI-compatible server (pip install 'specflow[serve]'), e.g.
             specflow serve proposer=draft policy=goodput server.host=127.0.0.1 server.port=8000
   ab        an A/B experiment as a Hydra multirun: specflow ab experiment=demo_proposers
@@ -30,8 +32,8 @@ commands:
   report    specflow report ab/<name> [--baseline old/report.json --max-acceptance-drop 0.05]
   plugins   list loaded plugins: name, package, version, hooks, components (--json)
 
-Hydra options work after run, sim, calibrate, train-head, serve and ab: --cfg job, --help, hydra.run.dir=...
---quiet (run, sim, calibrate, train-head, ab, report): no progress bars or Hydra log lines, for CI logs
+Hydra options work after run, sim, calibrate, train-head, head-data, serve and ab: --cfg job, --help, hydra.run.dir=...
+--quiet (run, sim, calibrate, train-head, head-data, ab, report): no progress bars or Hydra log lines, for CI logs
 """
 
 # Hydra flags whose value is the next argument
@@ -274,11 +276,29 @@ def calibrate_task(cfg) -> None:
 
 # --- train-head ----------------------------------------------------------------------------------
 
-def train_head_task(cfg) -> None:
+@contextlib.contextmanager
+def _phases():
+    """The long commands' progress: rich bars on a terminal, a plain line every 30 s off one
+    (nohup, CI, a pipe), nothing under --quiet."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, \
         TimeRemainingColumn
 
     from specflow.app.progress import BarPhases, PlainPhases, silent, stderr_line
+    from specflow.console import console
+
+    if os.environ.get("SPECFLOW_QUIET") == "1":
+        yield silent
+    elif not console.is_terminal:
+        yield PlainPhases(stderr_line)
+    else:
+        with Progress(TextColumn("{task.description}"), BarColumn(),
+                      TextColumn("{task.completed}/{task.total}"),
+                      TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
+                      TimeRemainingColumn(), console=console) as bar:
+            yield BarPhases(bar)
+
+
+def train_head_task(cfg) -> None:
     from specflow.app.prompts import read_prompts
     from specflow.config import decode_escapes, validate
     from specflow.console import console
@@ -287,16 +307,8 @@ def train_head_task(cfg) -> None:
     try:
         cfg = validate(decode_escapes(cfg))
         prompts = read_prompts(cfg)
-        if os.environ.get("SPECFLOW_QUIET") == "1":
-            summary = train_head.run(cfg, prompts, silent)
-        elif not console.is_terminal:       # nohup, CI, a pipe: a plain line every 30 s
-            summary = train_head.run(cfg, prompts, PlainPhases(stderr_line))
-        else:
-            with Progress(TextColumn("{task.description}"), BarColumn(),
-                          TextColumn("{task.completed}/{task.total}"),
-                          TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
-                          TimeRemainingColumn(), console=console) as bar:
-                summary = train_head.run(cfg, prompts, BarPhases(bar))
+        with _phases() as progress:
+            summary = train_head.run(cfg, prompts, progress)
     except SpecflowError as exc:
         raise SystemExit(fail(str(exc))) from None
     fig = summary.get("heldout_greedy") or {}
@@ -306,6 +318,26 @@ def train_head_task(cfg) -> None:
                   f"{[round(a, 2) for a in fig.get('acceptance_by_step', [])]}")
     console.print(f"[dim]wrote {cfg.train_head.output} (config.json, model.safetensors); use "
                   f"proposer=eagle proposer.path={cfg.train_head.output}[/]")
+
+
+def head_data_task(cfg) -> None:
+    from specflow.config import decode_escapes, validate
+    from specflow.console import console
+    from specflow.training import head_data
+
+    try:
+        cfg = validate(decode_escapes(cfg))
+        with _phases() as progress:
+            manifest = head_data.grow(cfg, progress)
+    except SpecflowError as exc:
+        raise SystemExit(fail(str(exc))) from None
+    parts = manifest["parts"]
+    console.print(f"{cfg.head_data.folder}: {sum(p['sequences'] for p in parts)} sequences "
+                  f"({sum(p['chat'] for p in parts)} chat), {sum(p['tokens'] for p in parts)} "
+                  f"tokens ({sum(p['generated'] for p in parts)} target-written) in "
+                  f"{len(parts)} parts")
+    console.print(f"[dim]train a head on it: specflow train-head train_head.sequences="
+                  f"{cfg.head_data.folder} train_head.output=...[/]")
 
 
 # --- ab / report -----------------------------------------------------------------------------------
@@ -466,6 +498,7 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "sim": lambda args: _hydra_app(sim_task, "sim", "sim", args),
     "calibrate": lambda args: _hydra_app(calibrate_task, "calibrate", "calibrate", args),
     "train-head": lambda args: _hydra_app(train_head_task, "train_head", "train-head", args),
+    "head-data": lambda args: _hydra_app(head_data_task, "head_data", "head-data", args),
     "serve": lambda args: _hydra_app(serve_task, "serve", "serve", args),
     "ab": cmd_ab,
     "report": cmd_report,

@@ -30,9 +30,18 @@ class Sequences:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    heldout_count: int | None = None  # set where the held-out ones were chosen otherwise
+
+    def heldout_share(self, heldout: float) -> int:
+        """How many of the last sequences a share `heldout` holds out (at least one)."""
+        return max(1, round(heldout * len(self))) if heldout > 0 else 0
+
     def split(self, heldout: float) -> tuple["Sequences", "Sequences"]:
-        """(train, held-out): the last ceil(heldout * n) sequences are held out."""
-        n_out = max(1, round(heldout * len(self))) if heldout > 0 else 0
+        """(train, held-out): the last round(heldout * n) sequences (at least one) are held out."""
+        return self.split_last(self.heldout_share(heldout))
+
+    def split_last(self, n_out: int) -> tuple["Sequences", "Sequences"]:
+        """(train, held-out): the last n_out sequences are held out."""
         cut = len(self) - n_out
 
         def part(sl):

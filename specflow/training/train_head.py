@@ -51,6 +51,8 @@ class TrainHeadConfig:
     resume: bool = True
     seed: int = 0
     format: str = "eagle3"              # eagle3: the published layout; speculators: vLLM's format
+    sequences: str | None = None        # a head-data folder (token ids) to learn from instead of
+    #                                     writing sequences now; its states are recomputed
 
     def __post_init__(self) -> None:
         if self.format not in HEAD_FORMATS:
@@ -105,6 +107,10 @@ def run(cfg, prompts: list[str], progress) -> dict:
     th = TrainHeadConfig(**OmegaConf.to_container(cfg.train_head, resolve=True))
     out = pathlib.Path(th.output).expanduser()
     settings = settings_of(cfg, th, train_layer_ids(th.layers, target_dims(cfg)))
+    if th.sequences:        # a grown folder is other data: a rerun on it starts over
+        from specflow.training import head_data
+
+        settings["head_data.sequences"] = head_data.count(th.sequences)
     if th.resume:
         check_rerun(out, settings)
     summary, check_prompts = _train(cfg, th, out, settings, prompts, progress)
@@ -126,12 +132,13 @@ def _train(cfg, th: TrainHeadConfig, out: pathlib.Path, settings: dict, prompts:
     pipe, run_cfg = _decoding_pipeline(cfg, th)     # gets them all back below
     target = pipe.target
     shape = head_shape_for(target, th, target.vocab_size)
-    seqs = _target_written(pipe, run_cfg, th, out, {**settings, "train_head.layers":
-                                                     shape.layer_ids}, prompts, shape, progress)
+    seqs, n_held = _target_written(pipe, run_cfg, th, out, {**settings, "train_head.layers":
+                                                            shape.layer_ids}, prompts, shape,
+                                   progress)
     check_prompts = data.cut_prompts(prompts, target.tokenizer, th.prompt_tokens, 2)
     generated = time.perf_counter() - started
     torch.set_num_threads(threads)
-    train_seqs, held = seqs.split(th.heldout)
+    train_seqs, held = seqs.split_last(n_held)
     head, lm = _head_from_target(target, shape, train_seqs, th.seed)
     schedule = loop.Settings(steps=th.steps, batch=th.batch, seq=th.seq, ttt_steps=th.ttt_steps,
                              lr=th.lr, checkpoint_every=th.checkpoint_every, seed=th.seed)
@@ -152,7 +159,9 @@ def _train(cfg, th: TrainHeadConfig, out: pathlib.Path, settings: dict, prompts:
         "draft_vocab_coverage": round(coverage, 4) if coverage is not None else None,
         "recipe": {k: getattr(th, k) for k in ("prompts", "chat_turns", "prompt_tokens",
                                                "new_tokens", "steps", "batch", "seq", "ttt_steps",
-                                               "lr", "seed")},
+                                               "lr", "seed")} if not th.sequences else
+        {"sequences": settings["head_data.sequences"],
+         **{k: getattr(th, k) for k in ("steps", "batch", "seq", "ttt_steps", "lr", "seed")}},
         "seconds": {"data": round(generated, 1), "train": round(trained, 1)},
         "threads": torch.get_num_threads(), "torch": torch.__version__,
         "heldout_greedy": figure, "log": log[-3:],
@@ -190,7 +199,8 @@ def _target_written(pipe, run_cfg, th: TrainHeadConfig, out: pathlib.Path, setti
                     prompts: list[str], shape, progress):
     """The target's continuations of the prompts and their states at the head's layers: read
     back from train_data.pt when resuming a finished data phase, else decoded now (in parts a
-    rerun resumes). -> data.RecordedSequences"""
+    rerun resumes); with train_head.sequences, the folder's sequences and their states
+    recomputed by prefill. -> (data.Sequences, how many of them, at the end, are held out)"""
     from specflow.training import data, user_turns
 
     target = pipe.target
@@ -204,7 +214,12 @@ def _target_written(pipe, run_cfg, th: TrainHeadConfig, out: pathlib.Path, setti
         check_recorded_width(cache, seqs, shape)
         note(f"resuming: the data phase is done ({len(seqs)} target-written sequences, "
              f"{seqs.positions()} positions, read from {cache})")
-        return seqs
+        return seqs, getattr(seqs, "heldout_count", None) or seqs.heldout_share(th.heldout)
+    if th.sequences:
+        write_settings(out, settings)
+        seqs = _prefilled(pipe, th, shape, progress)
+        data.save_whole(seqs, cache)
+        return seqs, seqs.heldout_count
     cut = data.cut_prompts(prompts, target.tokenizer, th.prompt_tokens, th.prompts)
     if not cut:
         raise ConfigError("train-head: the workload gave no non-empty prompts")
@@ -222,6 +237,32 @@ def _target_written(pipe, run_cfg, th: TrainHeadConfig, out: pathlib.Path, setti
     del states
     data.save_whole(seqs, cache)
     shutil.rmtree(parts, ignore_errors=True)          # train_data.pt holds them all now
+    return seqs, seqs.heldout_share(th.heldout)
+
+
+def _prefilled(pipe, th: TrainHeadConfig, shape, progress):
+    """A head-data folder's sequences with their states recomputed by one prefill each, the
+    held-out ones (head_data.IdSequences.heldout: by index, stable as the folder grows) moved
+    to the end. -> data.Sequences with heldout_count set"""
+    from specflow.training import data, head_data
+
+    ids, manifest = head_data.read(th.sequences)
+    target = pipe.target
+    if manifest["target"]["vocab_size"] != target.vocab_size:
+        raise ConfigError(f"train_head.sequences={th.sequences!r} was written by a target with "
+                          f"{manifest['target']['vocab_size']} tokens "
+                          f"({manifest['target']['file']}), this one has {target.vocab_size}; "
+                          f"pick the folder written by this target")
+    held = ids.heldout()
+    order = [i for i, h in enumerate(held) if not h] + [i for i, h in enumerate(held) if h]
+    keep = [i for i in order if len(ids.tokens[i]) > 3]
+    ids = head_data.IdSequences([ids.tokens[i] for i in keep], [ids.prompt_lens[i] for i in keep],
+                                [ids.kinds[i] for i in keep])
+    adv = progress("target reads the sequences (prefill)", len(ids))
+    states = head_data.prefilled_states(target, ids, shape.layer_ids, th.generate_batch, adv)
+    seqs = data.recorded_sequences([t[:-1].tolist() for t in ids.tokens], ids.prompt_lens,
+                                   states, len(shape.layer_ids))
+    seqs.heldout_count = sum(held[i] for i in keep)
     return seqs
 
 
@@ -281,9 +322,10 @@ RESULTS = ("train_data.pt", "checkpoint.pt", "model.safetensors", PARTS, TURNS)
 # workload, the logits settings and the layers: a rerun must keep them to resume (steps may
 # grow; checkpoint_every, generate_batch, device and threads may change)
 KEPT = ("prompts", "chat_turns", "prompt_tokens", "new_tokens", "draft_vocab_size", "intermediate_size",
-        "batch", "seq", "ttt_steps", "lr", "heldout", "seed")
+        "batch", "seq", "ttt_steps", "lr", "heldout", "seed", "sequences")
 
-ADDED_SINCE = {"train_head.chat_turns": 0}     # settings newer than some folders: their values then
+# settings newer than some folders: their values then
+ADDED_SINCE = {"train_head.chat_turns": 0, "train_head.sequences": None}
 
 
 def settings_of(cfg, th: TrainHeadConfig, layers: list[int]) -> dict:

@@ -46,16 +46,22 @@ def sample_user_turns(pipe, count: int, seed: int, advance) -> list[str]:
     """`count` distinct user turns the target writes after its pre-query template (a sampling
     pipeline: see sampling_config). Turns that do not end within TURN_TOKENS, that are empty or
     that repeat one already kept are dropped, and more are drawn, up to 4 x count in all."""
+    return draw_user_turns(pipe, count, seed, advance, 0)[0]
+
+
+def draw_user_turns(pipe, count: int, seed: int, advance, start: int) -> tuple[list[str], int]:
+    """sample_user_turns from draw `start` on (draw i is request index i: its seed offset, so
+    later draws are new ones) -> (the turns, the draw after the last one taken)."""
     template = pre_query_template(pipe.tokenizer)
     kept: dict[str, None] = {}
-    drawn = 0
-    while len(kept) < count and drawn < 4 * count:
+    drawn = start
+    while len(kept) < count and drawn < start + 4 * count:
         n = count - len(kept)
         ended = _draw(pipe, template, seed, list(range(drawn, drawn + n)), kept, advance)
         drawn += n
         for index in sorted(ended):         # in request order: the same turns for any timing
             kept[ended[index]] = None
-    return list(kept)[:count]
+    return list(kept)[:count], drawn
 
 
 def _draw(pipe, template: str, seed: int, indices: list[int], kept: dict, advance) -> dict:

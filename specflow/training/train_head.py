@@ -219,7 +219,8 @@ def _target_written(pipe, run_cfg, th: TrainHeadConfig, out: pathlib.Path, setti
         check_recorded_width(cache, seqs, shape)
         note(f"resuming: the data phase is done ({len(seqs)} target-written sequences, "
              f"{seqs.positions()} positions, read from {cache})")
-        return seqs, getattr(seqs, "heldout_count", None) or seqs.heldout_share(th.heldout)
+        held = getattr(seqs, "heldout_count", None)        # None: a share, or an older file
+        return seqs, held if held is not None else seqs.heldout_share(th.heldout)
     if th.sequences:
         write_settings(out, settings)
         seqs = _prefilled(pipe, th, shape, progress)

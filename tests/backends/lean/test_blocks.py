@@ -61,6 +61,35 @@ def test_the_product_is_the_blocks_times_the_input_quantized_per_block(kind, K):
     assert held.nbytes() == 48 * K // 32 * (38 if kind == "q8" else 20)
 
 
+def test_the_input_quantization_rounds_ties_to_even_and_keeps_empty_and_lopsided_blocks():
+    """The activations' int8 blocks (vectors, in the product's threads): a block whose largest
+    |x| is 127 has x x 127 / max = x, so halves are ties and round to even (2.5 -> 2, 3.5 -> 4,
+    -2.5 -> -2); an all-zero block adds nothing (no 0/0); a block of one large value leaves its
+    small ones at 0; every row of every split, at 1 and 2 threads, as the reference."""
+    torch.manual_seed(1)
+    K = 32 * 6
+    held = blocks.quantize_q4(torch.randn(24, K))
+    values = held.dequantize().double()
+    x = torch.randn(7, K)
+    x[:, :32] = torch.tensor([127.0, 2.5, 3.5, -2.5, 0.5, -0.5, 1.5, 126.5] * 4)  # ties
+    x[:, 32:64] = 0.0                                                             # empty
+    x[:, 64:96] = 1e-3
+    x[:, 64] = 1e3                                                               # lopsided
+    q = quantized_input(x)
+    assert q[0, 1].item() == 2.0 and q[0, 2].item() == 4.0 and q[0, 3].item() == -2.0
+    assert (q[:, 32:64] == 0).all() and (q[:, 65:96] == 0).all()
+    want = q.double() @ values.T
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for rows in (1, 2, 5, 7):
+                got = held.matmul(x[:rows]).double()
+                assert ((got - want[:rows]).abs().max() / want.abs().max()) < 1e-6, (t, rows)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_a_files_blocks_keep_their_scales_and_weights_and_q4_0_reads_as_q4_1():
     """ggml's layouts: Q4_0 [d, 16 nibble bytes], Q4_1 [d, m, 16 bytes], Q8_0 [d, 32 int8];
     byte j of a Q4 block holds weight j low and weight j + 16 high. Held tiled, the same

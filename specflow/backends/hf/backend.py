@@ -436,7 +436,6 @@ class HFBackend(Backend):
         checkpoint's own dtype, as for any folder)."""
         from specflow.backends.hf.file_products import read_tensors
         from specflow.backends.lean.forward import unsupported_reason
-        from specflow.backends.lean.blocks import reorder_rows
         from specflow.backends.lean.gguf_blocks import (file_types, head_blocks, held_types,
                                                          layer_blocks, matches,
                                                          other_layer_types)
@@ -489,8 +488,7 @@ class HFBackend(Backend):
             return None                            # a row order this reader does not know
         head = head_blocks(file)          # the file's own head blocks (native kernel only)
         lm_head = self.model.lm_head.weight
-        if head is not None and matches(reorder_rows(head, torch.arange(min(64, len(lm_head)))),
-                                        lm_head[:64]):
+        if head is not None and matches(head, lm_head, rows=min(64, len(lm_head))):
             blocks[(-1, 0)] = head
         kind = types.get("output.weight", types.get("token_embd.weight", "F32"))
         return blocks, 4 if kind in ("Q4_0", "Q4_1") else 8

@@ -53,6 +53,31 @@ def read_tensors(folder: str, names: list[str]) -> dict[str, torch.Tensor]:
     return out
 
 
+def mapped_tensor(folder: str, name: str) -> torch.Tensor | None:
+    """A float32 tensor of a saved folder mapped from its file (copy-on-write), not read: its
+    pages come in as rows are touched and stay the file's. None where it is not a float32
+    tensor of a safetensors file (read it then). The embedding of a model whose tied head is
+    held in the file's blocks is looked up in those blocks and freed once 257 of its rows are
+    checked (LeanLlama._share_embedding): read, its 113 MB (SmolLM2) were the load's peak."""
+    import struct
+
+    import numpy as np
+
+    file = _files(pathlib.Path(folder)).get(name)
+    if file is None:
+        return None
+    with open(file, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        info = json.loads(f.read(size)).get(name, {})
+    if info.get("dtype") != "F32":
+        return None
+    begin, end = info["data_offsets"]
+    shape = tuple(info["shape"])
+    if end - begin != 4 * int(np.prod(shape, dtype=np.int64)):
+        return None
+    return torch.from_numpy(np.memmap(file, np.float32, "c", 8 + size + begin, shape))
+
+
 def release_freed() -> None:
     """Hand the C heap's freed pages back to the system (glibc's malloc_trim; nothing
     elsewhere): the blocks' loading frees ~1.5x their bytes of temporaries, which glibc keeps
@@ -101,7 +126,12 @@ def load(folder: str, config, attn_implementation: str):
     head = model.get_output_embeddings().weight
     params = {n: p for n, p in model.named_parameters() if not (tied and p is head)}
     products = {n for n in params if n.endswith(".weight") and n.split(".")[-2] in PRODUCTS}
-    read = read_tensors(folder, [n for n in params if n not in products])
+    embedding = next(n for n, p in params.items() if p is model.get_input_embeddings().weight)
+    mapped = mapped_tensor(folder, embedding) if tied else None
+    read = read_tensors(folder, [n for n in params
+                                 if n not in products and not (mapped is not None and n == embedding)])
+    if mapped is not None:
+        read[embedding] = mapped
     for name, p in params.items():
         value = placeholder(p.shape, torch.float32) if name in products else read[name]
         set_module_tensor_to_device(model, name, "cpu", value=value)

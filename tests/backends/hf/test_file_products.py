@@ -112,3 +112,21 @@ def test_a_tied_embedding_is_looked_up_in_the_files_head_blocks(hf_models, tmp_p
     assert torch.equal(kept_target.input_embeddings(), table)
     lean.unpack()                                           # the table back, from the blocks
     assert lean.embed_held is None and torch.equal(lean.embed, table)
+
+
+def test_a_tied_embedding_is_mapped_from_the_folder_not_read(tmp_path):
+    """mapped_tensor: a float32 tensor of a safetensors file as a copy-on-write mapping (its
+    values; a write stays in the process, the file keeps its bytes); None for another dtype or
+    a name the folder lacks (the caller reads those)."""
+    from safetensors.torch import save_file
+
+    table = torch.randn(40, 24)
+    save_file({"model.embed_tokens.weight": table, "model.norm.weight": torch.ones(24).half()},
+              str(tmp_path / "model.safetensors"))
+    mapped = file_products.mapped_tensor(str(tmp_path), "model.embed_tokens.weight")
+    assert torch.equal(mapped, table) and mapped.dtype == torch.float32
+    mapped[0] = 0.0
+    again = file_products.mapped_tensor(str(tmp_path), "model.embed_tokens.weight")
+    assert torch.equal(again, table)                           # the file kept its bytes
+    assert file_products.mapped_tensor(str(tmp_path), "model.norm.weight") is None
+    assert file_products.mapped_tensor(str(tmp_path), "lm_head.weight") is None

@@ -267,3 +267,35 @@ def test_the_portable_path_computes_what_the_vnni_path_does(tmp_path):
                                    40, 256, 5, 1, None, 0.0) == 0
         want = h.matmul(x)      # up to the fusing of multiply-adds: 1e-6 of the row's scale
         assert (out - want).abs().max() <= 1e-6 * want.abs().max(), blocks.NAMES[h.kind_code]
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_1"])
+def test_a_file_mapped_tensor_is_tiled_in_chunks_and_its_pages_handed_back(tmp_path, type_name):
+    """from_file_blocks over more rows than a chunk (the last tile padded): the tiles of a
+    read-only file mapping equal those of the same bytes in memory, and the mapping's pages
+    are no longer in the process once tiled (/proc/self/smaps), the file's bytes unchanged."""
+    import pathlib
+    import re
+
+    size, _ = blocks.FILE_BLOCK[type_name]
+    N, G = blocks.CHUNK + 40, 6
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, (N, G, size), dtype=np.uint8)
+    raw[..., 0:2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)           # d
+    if type_name == "Q4_1":
+        raw[..., 2:4] = np.frombuffer(np.float16(-0.05).tobytes(), np.uint8)      # m
+    path = tmp_path / f"t.{type_name}"
+    raw.reshape(N, -1).tofile(path)
+    want = blocks.from_file_blocks(raw.reshape(N, -1).copy(), type_name)
+    mapped = np.memmap(path, np.uint8, "r", 0, (N, G * size))
+    got = blocks.from_file_blocks(np.asarray(mapped), type_name)
+    assert torch.equal(got.data, want.data) and got.shape == want.shape
+    assert torch.equal(got.rows(torch.tensor([0, N - 1])), want.rows(torch.tensor([0, N - 1])))
+    smaps = pathlib.Path("/proc/self/smaps")
+    if smaps.is_file():
+        text = smaps.read_text()
+        at = text.index(str(path))
+        rss = int(re.search(r"^Rss:\s+(\d+) kB", text[at:], re.M).group(1))
+        assert rss * 1024 < 0.05 * path.stat().st_size, rss
+    assert np.array_equal(np.fromfile(path, np.uint8).reshape(N, -1), raw.reshape(N, -1))
+    del mapped

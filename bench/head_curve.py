@@ -42,13 +42,19 @@ def heldout_sequences(pipe, folder: str, layer_ids: list[int], batch: int):
     return seqs, held.kinds
 
 
+HELD: dict = {}         # (folder, layer ids) -> held-out sequences: heads reading the same layers share them
+
+
 def score(pipe, head_path: str, folder: str, k: int, batch: int) -> dict:
     from specflow.backends.heads.eagle import load_head
     from specflow.training import data, loop
 
     target = pipe.target
     head = load_head(head_path, target, torch.device("cpu"), torch.float32)
-    seqs, kinds = heldout_sequences(pipe, folder, list(head.shape.layer_ids), batch)
+    key = (folder, tuple(head.shape.layer_ids))
+    if key not in HELD:
+        HELD[key] = heldout_sequences(pipe, folder, list(key[1]), batch)
+    seqs, kinds = HELD[key]
     lm = target.output_head().detach().float()[head.draft_ids]                     # [Vd, E]
     out = {}
     for name, pick in (("all", None), ("code", 0), ("chat", 1)):

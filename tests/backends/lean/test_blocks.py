@@ -273,12 +273,13 @@ def test_the_portable_path_computes_what_the_vnni_path_does(tmp_path):
 def test_a_file_mapped_tensor_is_tiled_in_chunks_and_its_pages_handed_back(tmp_path, type_name):
     """from_file_blocks over more rows than a chunk (the last tile padded): the tiles of a
     read-only file mapping equal those of the same bytes in memory, and the mapping's pages
-    are no longer in the process once tiled (/proc/self/smaps), the file's bytes unchanged."""
+    are no longer in the process once tiled (/proc/self/smaps: the 2-2.5 MB file's pages all
+    stay resident without the hand-back), the file's bytes unchanged."""
     import pathlib
     import re
 
     size, _ = blocks.FILE_BLOCK[type_name]
-    N, G = blocks.CHUNK + 40, 6
+    N, G = blocks.CHUNK + 40, 24
     rng = np.random.default_rng(0)
     raw = rng.integers(0, 256, (N, G, size), dtype=np.uint8)
     raw[..., 0:2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)           # d
@@ -296,6 +297,8 @@ def test_a_file_mapped_tensor_is_tiled_in_chunks_and_its_pages_handed_back(tmp_p
         text = smaps.read_text()
         at = text.index(str(path))
         rss = int(re.search(r"^Rss:\s+(\d+) kB", text[at:], re.M).group(1))
-        assert rss * 1024 < 0.05 * path.stat().st_size, rss
+        # the kernel's fault-around maps up to 64 KB of cached neighbours with a page it faults
+        # in, some of them in the chunk before: a window per chunk boundary is allowed
+        assert rss * 1024 < 0.05 * path.stat().st_size + 2 * 65536, rss
     assert np.array_equal(np.fromfile(path, np.uint8).reshape(N, -1), raw.reshape(N, -1))
     del mapped

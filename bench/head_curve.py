@@ -120,6 +120,7 @@ def plot(rows: dict, png: str) -> None:
     for x, y, label in pts:
         ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, -12), fontsize=8)
     ax.set_xscale("log")
+    ax.margins(x=0.35)                                      # room for the last point's label
     ax.set_xlabel("training positions (target-written tokens)")
     ax.set_ylabel("held-out greedy τ at k = 4")
     ax.axhline(3.0, color="gray", ls=":", lw=1)

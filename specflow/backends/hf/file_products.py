@@ -126,12 +126,13 @@ def load(folder: str, config, attn_implementation: str):
     head = model.get_output_embeddings().weight
     params = {n: p for n, p in model.named_parameters() if not (tied and p is head)}
     products = {n for n in params if n.endswith(".weight") and n.split(".")[-2] in PRODUCTS}
-    embedding = next(n for n, p in params.items() if p is model.get_input_embeddings().weight)
-    mapped = mapped_tensor(folder, embedding) if tied else None
-    read = read_tensors(folder, [n for n in params
-                                 if n not in products and not (mapped is not None and n == embedding)])
-    if mapped is not None:
-        read[embedding] = mapped
+    mapped = {}                  # a tied embedding: mapped, not read (mapped_tensor says why)
+    embedding = next((n for n, p in params.items() if p is model.get_input_embeddings().weight),
+                     None) if tied else None
+    if embedding is not None and (table := mapped_tensor(folder, embedding)) is not None:
+        mapped[embedding] = table
+    read = {**read_tensors(folder, [n for n in params if n not in products and n not in mapped]),
+            **mapped}
     for name, p in params.items():
         value = placeholder(p.shape, torch.float32) if name in products else read[name]
         set_module_tensor_to_device(model, name, "cpu", value=value)

@@ -333,7 +333,7 @@ static void free_quantized(quantized_x *q) {
 }
 
 /* Room for X [M, K] quantized (block_product fills it): 0, or 1 out of memory. */
-static int quantize_x(const float *X, int64_t M, int64_t K, int want_u8, quantized_x *q) {
+static int room_for_x(const float *X, int64_t M, int64_t K, int want_u8, quantized_x *q) {
     memset(q, 0, sizeof *q);
     q->X = X;
     q->M = M; q->K = K; q->G = K / QK;

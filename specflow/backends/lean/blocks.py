@@ -163,16 +163,23 @@ class BlockWeight(native.HeldWeight):
                  group_size: int = QK, source: str | None = None):
         """d, m (None for Q8_0) [N, G] (U8: [N, 2G]), q [N, G, 32]: the blocks' parts (_tile);
         `source`: the file's type they came from, for describe()."""
-        N, G = q.shape[:2]
-        self._describe(kind, N, G, group_size, source)
-        self.data = torch.from_numpy(_tile(kind, d, m, q).reshape(-1))
+        self._hold(kind, _tile(kind, d, m, q), q.shape[0], group_size, source)
 
-    def _describe(self, kind: int, N: int, G: int, group_size: int = QK,
-                  source: str | None = None) -> None:
+    @classmethod
+    def from_tiles(cls, kind: int, tiles: np.ndarray, N: int, group_size: int = QK,
+                   source: str | None = None) -> BlockWeight:
+        """A weight of N rows from tiles already laid out (_tile's uint8 [tiles, G, bytes])."""
+        held = cls.__new__(cls)
+        held._hold(kind, tiles, N, group_size, source)
+        return held
+
+    def _hold(self, kind: int, tiles: np.ndarray, N: int, group_size: int,
+              source: str | None) -> None:
         self.kind_code = kind
         self.bits = BITS[kind]
         self.source = source
-        self.shape = torch.Size((N, G * QK))
+        self.shape = torch.Size((N, tiles.shape[1] * QK))
+        self.data = torch.from_numpy(tiles.reshape(-1))
         self.group_size = group_size
 
     def parts(self):
@@ -294,19 +301,15 @@ def from_file_blocks(data: np.ndarray, type_name: str) -> BlockWeight:
     from the file (np.memmap), each chunk's pages are handed back once it is tiled: mapped file
     pages count in the process's memory until then, and a 49152-row head's were 34 MB of the
     load's peak (with its parts unpacked whole, another 28 for a Q4 head)."""
-    N = data.shape[0]
-    held = None
+    N, tiles = data.shape[0], None
     for r in range(0, N, CHUNK):
         kind, d, m, q = file_parts(data[r:r + CHUNK], type_name)
-        if held is None:
-            held = BlockWeight.__new__(BlockWeight)
-            held._describe(kind, N, q.shape[1], source=type_name)
+        if tiles is None:
             tiles = np.empty((-(-N // TR), q.shape[1], TILE_BYTES[kind]), np.uint8)
         tiles[r // TR:(r + CHUNK) // TR] = _tile_rows(kind, d, m, q)
         del d, m, q
         _hand_back(data, r, min(r + CHUNK, N))
-    held.data = torch.from_numpy(tiles.reshape(-1))
-    return held
+    return BlockWeight.from_tiles(kind, tiles, N, source=type_name)
 
 
 def _hand_back(data: np.ndarray, r0: int, r1: int) -> None:

@@ -273,6 +273,9 @@ ROWS = [
     ("proposer=self over a model it cannot copy", [*SYN, "proposer=self"], "build",
      "proposer=self drafts with the target's own weights in int4 or int8 and needs a "
      "transformers target (model=hf, model=demo or model=smollm2)", None),
+    ("an unknown prefill for proposer=self", ["proposer=self", "proposer.prefill=mine"],
+     "compose", "proposer.prefill='mine'; use target (copy the target's cached prompt) or own "
+     "(the draft's own prefill)", None),
 ]
 
 

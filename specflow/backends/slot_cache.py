@@ -90,6 +90,18 @@ class SlotKVCache(Cache):
                         buf[s, :, b:b + len(pick)] = buf[s].index_select(1, src_d)    # copy first
             self.lengths[s] = b + len(pick)
 
+    def copy_from(self, source: "SlotKVCache", slots: list[int], ends: list[int]) -> None:
+        """Take `source`'s keys and values of each slot from this cache's length up to ends[i]
+        (the same slot in both; source holds them): a cache of the same layers and attention
+        shapes whose buffers exist. Each row's length becomes ends[i]."""
+        for s, end in zip(slots, ends):
+            start = self.lengths[s]
+            if end <= start:
+                continue
+            for dst, src in zip((*self.keys, *self.values), (*source.keys, *source.values)):
+                dst[s, :, start:end] = src[s, :, start:end]                  # [H, n, D], cast
+            self.lengths[s] = end
+
     # --- what attention layers call ------------------------------------------------------------
 
     def allocate(self, like: torch.Tensor) -> None:

@@ -776,6 +776,36 @@ class HFBackend(Backend):
     def truncate(self, slots: torch.Tensor, lengths: list[int]) -> None:
         self.cache.truncate(slots.tolist(), lengths)
 
+    def can_adopt_cache(self, source: "HFBackend") -> str | None:
+        """None where this model's cache can take `source`'s keys and values as its own (the
+        same layers, attention shapes, rotary positions and room), else why not."""
+        mine, theirs = self.decoder_shape(), source.decoder_shape()
+        for what in ("num_key_value_heads", "head_dim", "rope_theta"):
+            if getattr(mine, what) != getattr(theirs, what):
+                return f"{what} {getattr(mine, what)} against {getattr(theirs, what)}"
+        if self.num_layers != source.num_layers or self.cache.slots < source.cache.slots:
+            return f"{self.num_layers} layers x {self.cache.slots} slots against " \
+                   f"{source.num_layers} x {source.cache.slots}"
+        if self.cache.max_capacity < source.cache.max_capacity:
+            return f"room for {self.cache.max_capacity} positions against {source.cache.max_capacity}"
+        return None
+
+    @torch.inference_mode()
+    def adopt_cache(self, source: "HFBackend", slots: list[int], ends: list[int]) -> None:
+        """Cache each slot's positions from this cache's length up to ends[i] with the keys and
+        values `source` computed for them (can_adopt_cache(source) is None; source holds them):
+        no pass of this model. The buffers are made by the first pass that writes them, in this
+        model's dtype and layout, so a fresh cache runs one pass of one token first."""
+        if not any(end > self.cache.lengths[s] for s, end in zip(slots, ends)):
+            return
+        if any(buf is None for buf in (*self.cache.keys, *self.cache.values)):
+            s = slots[0]
+            start = self.cache.lengths[s]
+            self.forward(torch.tensor([s]), torch.zeros(1, 1, dtype=torch.long),
+                         torch.ones(1, dtype=torch.long), logits=False)
+            self.cache.truncate([s], [start])          # its entry is overwritten below
+        self.cache.copy_from(source.cache, slots, ends)
+
 
 def check_same_tokenizer(target: HFBackend, draft: HFBackend) -> None:
     """A draft must share the target's tokenizer: vocabulary, special tokens, encodings."""

@@ -10,17 +10,28 @@ elsewhere), which
 agree with the float target far more often than the same weights quantized again (SmolLM2's
 Q4_1 file: acceptance 0.99 against 0.92). It drafts like any draft model (chains, or EAGLE-2
 trees with topk > 1), and the verifier keeps the output exactly the target's.
+
+The draft's cache of a prompt is the target's (`proposer.prefill=target`, the default): the
+target has just computed the keys and values of every prompt position with the same layers, so
+the draft copies them instead of running its own prefill (which cost about as much as the
+target's: a narrow prefill is compute-bound, not cheaper). Tokens committed while the policy
+kept a row at k = 0 are taken the same way. The draft then attends over its float self's context
+and its own drafts; any draft leaves the output exact, since each draft is sampled from the very
+q the verifier is given. `proposer.prefill=own` runs the draft's own prefill instead.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from omegaconf import OmegaConf
 
 from specflow.errors import ConfigError
+from specflow.plugins import hookimpl
 from specflow.stages.proposers.draft import DraftModelProposer, DraftProposerConfig
 
 WEIGHTS = ("auto", "int4", "int8")
+PREFILLS = ("target", "own")
 
 
 @dataclass
@@ -31,6 +42,8 @@ class SelfProposerConfig(DraftProposerConfig):
     group_size: int = 32           # int4: weights sharing one scale and zero
     activations: str = "auto"      # auto | bfloat16 | float32 (what the draft's products read;
                                    # auto: float32 on specflow's native block product)
+    prefill: str = "target"        # the draft's cache of a prompt: target (the target's keys
+                                   # and values, copied) | own (the draft's own prefill)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -38,6 +51,9 @@ class SelfProposerConfig(DraftProposerConfig):
             raise ConfigError(f"proposer.dtype={self.dtype!r}; use auto (a GGUF target's own "
                               f"blocks, int4 otherwise), int4 or int8 (the target's own weights, "
                               f"narrower)")
+        if self.prefill not in PREFILLS:
+            raise ConfigError(f"proposer.prefill={self.prefill!r}; use target (copy the "
+                              f"target's cached prompt) or own (the draft's own prefill)")
 
 
 def holds_q4(target) -> bool:
@@ -70,3 +86,22 @@ class SelfProposer(DraftModelProposer):
                                 "activations": cfg.activations, "graphs": False})
         ctx._draft, ctx.build_draft = None, lambda: build_draft(own, ctx)   # not cfg.draft's
         super().__init__(cfg, ctx)
+        self.target = ctx.target
+        # the same checkpoint: its cache takes the target's unless a setting made them differ
+        # (the target's max_model_len or slots); then it prefills on its own, as prefill=own
+        self.adopts = cfg.prefill == "target" and self.model.can_adopt_cache(ctx.target) is None
+
+    @hookimpl
+    def specflow_propose(self, batch, k):
+        start = time.perf_counter()
+        if self.adopts:      # rows about to draft whose cache lags: the target's entries
+            lagging = [(s, self.target.cache_length(s))
+                       for s, ids, kb in zip(batch.slots.tolist(), batch.token_ids, self._room(batch, k))
+                       if kb > 0 and len(ids) - self.model.cache_length(s) > self.CATCH_UP]
+            if lagging:
+                self.model.adopt_cache(self.target, [s for s, _ in lagging],
+                                       [n for _, n in lagging])
+        adopted = time.perf_counter() - start
+        proposal = super().specflow_propose(batch, k)
+        proposal.catch_up_seconds += adopted
+        return proposal

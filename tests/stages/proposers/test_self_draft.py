@@ -32,10 +32,35 @@ def test_greedy_self_drafting_equals_plain_decoding(plain_ids, extra):
     assert got == plain_ids
     stats = pipe.last_stats
     assert stats["num_accepted_tokens"] > 0.4 * stats["num_draft_tokens"]    # it agrees often
-    draft = next(p for p in pipe.pm.get_plugins() if isinstance(p, SelfProposer)).model
+    draft = _draft(pipe)
     bits = 8 if "proposer.dtype=int8" in extra else 4
     assert draft.lean.quantized == (bits, 32) and draft.path == pipe.target.path
     assert pipe.target.lean.quantized is None                     # the target keeps its weights
+
+
+def _draft(pipe):
+    return next(p for p in pipe.pm.get_plugins() if isinstance(p, SelfProposer)).model
+
+
+@pytest.mark.parametrize("prefill", ["target", "own"])
+def test_the_drafts_prompt_cache_is_the_targets_unless_it_prefills_its_own(plain_ids, prefill):
+    pipe = Pipeline.from_config([*COMMON, "proposer=self", f"proposer.prefill={prefill}"])
+    draft, target = _draft(pipe), pipe.target
+    prefills = []
+    real = draft.prefill_many
+    draft.prefill_many = lambda slots, prompts, *a: (prefills.append(slots), real(slots, prompts, *a))[1]
+    prompt = PROMPTS[0]
+    got = pipe.generate([prompt])[0].token_ids
+    assert got == plain_ids[0]
+    n = len(target.tokenizer.encode(prompt)) - 1           # the prompt the target prefilled
+    same = [bool((draft.cache.keys[layer][0, :, :n] == target.cache.keys[layer][0, :, :n]).all()
+                 and (draft.cache.values[layer][0, :, :n] == target.cache.values[layer][0, :, :n]).all())
+            for layer in range(draft.num_layers)]
+    if prefill == "target":      # copied, bit for bit; the draft never ran its own prefill
+        assert all(same) and prefills == []
+        assert pipe.last_stats["num_accepted_tokens"] > 0.4 * pipe.last_stats["num_draft_tokens"]
+    else:                        # its own int4 layers computed them: not the float target's
+        assert not any(same[1:]) and prefills == [[0]]
 
 
 def test_a_target_it_cannot_copy_and_a_bad_dtype_are_one_line():
@@ -43,6 +68,8 @@ def test_a_target_it_cannot_copy_and_a_bad_dtype_are_one_line():
         Pipeline.from_config(["model=synthetic", "draft=synthetic", "proposer=self"])
     with pytest.raises(ConfigError, match="proposer.dtype='float16'; use auto"):
         Pipeline.from_config([*COMMON, "proposer=self", "proposer.dtype=float16"])
+    with pytest.raises(ConfigError, match="proposer.prefill='mine'; use target"):
+        Pipeline.from_config([*COMMON, "proposer=self", "proposer.prefill=mine"])
 
 
 @pytest.mark.slow

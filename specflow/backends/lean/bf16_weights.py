@@ -8,14 +8,56 @@ native product widens each bfloat16 weight to float32 as it reads it (exact: bfl
 float32's upper half) and multiplies float32 inputs in float32, so the embedding, norms,
 attention and KV cache stay float32 and the pass runs as the one native call. The weights are
 rounded to bfloat16 once, at load; nothing else is.
+
+A prompt's prefill is the exception, where the CPU multiplies bfloat16 in hardware (AVX512-BF16
+or AMX-BF16) and torch has oneDNN: a prefill is compute-bound, and there oneDNN's bfloat16
+product (inputs rounded to bfloat16, bfloat16 results) runs 2.2-2.5x the native float32
+arithmetic (SmolLM2's matrices at 64-128 rows, 2-core Zen 4). Only a prefill's passes of
+LIBRARY_ROWS queries or more take it (`prefill_products`), so every pass that scores a position
+(plain or speculative, any batch) runs the float32 arithmetic as before and speculation stays
+exact; the prompt's keys and values carry bfloat16's rounding, as llama.cpp's bf16 path does.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
+import re
+
 import torch
+import torch.nn.functional as F
 
 from specflow.backends.lean import native
 
 BF16_WEIGHTS = 5                       # gemv.c's kind
+LIBRARY_ROWS = 32                      # a prefill's products from this many rows: oneDNN's
+
+_PREFILL = contextvars.ContextVar("specflow_bf16_prefill", default=False)
+
+
+@functools.cache
+def hardware_bf16() -> bool:
+    """This CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX-BF16; Linux's flags) and
+    torch has oneDNN to do it; elsewhere oneDNN's bfloat16 product is emulated and slower."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return re.search(r"\b(avx512_bf16|amx_bf16)\b", flags) is not None
+
+
+@contextlib.contextmanager
+def prefill_products(on: bool = True):
+    """Inside: products of LIBRARY_ROWS rows or more of bfloat16 weights are oneDNN's bfloat16
+    ones (a prefill pass; the caller checks hardware_bf16())."""
+    token = _PREFILL.set(on)
+    try:
+        yield
+    finally:
+        _PREFILL.reset(token)
 
 
 class Bf16Weight(native.HeldWeight):
@@ -31,6 +73,14 @@ class Bf16Weight(native.HeldWeight):
 
     def dequantize(self) -> torch.Tensor:
         return self.data.float()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> [..., N] (x's dtype): the native product, or inside prefill_products
+        and from LIBRARY_ROWS rows, oneDNN's bfloat16 one."""
+        if _PREFILL.get() and x.numel() >= LIBRARY_ROWS * x.shape[-1] \
+                and self.kind_code == BF16_WEIGHTS:
+            return F.linear(x.to(torch.bfloat16), self.data).to(x.dtype)
+        return native.held(self, x)
 
     def describe(self) -> str:
         return "bfloat16 weights"

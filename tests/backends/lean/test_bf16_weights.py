@@ -5,6 +5,8 @@ beside it, the whole pass runs as the native call, and speculation over it is ex
 speculative output equals greedy plain output (the arithmetic is float32's)."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -50,3 +52,80 @@ def test_greedy_speculation_over_bfloat16_weights_equals_plain_decoding():
     drafted = Pipeline.from_config([*base, "proposer=draft"]).generate(prompts)
     assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
     assert [r.token_ids for r in drafted] == [r.token_ids for r in plain]
+
+
+LONG = ("import os\nimport sys\n\n\ndef walk(root):\n    \"\"\"Every file under root, sorted.\"\"\"\n"
+        "    out = []\n    for folder, _, names in os.walk(root):\n        for name in names:\n"
+        "            out.append(os.path.join(folder, name))\n    return sorted(out)\n\n\ndef main():\n")
+
+
+@pytest.fixture
+def counted_library(monkeypatch):
+    """bf16_weights' oneDNN products counted; hardware_bf16() as the test sets it."""
+    from specflow.backends.lean import bf16_weights
+
+    calls = []
+    real = torch.nn.functional.linear
+
+    class Counted:
+        def __getattr__(self, name):
+            return getattr(torch.nn.functional, name)
+
+        @staticmethod
+        def linear(*args):
+            calls.append(args[0].shape)
+            return real(*args)
+
+    monkeypatch.setattr(bf16_weights, "F", Counted())
+    return calls, lambda on: monkeypatch.setattr(bf16_weights, "hardware_bf16", lambda: on)
+
+
+def test_a_long_prefill_takes_onednns_bfloat16_products_where_the_cpu_has_them(counted_library):
+    from specflow.backends.lean.bf16_weights import LIBRARY_ROWS
+
+    calls, hardware = counted_library
+    backend = HFBackend(HFModelConfig(path=str(DEMO_DIR / "target"), dtype="bfloat16"),
+                        torch.device("cpu"), 1)
+    ids = backend.tokenizer.encode(LONG)
+    assert len(ids) > LIBRARY_ROWS
+    keys = {}
+    for on in (False, True):
+        hardware(on)
+        calls.clear()
+        backend.reset(0)
+        backend.prefill_many([0], [ids])
+        keys[on] = [k[0, :, :len(ids)].clone() for k in backend.cache.keys]
+        # every layer's products (qkv, o, gate-up, down) at the prompt's rows, or none
+        assert len(calls) == (4 * backend.num_layers if on else 0)
+        assert all(math.prod(shape[:-1]) == len(ids) for shape in calls)
+    for native, library in zip(keys[False], keys[True]):    # bfloat16's rounding, no more
+        torch.testing.assert_close(library, native, rtol=0.02, atol=0.02 * float(native.abs().max()))
+        assert not torch.equal(library, native)
+    # a pass that scores positions never does, however many rows: its logits are the same bits
+    hardware(True)
+    calls.clear()
+    backend.reset(0)
+    scored = backend.forward(torch.tensor([0]), torch.tensor([ids]), torch.tensor([len(ids)]))
+    hardware(False)
+    backend.reset(0)
+    assert torch.equal(scored, backend.forward(torch.tensor([0]), torch.tensor([ids]),
+                                               torch.tensor([len(ids)])))
+    assert calls == []
+    # short prompts keep the native product
+    hardware(True)
+    backend.reset(0)
+    backend.prefill_many([0], [ids[:LIBRARY_ROWS - 1]])
+    assert calls == []
+
+
+def test_greedy_speculation_after_a_long_bfloat16_prefill_equals_plain_decoding(counted_library):
+    calls, hardware = counted_library
+    hardware(True)
+    base = ["model=demo", "dtype=bfloat16", "max_new_tokens=24", "max_batch_size=2",
+            "show_progress=false", "threads=1", "chat=off"]
+    prompts = [LONG, LONG.replace("walk", "files")]
+    plain = Pipeline.from_config([*base, "proposer=none", "draft=none"]).generate(prompts)
+    assert calls                                     # the prompts went through oneDNN's products
+    for arm in (["proposer=ngram", "draft=none"], ["proposer=draft"]):
+        got = Pipeline.from_config([*base, *arm]).generate(prompts)
+        assert [r.token_ids for r in got] == [r.token_ids for r in plain]

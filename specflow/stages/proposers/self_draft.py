@@ -13,8 +13,9 @@ trees with topk > 1), and the verifier keeps the output exactly the target's.
 
 The draft's cache of a prompt is the target's (`proposer.prefill=target`, the default): the
 target has just computed the keys and values of every prompt position with the same layers, so
-the draft copies them instead of running its own prefill (which cost about as much as the
-target's: a narrow prefill is compute-bound, not cheaper). Tokens committed while the policy
+the draft copies them instead of running its own prefill (a prefill is compute-bound, so
+narrow weights barely shorten it: on SmolLM2's 121-token prompts the Q4_1 draft's took 0.09 s,
+40% of the float32 target's, a tenth of the whole request). Tokens committed while the policy
 kept a row at k = 0 are taken the same way. The draft then attends over its float self's context
 and its own drafts; any draft leaves the output exact, since each draft is sampled from the very
 q the verifier is given. `proposer.prefill=own` runs the draft's own prefill instead.

@@ -54,6 +54,8 @@ SMOLLM2_ARMS = {
     "ngram int4": ["proposer=ngram", "proposer.k=4", "dtype=int4"],
     "self float32": ["proposer=self", "dtype=float32"],
     "self bfloat16": ["proposer=self", "dtype=bfloat16"],
+    # the draft prefilling the prompt itself, as before it took the target's cache
+    "self float32 own prefill": ["proposer=self", "dtype=float32", "proposer.prefill=own"],
 }
 DEMO_ARMS = {"none float32": ["proposer=none", "dtype=float32"],
              "self float32": ["proposer=self", "dtype=float32"],

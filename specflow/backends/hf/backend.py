@@ -778,7 +778,7 @@ class HFBackend(Backend):
 
     def can_adopt_cache(self, source: "HFBackend") -> str | None:
         """None where this model's cache can take `source`'s keys and values as its own (the
-        same layers, attention shapes, rotary positions and room), else why not."""
+        same layers, attention shapes, rotary positions and context), else why not."""
         mine, theirs = self.decoder_shape(), source.decoder_shape()
         for what in ("num_key_value_heads", "head_dim", "rope_theta"):
             if getattr(mine, what) != getattr(theirs, what):
@@ -786,8 +786,8 @@ class HFBackend(Backend):
         if self.num_layers != source.num_layers or self.cache.slots < source.cache.slots:
             return f"{self.num_layers} layers x {self.cache.slots} slots against " \
                    f"{source.num_layers} x {source.cache.slots}"
-        if self.cache.max_capacity < source.cache.max_capacity:
-            return f"room for {self.cache.max_capacity} positions against {source.cache.max_capacity}"
+        if self.max_length != source.max_length:
+            return f"a context of {self.max_length} positions against {source.max_length}"
         return None
 
     @torch.inference_mode()

@@ -63,6 +63,20 @@ def test_the_drafts_prompt_cache_is_the_targets_unless_it_prefills_its_own(plain
         assert not any(same[1:]) and prefills == [[0]]
 
 
+def test_only_a_cache_of_the_same_layers_and_context_is_adopted():
+    import torch
+
+    from specflow.backends.hf.backend import DEMO_DIR, HFBackend, HFModelConfig
+
+    def load(folder, **kw):
+        return HFBackend(HFModelConfig(path=str(DEMO_DIR / folder), **kw), torch.device("cpu"), 2)
+
+    target = load("target")
+    assert load("target", dtype="int4").can_adopt_cache(target) is None
+    assert load("draft").can_adopt_cache(target) is not None               # another model
+    assert "context" in load("target", dtype="int4", max_model_len=64).can_adopt_cache(target)
+
+
 def test_a_target_it_cannot_copy_and_a_bad_dtype_are_one_line():
     with pytest.raises(ConfigError, match="proposer=self drafts with the target's own weights"):
         Pipeline.from_config(["model=synthetic", "draft=synthetic", "proposer=self"])

@@ -68,6 +68,7 @@ def score(pipe, head_path: str, folder: str, k: int, batch: int) -> dict:
                      "acceptance_by_step": [round(a, 3) for a in fig["acceptance_by_step"]]}
     config = json.loads((pathlib.Path(head_path) / "config.json").read_text())
     out["train_positions"] = (config.get("specflow") or {}).get("train_positions")
+    out["steps"] = ((config.get("specflow") or {}).get("recipe") or {}).get("steps")
     return out
 
 
@@ -114,17 +115,24 @@ def plot(rows: dict, png: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    pts = sorted((r["train_positions"], r["all"]["tau"], label) for label, r in rows.items())
-    ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color="tab:blue")
-    for x, y, label in pts:
-        ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, -12), fontsize=8)
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    by_steps: dict = {}                  # one line per number of training steps
+    for label, r in rows.items():
+        by_steps.setdefault(r.get("steps"), []).append((r["train_positions"], r["all"]["tau"], label))
+    for i, (steps, pts) in enumerate(sorted(by_steps.items(), key=lambda kv: kv[0] or 0)):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=f"C{i}",
+                label=f"{steps} steps" if steps else "steps not recorded")
+        for n, (x, y, label) in enumerate(pts):
+            ax.annotate(label, (x, y), textcoords="offset points", fontsize=7,
+                        xytext=(-10, 8 if n % 2 else -13))
     ax.set_xscale("log")
-    ax.margins(x=0.35)                                      # room for the last point's label
+    ax.margins(x=0.3, y=0.15)
     ax.set_xlabel("training positions (target-written tokens)")
     ax.set_ylabel("held-out greedy τ at k = 4")
     ax.axhline(3.0, color="gray", ls=":", lw=1)
-    ax.set_title("SmolLM2 EAGLE-3 head: acceptance against data")
+    ax.legend(fontsize=8, loc="upper left")
+    ax.set_title("SmolLM2 EAGLE-3 head: acceptance against data and steps")
     fig.tight_layout()
     fig.savefig(png, dpi=120)
 

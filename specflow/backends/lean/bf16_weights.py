@@ -13,14 +13,12 @@ A prompt's prefill is the exception, where the CPU multiplies bfloat16 in hardwa
 or AMX-BF16) and torch has oneDNN: a prefill is compute-bound, and there oneDNN's bfloat16
 product (inputs rounded to bfloat16, bfloat16 results) runs 2.2-2.5x the native float32
 arithmetic (SmolLM2's matrices at 64-128 rows, 2-core Zen 4). Only a prefill's passes of
-LIBRARY_ROWS queries or more take it (`prefill_products`), so every pass that scores a position
+LIBRARY_ROWS queries or more take it (`prefill_layers`), so every pass that scores a position
 (plain or speculative, any batch) runs the float32 arithmetic as before and speculation stays
 exact; the prompt's keys and values carry bfloat16's rounding, as llama.cpp's bf16 path does.
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import re
 
@@ -31,9 +29,6 @@ from specflow.backends.lean import native
 
 BF16_WEIGHTS = 5                       # gemv.c's kind
 LIBRARY_ROWS = 32                      # a prefill's products from this many rows: oneDNN's
-
-_PREFILL = contextvars.ContextVar("specflow_bf16_prefill", default=False)
-
 
 @functools.cache
 def hardware_bf16() -> bool:
@@ -49,17 +44,6 @@ def hardware_bf16() -> bool:
     return re.search(r"\b(avx512_bf16|amx_bf16)\b", flags) is not None
 
 
-@contextlib.contextmanager
-def prefill_products(on: bool = True):
-    """Inside: products of LIBRARY_ROWS rows or more of bfloat16 weights are oneDNN's bfloat16
-    ones (a prefill pass; the caller checks hardware_bf16())."""
-    token = _PREFILL.set(on)
-    try:
-        yield
-    finally:
-        _PREFILL.reset(token)
-
-
 class Bf16Weight(native.HeldWeight):
     """W [N, K] held in bfloat16; `matmul(x)` is x [..., K] @ W^T -> [..., N] in x's dtype."""
 
@@ -73,14 +57,6 @@ class Bf16Weight(native.HeldWeight):
 
     def dequantize(self) -> torch.Tensor:
         return self.data.float()
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] -> [..., N] (x's dtype): the native product, or inside prefill_products
-        and from LIBRARY_ROWS rows, oneDNN's bfloat16 one."""
-        if _PREFILL.get() and x.numel() >= LIBRARY_ROWS * x.shape[-1] \
-                and self.kind_code == BF16_WEIGHTS:
-            return F.linear(x.to(torch.bfloat16), self.data).to(x.dtype)
-        return native.held(self, x)
 
     def describe(self) -> str:
         return "bfloat16 weights"
@@ -123,3 +99,27 @@ def hold(w: torch.Tensor):
     if w.dtype == torch.float16:
         return F16Weight(w) if native.available(torch.float16) else None
     return Bf16Weight(w) if w.dtype == torch.bfloat16 else F32Weight(w)
+
+
+class PrefillProduct:
+    """A Bf16Weight's bytes read by oneDNN's bfloat16 product (inputs and results rounded to
+    bfloat16): the layers of a prefill pass (prefill_layers)."""
+
+    def __init__(self, held: Bf16Weight):
+        self.data, self.shape = held.data, held.shape                                 # [N, K]
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> [..., N] in x's dtype."""
+        return F.linear(x.to(torch.bfloat16), self.data).to(x.dtype)
+
+
+def prefill_layers(layers: list[tuple]) -> list[tuple] | None:
+    """A lean forward's layers with each Bf16Weight read by PrefillProduct, where every held
+    product is a Bf16Weight (dtype=bfloat16's native layout) and the CPU multiplies bfloat16 in
+    hardware; None elsewhere (the prefill keeps the layers as they are)."""
+    held = [w for weights in layers for w in weights
+            if w is not None and not isinstance(w, torch.Tensor)]
+    if not held or any(type(w) is not Bf16Weight for w in held) or not hardware_bf16():
+        return None
+    return [tuple(PrefillProduct(w) if type(w) is Bf16Weight else w for w in weights)
+            for weights in layers]

@@ -503,14 +503,6 @@ class LeanLlama:
             return None
         return whole
 
-    def _bf16_prefill(self) -> bool:
-        """Every layer product is bfloat16 weights (dtype=bfloat16's native layout) and the CPU
-        multiplies bfloat16 in hardware: a prefill's products are oneDNN's (bf16_weights.py)."""
-        held = [type(w) for weights in self.layers for w in weights
-                if w is not None and not isinstance(w, torch.Tensor)]   # per prefill: cheap
-        return bool(held) and all(t is bf16_weights.Bf16Weight for t in held) \
-            and bf16_weights.hardware_bf16()
-
     def native_pass_rows(self) -> str | None:
         """The pass sizes (queries, B x T) that run as one native call, for metrics.json: "1-32
         queries", or None where none do (no compiler, packed or 16-bit weights, ...)."""
@@ -540,15 +532,17 @@ class LeanLlama:
         layers, head = self._dual if dual else (self.layers, self.lm_head)
         # a prefill (only its last row's logits wanted) of bfloat16 weights on a CPU that
         # multiplies bfloat16 itself: the eager layers, with oneDNN's bfloat16 products
-        library = logits_to_keep == 1 and queries >= bf16_weights.LIBRARY_ROWS \
-            and self._bf16_prefill()
-        whole = self._native_layers(queries) if plan_mask and not dual and not library else None
+        prefill = bf16_weights.prefill_layers(layers) \
+            if logits_to_keep == 1 and queries >= bf16_weights.LIBRARY_ROWS else None
+        if prefill is not None:
+            layers = prefill
+        whole = self._native_layers(queries) if plan_mask and not dual and prefill is None \
+            else None
         done = whole is not None and whole(x, cache, cos, sin, capture, captured) is not None
-        with bf16_weights.prefill_products(library):
-            for i, weights in enumerate(() if done else layers):
-                if i in capture:
-                    captured.append(x)                                                # [B, T, E]
-                x = self.layer(i, weights, x, cos, sin, mask, cache.update)
+        for i, weights in enumerate(() if done else layers):
+            if i in capture:
+                captured.append(x)                                                    # [B, T, E]
+            x = self.layer(i, weights, x, cos, sin, mask, cache.update)
         final = len(layers) in capture
         if logits_to_keep and not final:
             x = x[:, -logits_to_keep:]

@@ -150,9 +150,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--llama-cpp", default=str(LLAMA_CPP / "build" / "bin"))
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--memory-only", action="store_true",
+                    help="only the peak-memory table (precision_memory.md): no timing, so it "
+                         "may run on a busy machine")
     args = ap.parse_args()
     N, T = args.new_tokens, args.threads
     memory = memory_table(T)
+    if args.memory_only:
+        text = "\n".join(memory_lines(memory)) + "\n"
+        atomic_write_text(pathlib.Path(args.out) / "precision_memory.md", text)
+        console.print(text)
+        return
     base = ["model=smollm2", "show_progress=false", f"threads={T}", "max_batch_size=1"]
     pipes = {name: Pipeline.from_config([*base, *over]) for name, over in SMOLLM2_ARMS.items()}
     q4km = LLAMA_CPP / "smollm2-Q4_K_M.gguf"
@@ -230,6 +238,13 @@ def main() -> None:
     console.print(render(env, rows, passes, memory, drows))
 
 
+def memory_lines(memory: dict) -> list[str]:
+    return ["| `specflow run ... max_new_tokens=1` | peak memory MB | vs float32 |",
+            "|---|---:|---:|",
+            *(f"| dtype={name} | {m['peak_mb']:.0f} | {m['vs_float32']:.2f} |"
+              for name, m in memory.items())]
+
+
 def render(env, rows, passes, memory, drows) -> str:
     def ratio(a, b):
         return f"{a / b:.2f}x" if a and b else "-"
@@ -252,10 +267,7 @@ def render(env, rows, passes, memory, drows) -> str:
     lines += ["", "| pass (one row) | 1 position ms | 5 positions ms | ratio |", "|---|---:|---:|---:|"]
     for name, p in passes.items():
         lines.append(f"| {name} | {p['one_ms']:.2f} | {p['five_ms']:.2f} | {p['ratio']:.2f} |")
-    lines += ["", "| `specflow run ... max_new_tokens=1` | peak memory MB | vs float32 |",
-              "|---|---:|---:|"]
-    for name, m in memory.items():
-        lines.append(f"| dtype={name} | {m['peak_mb']:.0f} | {m['vs_float32']:.2f} |")
+    lines += ["", *memory_lines(memory)]
     lines += ["", "Demo pair (12 held-out code prompts):", "",
               "| arm | tokens/s | vs none | α | τ |", "|---|---:|---:|---:|---:|"]
     none = drows["specflow none float32"]["tokens_per_s"]

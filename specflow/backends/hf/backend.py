@@ -279,16 +279,20 @@ def load_model(cfg: HFModelConfig, device: torch.device, role: str = "model",
     import pickle
 
     from safetensors import SafetensorError
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from specflow.backends.hf.tokenizers import take_tokenizer
+    from specflow.backends.hf.tokenizers import open_tokenizer, take_tokenizer
 
     hf_logging.disable_progress_bar()   # specflow shows its own progress (GGUF conversion too)
 
     path = resolve_path(cfg.path, role)
     name = path if os.path.isdir(os.path.expanduser(cfg.path)) else cfg.path   # hub id as given
     check_model_dir(path, name, role)
+    if products_from_file:     # without transformers' model classes where it can (file_model.py)
+        light = file_products.load_light(cfg, path, device, role, name)
+        if light is not None:
+            return (*light, name)
+    from transformers import AutoConfig, AutoModelForCausalLM
     # local_files_only: never reach for the network (remote code, tokenizer checks, shards)
     kwargs = dict(trust_remote_code=cfg.trust_remote_code, local_files_only=True)
     try:
@@ -299,7 +303,7 @@ def load_model(cfg: HFModelConfig, device: torch.device, role: str = "model",
     try:
         tokenizer = take_tokenizer(path)      # loaded by a check before the weights, or now
         if tokenizer is None:
-            tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+            tokenizer = open_tokenizer(path, cfg.trust_remote_code)
     except Exception as exc:          # the tokenizers library raises plain Exception on bad files
         raise ConfigError(f"cannot load the tokenizer of {role} {name!r}: {_brief(exc)}; the "
                           f"folder needs the model's tokenizer files (tokenizer.json, "

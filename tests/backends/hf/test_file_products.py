@@ -130,3 +130,73 @@ def test_a_tied_embedding_is_mapped_from_the_folder_not_read(tmp_path):
     assert torch.equal(again, table)                           # the file kept its bytes
     assert file_products.mapped_tensor(str(tmp_path), "model.norm.weight") is None
     assert file_products.mapped_tensor(str(tmp_path), "lm_head.weight") is None
+
+
+def test_the_shell_is_the_model_transformers_builds(q4_0_file, monkeypatch):
+    """file_model.py: the model built without transformers' classes holds the same tensors under
+    the same names, the same rotary frequencies and generation config, and decodes the same
+    tokens as the transformers-built model holding the same blocks."""
+    from specflow.backends.hf.file_model import FileModel
+
+    target, got = decode(q4_0_file, "proposer=none")
+    assert isinstance(target.model, FileModel)
+    monkeypatch.setattr(file_products, "load_light", lambda *a: None)
+    built, want = decode(q4_0_file, "proposer=none")
+    assert not isinstance(built.model, FileModel) and built.products_from_file
+    assert got == want
+    mine, theirs = target.model.state_dict(), built.model.state_dict()
+    assert set(mine) <= set(theirs) and "model.layers.1.mlp.down_proj.weight" in mine
+    for name in mine:
+        assert torch.equal(mine[name], theirs[name]), name
+    assert torch.equal(target.lean.inv_freq, built.lean.inv_freq)
+    assert target.model.generation_config.to_dict() == built.model.generation_config.to_dict()
+    assert target.model.dtype == built.model.dtype and target.eos_token_ids == built.eos_token_ids
+    with pytest.raises(RuntimeError, match="lean forward only"):
+        target.model(input_ids=torch.zeros(1, 1, dtype=torch.long))
+
+
+def test_a_blocks_run_never_imports_transformers_model_classes(q4_0_file, tmp_path):
+    """The point of the shell: a run on a GGUF file's blocks imports neither transformers'
+    Llama module nor the stack its config class pulls in (sympy, torch's dynamo: ~95 MB)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys; from specflow import Pipeline; "
+            f"p = Pipeline.from_config(['model.path={q4_0_file}', 'model=hf', 'draft=none', "
+            "'proposer=none', 'threads=1', 'show_progress=false', 'dtype=auto', "
+            "'model.activations=float32']); "
+            "print(type(p.target.model).__name__, p.generate(['hello'], max_new_tokens=3)[0].token_ids); "
+            "print(sorted(m for m in ('transformers.models.llama.modeling_llama', "
+            "'transformers.modeling_utils', 'sympy', 'torch._dynamo') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, env=os.environ.copy(), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    kind, imported = out.stdout.strip().splitlines()[-2:]
+    assert kind.startswith("FileModel") and imported == "[]"
+
+
+def test_the_shell_serves_only_the_default_rope_and_llama_family_types():
+    from specflow.backends.hf.file_model import rope_base
+
+    assert rope_base({"rope_parameters": {"rope_type": "default", "rope_theta": 1e5}}) == 1e5
+    assert rope_base({"rope_theta": 10000}) == 10000.0
+    assert rope_base({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}) is None
+    assert rope_base({"rope_scaling": {"type": "linear"}, "rope_theta": 1e4}) is None
+    assert rope_base({"rope_theta": 1e4, "partial_rotary_factor": 0.5}) is None
+    assert rope_base({}) is None
+
+
+def test_the_rotary_frequencies_are_transformers_own(hf_models):
+    from transformers import AutoConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from specflow.backends.hf.file_model import Rotary
+
+    config = AutoConfig.from_pretrained(hf_models["llama"])
+    theirs = LlamaRotaryEmbedding(config)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    base = (config.rope_parameters or {}).get("rope_theta", getattr(config, "rope_theta", None))
+    mine = Rotary(head_dim, float(base))
+    assert torch.equal(mine.inv_freq, theirs.inv_freq)
+    assert mine.attention_scaling == theirs.attention_scaling

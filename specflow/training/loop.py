@@ -23,6 +23,8 @@ class Settings:
     warmup: float = 0.05
     checkpoint_every: int = 100
     seed: int = 0
+    bfloat16: bool = False       # the steps' products under bfloat16 autocast (weights, gradients
+    #                              and the optimizer's state stay float32)
 
 
 class Windows:
@@ -115,7 +117,8 @@ def train(head, windows: Windows, s: Settings, checkpoint: pathlib.Path, resume:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, s)
         states, tokens, valid, offs, target_logits = windows.draw(s.batch, gen)
-        loss, acc = ttt_loss(head, states, tokens, target_logits, s.ttt_steps, offs, valid)
+        with torch.autocast(states.device.type, dtype=torch.bfloat16, enabled=s.bfloat16):
+            loss, acc = ttt_loss(head, states, tokens, target_logits, s.ttt_steps, offs, valid)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)

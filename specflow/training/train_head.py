@@ -28,6 +28,7 @@ from specflow.errors import ConfigError
 
 
 HEAD_FORMATS = ("eagle3", "speculators")
+PRECISIONS = ("float32", "bfloat16")
 
 
 @dataclass
@@ -48,6 +49,8 @@ class TrainHeadConfig:
     lr: float = 1e-3
     heldout: float = 0.05               # share of the sequences held out for the acceptance figure
     checkpoint_every: int = 100
+    precision: str = "float32"          # float32 | bfloat16: the steps' products (bfloat16:
+    #                                     autocast; weights, gradients and AdamW stay float32)
     resume: bool = True
     seed: int = 0
     format: str = "eagle3"              # eagle3: the published layout; speculators: vLLM's format
@@ -72,6 +75,10 @@ class TrainHeadConfig:
                               f"chat data)")
         if not 0 <= self.heldout < 1:
             raise ConfigError(f"train_head.heldout={self.heldout} must be in [0, 1)")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"train_head.precision={self.precision!r}; use float32 or bfloat16 "
+                              f"(autocast products: ~1.6x faster steps on a CPU with "
+                              f"AVX512-BF16 or AMX)")
         if self.lr <= 0:
             raise ConfigError(f"train_head.lr={self.lr} must be > 0")
         if self.sequences_limit is not None and self.sequences_limit < 1:
@@ -146,7 +153,8 @@ def _train(cfg, th: TrainHeadConfig, out: pathlib.Path, settings: dict, prompts:
     train_seqs, held = seqs.split_last(n_held)
     head, lm = _head_from_target(target, shape, train_seqs, th.seed)
     schedule = loop.Settings(steps=th.steps, batch=th.batch, seq=th.seq, ttt_steps=th.ttt_steps,
-                             lr=th.lr, checkpoint_every=th.checkpoint_every, seed=th.seed)
+                             lr=th.lr, checkpoint_every=th.checkpoint_every, seed=th.seed,
+                             bfloat16=th.precision == "bfloat16")
     windows = loop.Windows(train_seqs, lm, th.seq, th.ttt_steps)
     adv = progress("training (training-time test)", th.steps)
     t0 = time.perf_counter()
@@ -167,6 +175,7 @@ def _train(cfg, th: TrainHeadConfig, out: pathlib.Path, settings: dict, prompts:
                                                "lr", "seed")} if not th.sequences else
         {"sequences": settings["head_data.sequences"],
          **{k: getattr(th, k) for k in ("steps", "batch", "seq", "ttt_steps", "lr", "seed")}},
+        "precision": th.precision,
         "seconds": {"data": round(generated, 1), "train": round(trained, 1)},
         "threads": torch.get_num_threads(), "torch": torch.__version__,
         "heldout_greedy": figure, "log": log[-3:],

@@ -302,6 +302,8 @@ def test_train_head_refuses_a_missing_output_and_bad_settings():
         TrainHeadConfig(output="x", steps=0)
     with pytest.raises(ConfigError, match=r"train_head.heldout=1.5 must be in \[0, 1\)"):
         TrainHeadConfig(output="x", heldout=1.5)
+    with pytest.raises(ConfigError, match="train_head.precision='float16'; use float32 or bfloat16"):
+        TrainHeadConfig(output="x", precision="float16")
 
 
 # --- proposer.path and train_head.layers, checked at compose time (no model loads) -------------

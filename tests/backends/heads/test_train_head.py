@@ -212,6 +212,29 @@ def test_train_head_format_speculators_writes_a_head_specflow_runs(deep_target, 
         [r.token_ids for r in plain]
 
 
+def test_bfloat16_steps_train_float32_weights_that_draft_exactly(deep_target, deep_head,
+                                                                  tmp_path):
+    """train_head.precision=bfloat16: the steps' products under autocast (other weights than
+    float32 steps from the same seed and windows), the weights and the card as float32's."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "head"
+    cfg = compose(TRAIN + [f"model.path={deep_target}", f"train_head.output={out}",
+                           "train_head.precision=bfloat16"], "train_head")
+    train_head.run(cfg, read_prompts(cfg), quiet)
+    card = json.loads((out / "config.json").read_text())["specflow"]
+    assert card["precision"] == "bfloat16"
+    mine, theirs = load_file(out / "model.safetensors"), load_file(deep_head / "model.safetensors")
+    assert mine.keys() == theirs.keys()
+    assert any(not torch.equal(mine[k], theirs[k]) for k in mine if mine[k].is_floating_point())
+    assert all(torch.isfinite(t).all() for t in mine.values() if t.is_floating_point())
+    base = ["model=hf", f"model.path={deep_target}", "draft=none", "max_batch_size=3"]
+    plain = Pipeline.from_config([*base, "proposer=none"]).generate(PROMPTS, max_new_tokens=12)
+    pipe = Pipeline.from_config([*base, "proposer=eagle", f"proposer.path={out}"])
+    assert [r.token_ids for r in pipe.generate(PROMPTS, max_new_tokens=12)] == \
+        [r.token_ids for r in plain]
+
+
 def test_an_unknown_head_format_is_one_line():
     cfg = compose(["train_head.output=x", "train_head.format=onnx"], "train_head")
     with pytest.raises(ConfigError, match="train_head.format='onnx'; use eagle3"):

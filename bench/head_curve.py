@@ -69,6 +69,8 @@ def score(pipe, head_path: str, folder: str, k: int, batch: int) -> dict:
     config = json.loads((pathlib.Path(head_path) / "config.json").read_text())
     out["train_positions"] = (config.get("specflow") or {}).get("train_positions")
     out["steps"] = ((config.get("specflow") or {}).get("recipe") or {}).get("steps")
+    # the precision of the run that finished it (train_head.precision; float32 before it existed)
+    out["precision"] = (config.get("specflow") or {}).get("precision", "float32")
     return out
 
 
@@ -116,13 +118,15 @@ def plot(rows: dict, png: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
-    by_steps: dict = {}                  # one line per number of training steps
+    by_steps: dict = {}                  # one line per number of training steps and precision
     for label, r in rows.items():
-        by_steps.setdefault(r.get("steps"), []).append((r["train_positions"], r["all"]["tau"], label))
-    for i, (steps, pts) in enumerate(sorted(by_steps.items(), key=lambda kv: kv[0] or 0)):
+        key = (r.get("steps") or 0, r.get("precision", "float32"))
+        by_steps.setdefault(key, []).append((r["train_positions"], r["all"]["tau"], label))
+    for i, ((steps, precision), pts) in enumerate(sorted(by_steps.items())):
         pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=f"C{i}",
-                label=f"{steps} steps" if steps else "steps not recorded")
+        name = f"{steps} steps" if steps else "steps not recorded"
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-" if precision == "float32" else "s--",
+                color=f"C{i}", label=name if precision == "float32" else f"{name}, {precision}")
         for n, (x, y, label) in enumerate(pts):
             ax.annotate(label, (x, y), textcoords="offset points", fontsize=7,
                         xytext=(-10, 8 if n % 2 else -13))

@@ -289,7 +289,7 @@ def load_model(cfg: HFModelConfig, device: torch.device, role: str = "model",
     name = path if os.path.isdir(os.path.expanduser(cfg.path)) else cfg.path   # hub id as given
     check_model_dir(path, name, role)
     if products_from_file:     # without transformers' model classes where it can (file_model.py)
-        light = file_products.load_light(cfg, path, device, role, name)
+        light = file_products.load_light(cfg, path, device)
         if light is not None:
             return (*light, name)
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -18,14 +18,12 @@ None).
 """
 from __future__ import annotations
 
-import json
 import pathlib
-import struct
 
 import torch
 from torch import nn
 
-from specflow.backends.lean.forward import SUPPORTED, placeholder, unsupported_reason
+from specflow.backends.lean.forward import SUPPORTED, placeholder
 
 PRODUCTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LAYER_TENSORS = ("input_layernorm.weight", "post_attention_layernorm.weight",
@@ -97,55 +95,44 @@ class FileModel(nn.Module):
         setattr(module, leaf, nn.Parameter(value, requires_grad=False))
 
 
-def header(file: pathlib.Path) -> tuple[int, dict]:
-    """A safetensors file's header size and its tensors' {name: {dtype, shape, data_offsets}}."""
-    with open(file, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        info = json.loads(f.read(size))
-    info.pop("__metadata__", None)
-    return size, info
-
-
 def rope_base(config: dict) -> float | None:
     """The default rope's base, or None for a rope this shell does not compute (scaled,
-    partial)."""
+    partial). `config`: config.json's keys (a missing key and None alike)."""
     rope = config.get("rope_parameters") or {}
     scaling = config.get("rope_scaling") or {}
-    kinds = {rope.get("rope_type", "default"), scaling.get("rope_type", scaling.get("type", "default"))}
-    if kinds - {"default", None} or config.get("partial_rotary_factor", 1.0) != 1.0 \
-            or rope.get("partial_rotary_factor", 1.0) != 1.0:
+    kinds = {rope.get("rope_type") or "default",
+             scaling.get("rope_type") or scaling.get("type") or "default"}
+    if kinds != {"default"} or (config.get("partial_rotary_factor") or 1.0) != 1.0 \
+            or (rope.get("partial_rotary_factor") or 1.0) != 1.0:
         return None
-    base = rope.get("rope_theta", config.get("rope_theta"))
+    base = rope.get("rope_theta") or config.get("rope_theta")
     return float(base) if isinstance(base, (int, float)) else None
 
 
 def light_config(folder: str):
-    """transformers' generic config over the folder's config.json (every key an attribute),
-    or None where this shell does not build the model."""
-    from transformers import PretrainedConfig
+    """transformers' generic config over the folder's config.json (the tokenizer's view of it,
+    tokenizers.config_view), or None where this shell does not build the model."""
+    from specflow.backends.hf.tokenizers import config_view
 
-    try:
-        raw = json.loads((pathlib.Path(folder) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(raw, dict) or raw.get("model_type") not in SUPPORTED or rope_base(raw) is None:
+    config = config_view(folder)
+    if config is None or config.model_type not in SUPPORTED or rope_base(config.to_dict()) is None:
         return None
     needed = ("hidden_size", "num_attention_heads", "num_hidden_layers", "rms_norm_eps",
               "vocab_size")
-    if any(not isinstance(raw.get(k), (int, float)) for k in needed):
+    if any(not isinstance(getattr(config, k, None), (int, float)) for k in needed):
         return None
-    config = PretrainedConfig(**{k: v for k, v in raw.items() if k != "model_type"})
-    config.model_type = raw["model_type"]
-    return config if unsupported_reason(config) is None else None
+    return config              # what the lean forward covers: file_products.wanted checks
 
 
-def load(folder: str, config, mapped_tensor, read_tensors, files) -> FileModel | None:
-    """The shell of `folder` with each layer product a placeholder of its shape and every other
-    tensor read (a tied embedding mapped: `mapped_tensor`), or None where the folder lacks a
-    tensor the lean forward reads."""
+def load(folder: str, config) -> FileModel | None:
+    """The shell of `folder` (config: light_config's) with each layer product a placeholder of
+    its shape and every other tensor read (a tied embedding mapped), or None where the folder
+    lacks a tensor the lean forward reads."""
     from transformers import GenerationConfig
 
-    where = files(pathlib.Path(folder))
+    from specflow.backends.hf.file_products import header, mapped_tensor, read_tensors, tensor_files
+
+    where = tensor_files(pathlib.Path(folder))
     shapes = {}
     for file in sorted(set(where.values()), key=str):
         _, info = header(file)
@@ -177,6 +164,5 @@ def load(folder: str, config, mapped_tensor, read_tensors, files) -> FileModel |
         model.lm_head = Holder()
         model.lm_head.weight = model.model.embed_tokens.weight
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    raw = json.loads((pathlib.Path(folder) / "config.json").read_text())
-    model.model.rotary_emb = Rotary(head_dim, rope_base(raw))
+    model.model.rotary_emb = Rotary(head_dim, rope_base(config.to_dict()))
     return model.eval()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import struct
 
 import torch
 
@@ -33,7 +34,7 @@ from specflow.backends.lean.forward import is_placeholder, placeholder  # noqa: 
 PRODUCTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _files(folder: pathlib.Path) -> dict[str, pathlib.Path]:
+def tensor_files(folder: pathlib.Path) -> dict[str, pathlib.Path]:
     """Each tensor's safetensors file in a folder (one file, or shards and their index)."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
@@ -46,11 +47,20 @@ def _files(folder: pathlib.Path) -> dict[str, pathlib.Path]:
         return {name: single for name in f.keys()}
 
 
+def header(file: pathlib.Path) -> tuple[int, dict]:
+    """A safetensors file's header size and its tensors' {name: {dtype, shape, data_offsets}}."""
+    with open(file, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        info = json.loads(f.read(size))
+    info.pop("__metadata__", None)
+    return size, info
+
+
 def read_tensors(folder: str, names: list[str]) -> dict[str, torch.Tensor]:
     """The named tensors of a saved folder, read alone (safetensors reads only their bytes)."""
     from safetensors import safe_open
 
-    files = _files(pathlib.Path(folder))
+    files = tensor_files(pathlib.Path(folder))
     out = {}
     for file in sorted({files[n] for n in names}, key=str):
         with safe_open(str(file), "pt") as f:
@@ -64,16 +74,13 @@ def mapped_tensor(folder: str, name: str) -> torch.Tensor | None:
     tensor of a safetensors file (read it then). The embedding of a model whose tied head is
     held in the file's blocks is looked up in those blocks and freed once 257 of its rows are
     checked (LeanLlama._share_embedding): read, its 113 MB (SmolLM2) were the load's peak."""
-    import struct
-
     import numpy as np
 
-    file = _files(pathlib.Path(folder)).get(name)
+    file = tensor_files(pathlib.Path(folder)).get(name)
     if file is None:
         return None
-    with open(file, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        info = json.loads(f.read(size)).get(name, {})
+    size, tensors = header(file)
+    info = tensors.get(name, {})
     if info.get("dtype") != "F32":
         return None
     begin, end = info["data_offsets"]
@@ -117,23 +124,23 @@ def wanted(cfg, folder: str, config, device: torch.device) -> bool:
     return len(layers) == config.num_hidden_layers and not other_layer_types(types)
 
 
-def load_light(cfg, folder: str, device: torch.device, role: str, name: str):
+def load_light(cfg, folder: str, device: torch.device):
     """(model, tokenizer) of a converted GGUF folder whose every layer product will be the
     file's blocks, built without transformers' model classes (file_model.py), or None where
     that shell does not serve it (then transformers loads it: `load`)."""
     from specflow.backends.hf import file_model
-    from specflow.backends.hf.tokenizers import config_view, open_tokenizer, take_tokenizer
+    from specflow.backends.hf.tokenizers import open_tokenizer, take_tokenizer
 
     if cfg.trust_remote_code:
         return None
     config = file_model.light_config(folder)
-    if config is None or config_view(folder) is None or not wanted(cfg, folder, config, device):
+    if config is None or not wanted(cfg, folder, config, device):
         return None
     tokenizer = take_tokenizer(folder)
     try:
         if tokenizer is None:
             tokenizer = open_tokenizer(folder)
-        model = file_model.load(folder, config, mapped_tensor, read_tensors, _files)
+        model = file_model.load(folder, config)
     except Exception:   # (the tokenizers library raises plain Exception) transformers says why
         return None
     return (model, tokenizer) if model is not None else None

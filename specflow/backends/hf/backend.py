@@ -19,7 +19,7 @@ import torch
 from specflow.config import check_backend_settings
 from specflow.errors import ConfigError
 from specflow.backends.contract import Backend, DecoderShape, GrammarVocabulary, Tokenizer
-from specflow.backends.hf import file_products
+from specflow.backends.hf import file_model, file_products
 from specflow.backends.hf.file_products import is_placeholder
 from specflow.backends.lean.quantized import activation_dtype, bf16_weight_only
 from specflow.backends.plan import ForwardPlan, make_plan
@@ -289,7 +289,7 @@ def load_model(cfg: HFModelConfig, device: torch.device, role: str = "model",
     name = path if os.path.isdir(os.path.expanduser(cfg.path)) else cfg.path   # hub id as given
     check_model_dir(path, name, role)
     if products_from_file:     # without transformers' model classes where it can (file_model.py)
-        light = file_products.load_light(cfg, path, device)
+        light = file_model.load_light(cfg, path, device)
         if light is not None:
             return (*light, name)
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -166,3 +166,25 @@ def load(folder: str, config) -> FileModel | None:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     model.model.rotary_emb = Rotary(head_dim, rope_base(config.to_dict()))
     return model.eval()
+
+
+def load_light(cfg, folder: str, device: torch.device):
+    """(model, tokenizer) of a converted GGUF folder whose every layer product will be the
+    file's blocks, built without transformers' model classes, or None where this shell does not
+    serve it (then transformers loads it: file_products.load)."""
+    from specflow.backends.hf.file_products import wanted
+    from specflow.backends.hf.tokenizers import open_tokenizer, take_tokenizer
+
+    if cfg.trust_remote_code:
+        return None
+    config = light_config(folder)
+    if config is None or not wanted(cfg, folder, config, device):
+        return None
+    tokenizer = take_tokenizer(folder)
+    try:
+        if tokenizer is None:
+            tokenizer = open_tokenizer(folder)
+        model = load(folder, config)
+    except Exception:   # (the tokenizers library raises plain Exception) transformers says why
+        return None
+    return (model, tokenizer) if model is not None else None

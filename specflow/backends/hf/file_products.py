@@ -10,7 +10,7 @@ the folder: the embedding, the norms, biases and an untied LM head. Each product
 after holding a weight in another layout (LeanLlama.quantize), so the model is in the state it
 would reach after loading and quantizing, without the float32 copy in between.
 
-`load_light` goes one step further and builds that model without transformers' model classes
+`file_model.load_light` goes one step further and builds that model without transformers' model classes
 (backends/hf/file_model.py: their import alone is ~95 MB of a ~450 MB SmolLM2 run); `load`, the
 transformers-built model on the meta device, serves a folder the shell does not (a scaled
 rope, remote code, a folder missing a tensor the lean forward reads).
@@ -122,28 +122,6 @@ def wanted(cfg, folder: str, config, device: torch.device) -> bool:
         return False
     layers = {name.split(".")[1] for name in types if name.startswith("blk.")}
     return len(layers) == config.num_hidden_layers and not other_layer_types(types)
-
-
-def load_light(cfg, folder: str, device: torch.device):
-    """(model, tokenizer) of a converted GGUF folder whose every layer product will be the
-    file's blocks, built without transformers' model classes (file_model.py), or None where
-    that shell does not serve it (then transformers loads it: `load`)."""
-    from specflow.backends.hf import file_model
-    from specflow.backends.hf.tokenizers import open_tokenizer, take_tokenizer
-
-    if cfg.trust_remote_code:
-        return None
-    config = file_model.light_config(folder)
-    if config is None or not wanted(cfg, folder, config, device):
-        return None
-    tokenizer = take_tokenizer(folder)
-    try:
-        if tokenizer is None:
-            tokenizer = open_tokenizer(folder)
-        model = file_model.load(folder, config)
-    except Exception:   # (the tokenizers library raises plain Exception) transformers says why
-        return None
-    return (model, tokenizer) if model is not None else None
 
 
 def load(folder: str, config, attn_implementation: str):

@@ -11,7 +11,7 @@ gguf = pytest.importorskip("gguf")
 pytest.importorskip("accelerate")
 
 from specflow import Pipeline  # noqa: E402
-from specflow.backends.hf import file_products  # noqa: E402
+from specflow.backends.hf import file_model, file_products  # noqa: E402
 from specflow.backends.lean import blocks  # noqa: E402
 from tests.backends.hf.test_gguf import PROMPTS, write_gguf  # noqa: E402
 
@@ -140,7 +140,7 @@ def test_the_shell_is_the_model_transformers_builds(q4_0_file, monkeypatch):
 
     target, got = decode(q4_0_file, "proposer=none")
     assert isinstance(target.model, FileModel)
-    monkeypatch.setattr(file_products, "load_light", lambda *a: None)
+    monkeypatch.setattr(file_model, "load_light", lambda *a: None)
     built, want = decode(q4_0_file, "proposer=none")
     assert not isinstance(built.model, FileModel) and built.products_from_file
     assert got == want

@@ -57,6 +57,8 @@ class TrainHeadConfig:
     sequences: str | None = None        # a head-data folder (token ids) to learn from instead of
     #                                     writing sequences now; its states are recomputed
     sequences_limit: int | None = None  # train on the folder's first N sequences only (null: all)
+    init: str | None = None             # a head folder to start from (its weights and draft
+    #                                     vocabulary) instead of a fresh head; null: fresh
 
     def __post_init__(self) -> None:
         if self.format not in HEAD_FORMATS:
@@ -151,7 +153,8 @@ def _train(cfg, th: TrainHeadConfig, out: pathlib.Path, settings: dict, prompts:
     generated = time.perf_counter() - started
     torch.set_num_threads(threads)
     train_seqs, held = seqs.split_last(n_held)
-    head, lm = _head_from_target(target, shape, train_seqs, th.seed)
+    head, lm = _head_from_target(target, shape, train_seqs, th.seed) if not th.init else \
+        _head_from_folder(target, shape, th.init)
     schedule = loop.Settings(steps=th.steps, batch=th.batch, seq=th.seq, ttt_steps=th.ttt_steps,
                              lr=th.lr, checkpoint_every=th.checkpoint_every, seed=th.seed,
                              bfloat16=th.precision == "bfloat16")
@@ -176,6 +179,7 @@ def _train(cfg, th: TrainHeadConfig, out: pathlib.Path, settings: dict, prompts:
         {"sequences": settings["head_data.sequences"],
          **{k: getattr(th, k) for k in ("steps", "batch", "seq", "ttt_steps", "lr", "seed")}},
         "precision": th.precision,
+        **({"init": _init_record(th.init)} if th.init else {}),
         "seconds": {"data": round(generated, 1), "train": round(trained, 1)},
         "threads": torch.get_num_threads(), "torch": torch.__version__,
         "heldout_greedy": figure, "log": log[-3:],
@@ -303,6 +307,42 @@ def _head_from_target(target, shape, train_seqs, seed: int):
     return head, lm
 
 
+def _head_from_folder(target, shape, init: str):
+    """The head in folder `init` (train_head.init) to train on from where it stopped: its weights
+    (float32 from here on) and its draft vocabulary; its shape must be this run's. -> (head, lm
+    [Vd, E] the target's LM head rows of its draft vocabulary)."""
+    from dataclasses import asdict
+
+    from specflow.backends.heads.eagle import read_head
+
+    what = f"train_head.init={init!r}"
+    head, _ = read_head(init, target, what)
+    theirs, ours = asdict(head.shape), asdict(shape)
+    diffs = [f"{k} {theirs[k]} (this run: {ours[k]})" for k in ours if theirs[k] != ours[k]]
+    if diffs:
+        raise ConfigError(f"{what} has another shape: {'; '.join(diffs)}; train with its settings "
+                          f"(train_head.layers, draft_vocab_size, intermediate_size) or start "
+                          f"fresh with train_head.init=null")
+    head = head.float().to(target.device)
+    head.d2t, head.t2d = head.d2t.long(), head.t2d.bool()
+    head.embed = target.input_embeddings().detach().float().to(target.device)
+    head.requires_grad_(True)
+    lm = target.output_head().detach().float()[head.draft_ids.to(target.device)]    # [Vd, E]
+    return head, lm
+
+
+def _init_record(init: str) -> dict:
+    """What the head trained on from was: its folder and the recipe its config.json records
+    (itself with any head it started from), so a card can add up the steps."""
+    from specflow.io import read_json
+
+    config = read_json(pathlib.Path(init).expanduser() / "config.json", "train_head.init",
+                       "copy the head again", ConfigError)
+    made = config.get("specflow") or {}
+    return {"path": str(init), **{k: made[k] for k in ("recipe", "precision", "init",
+                                                        "heldout_greedy") if k in made}}
+
+
 def chat_prompts(run_cfg, th: TrainHeadConfig, progress, saved: pathlib.Path) -> list[str]:
     """th.chat_turns user turns sampled from the target (a sampling pipeline of its own,
     released before the greedy one decodes), each through the chat template; kept in `saved`
@@ -339,11 +379,12 @@ RESULTS = ("train_data.pt", "checkpoint.pt", "model.safetensors", PARTS, TURNS)
 # workload, the logits settings and the layers: a rerun must keep them to resume (steps may
 # grow; checkpoint_every, generate_batch, device and threads may change)
 KEPT = ("prompts", "chat_turns", "prompt_tokens", "new_tokens", "draft_vocab_size", "intermediate_size",
-        "batch", "seq", "ttt_steps", "lr", "heldout", "seed", "sequences", "sequences_limit")
+        "batch", "seq", "ttt_steps", "lr", "heldout", "seed", "sequences", "sequences_limit",
+        "init")
 
 # settings newer than some folders: their values then
 ADDED_SINCE = {"train_head.chat_turns": 0, "train_head.sequences": None,
-               "train_head.sequences_limit": None}
+               "train_head.sequences_limit": None, "train_head.init": None}
 
 
 def settings_of(cfg, th: TrainHeadConfig, layers: list[int]) -> dict:

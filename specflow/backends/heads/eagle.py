@@ -460,11 +460,12 @@ def _check_against(shape: HeadShape, target, what: str) -> None:
                           f"head trained on this target (specflow train-head)")
 
 
-def check_head_folder(path: str, target) -> tuple[HeadShape, list[pathlib.Path]]:
+def check_head_folder(path: str, target, what: str | None = None
+                      ) -> tuple[HeadShape, list[pathlib.Path]]:
     """What can be checked without reading weights: `path` is a folder with a head's config.json
     that fits `target` (see head_shape) and safetensors files. -> (shape, the weight files)."""
     folder = pathlib.Path(path).expanduser()
-    what = f"proposer.path={path!r}"
+    what = what or f"proposer.path={path!r}"
     if not folder.is_dir():
         raise ConfigError(f"{what} is not a folder; point it at a folder with an EAGLE-3 head "
                           f"(config.json and model.safetensors)")
@@ -483,15 +484,13 @@ def _strip(name: str) -> str:
     return name.replace("layers.0.", "midlayer.", 1)
 
 
-def load_head(path: str, target, device: torch.device, dtype: torch.dtype | None) -> Eagle3Head:
-    """A published (or train-head) EAGLE-3 head folder, checked against `target` (an HFBackend),
-    its weights in `dtype` (None: as saved, e.g. float16 for a head `specflow train-head` wrote:
-    a drafting step then reads half the bytes of a float32 one, and the target's states and
-    embedding rows are cast to it on the way in)."""
+def read_head(path: str, target, what: str | None = None) -> tuple[Eagle3Head, torch.dtype]:
+    """A published (or train-head) EAGLE-3 head folder checked against `target` (an HFBackend)
+    and read into a head on the host, as saved. -> (head, the dtype it was saved in)."""
     from safetensors import safe_open
 
-    what = f"proposer.path={path!r}"
-    shape, files = check_head_folder(path, target)
+    what = what or f"proposer.path={path!r}"
+    shape, files = check_head_folder(path, target, what)
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         try:
@@ -519,15 +518,21 @@ def load_head(path: str, target, device: torch.device, dtype: torch.dtype | None
                               f"config.json says {tuple(tensor.shape)}; the folder mixes two heads")
     _in_layer_order(shape, weights)
     head.load_state_dict({k: weights[k] for k in expected}, strict=True)
-    if dtype is None:
-        dtype = saved_dtype(weights)
-    head.to(device=device, dtype=dtype)
-    head.d2t, head.t2d = head.d2t.long(), head.t2d.bool()
-    head.check_finite()
-    ids = head.draft_ids
+    ids = torch.arange(len(head.d2t)) + head.d2t.long()
     if int(ids.min()) < 0 or int(ids.max()) >= shape.vocab_size:
         raise ConfigError(f"{what}: d2t maps draft ids outside the target's vocabulary; copy the "
                           f"head again")
+    return head, saved_dtype(weights)
+
+
+def load_head(path: str, target, device: torch.device, dtype: torch.dtype | None) -> Eagle3Head:
+    """A head folder (read_head) ready to draft: its weights in `dtype` (None: as saved, e.g.
+    float16 for a head `specflow train-head` wrote: a drafting step then reads half the bytes of
+    a float32 one, and the target's states and embedding rows are cast to it on the way in)."""
+    head, saved = read_head(path, target)
+    head.to(device=device, dtype=dtype or saved)
+    head.d2t, head.t2d = head.d2t.long(), head.t2d.bool()
+    head.check_finite()
     head.eval().requires_grad_(False)
     head.prepare()
     return head

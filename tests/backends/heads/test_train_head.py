@@ -235,6 +235,53 @@ def test_bfloat16_steps_train_float32_weights_that_draft_exactly(deep_target, de
         [r.token_ids for r in plain]
 
 
+def test_init_goes_on_from_a_head_s_weights_and_draft_vocabulary(deep_target, deep_head,
+                                                                   tmp_path):
+    """train_head.init: training starts from the folder's head, not a fresh one (a step too
+    small to move a float16 weight leaves every tensor, d2t and t2d included, as it was), and
+    the card records what it started from; the head drafts exactly."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "more"
+    cfg = compose(TRAIN + [f"model.path={deep_target}", f"train_head.output={out}",
+                           f"train_head.init={deep_head}", "train_head.steps=1",
+                           "train_head.lr=1e-12"], "train_head")
+    train_head.run(cfg, read_prompts(cfg), quiet)
+    mine, theirs = load_file(out / "model.safetensors"), load_file(deep_head / "model.safetensors")
+    assert mine.keys() == theirs.keys()
+    for name in mine:
+        assert torch.equal(mine[name], theirs[name]), name
+    card = json.loads((out / "config.json").read_text())["specflow"]
+    before = json.loads((deep_head / "config.json").read_text())["specflow"]
+    assert card["init"]["path"] == str(deep_head)
+    assert card["init"]["recipe"] == before["recipe"]
+    fresh = tmp_path / "fresh"
+    cfg = compose(TRAIN + [f"model.path={deep_target}", f"train_head.output={fresh}",
+                           "train_head.steps=1", "train_head.lr=1e-12"], "train_head")
+    train_head.run(cfg, read_prompts(cfg), quiet)
+    other = load_file(fresh / "model.safetensors")
+    assert not torch.equal(other["fc.weight"], theirs["fc.weight"])
+    base = ["model=hf", f"model.path={deep_target}", "draft=none", "max_batch_size=3"]
+    plain = Pipeline.from_config([*base, "proposer=none"]).generate(PROMPTS, max_new_tokens=12)
+    pipe = Pipeline.from_config([*base, "proposer=eagle", f"proposer.path={out}"])
+    assert [r.token_ids for r in pipe.generate(PROMPTS, max_new_tokens=12)] == \
+        [r.token_ids for r in plain]
+
+
+def test_init_from_a_head_of_another_shape_is_one_line(deep_target, deep_head, tmp_path):
+    cfg = compose(TRAIN + [f"model.path={deep_target}", f"train_head.output={tmp_path / 'h'}",
+                           f"train_head.init={deep_head}", "train_head.draft_vocab_size=100"],
+                  "train_head")
+    with pytest.raises(ConfigError, match=r"train_head.init=.*another shape: draft_vocab_size "
+                                          r"120 \(this run: 100\)") as info:
+        train_head.run(cfg, read_prompts(cfg), quiet)
+    assert "\n" not in str(info.value)
+    cfg = compose(TRAIN + [f"model.path={deep_target}", f"train_head.output={tmp_path / 'g'}",
+                           f"train_head.init={tmp_path / 'nowhere'}"], "train_head")
+    with pytest.raises(ConfigError, match="train_head.init=.* is not a folder"):
+        train_head.run(cfg, read_prompts(cfg), quiet)
+
+
 def test_an_unknown_head_format_is_one_line():
     cfg = compose(["train_head.output=x", "train_head.format=onnx"], "train_head")
     with pytest.raises(ConfigError, match="train_head.format='onnx'; use eagle3"):

@@ -79,10 +79,10 @@ def verify(draft_token_ids: torch.Tensor, target_probs: torch.Tensor,
     rejected = num_accepted < k                                                # [B]
     final_pos = num_accepted                                                   # [B] in [0, K]
 
-    p_final = target_probs[rows, final_pos]                                    # [B, V]
     if greedy:
-        final = p_final.argmax(-1)                                             # [B]
+        final = target_argmax[rows, final_pos]                                 # [B]
     else:
+        p_final = target_probs[rows, final_pos]                                # [B, V]
         q_pos = final_pos.clamp(max=K - 1)                                     # [B] (K >= 1 here)
         if draft_probs is None:
             q_final = torch.zeros_like(p_final)

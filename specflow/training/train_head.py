@@ -115,10 +115,12 @@ def run(cfg, prompts: list[str], progress) -> dict:
     run picked up (specflow/app/progress.py). Returns the summary written into config.json."""
     from omegaconf import OmegaConf
 
-    from specflow.backends.heads.eagle import target_dims, train_layer_ids
+    from specflow.backends.heads.eagle import check_head_folder, target_dims, train_layer_ids
 
     th = TrainHeadConfig(**OmegaConf.to_container(cfg.train_head, resolve=True))
     out = pathlib.Path(th.output).expanduser()
+    if th.init:             # before the data phase: a wrong folder is found in a second
+        check_head_folder(th.init, target_dims(cfg), f"train_head.init={th.init!r}")
     settings = settings_of(cfg, th, train_layer_ids(th.layers, target_dims(cfg)))
     if th.sequences:        # a grown folder is other data: a rerun on it starts over
         from specflow.training import head_data

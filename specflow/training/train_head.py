@@ -326,8 +326,7 @@ def _head_from_folder(target, shape, init: str):
                           f"(train_head.layers, draft_vocab_size, intermediate_size) or start "
                           f"fresh with train_head.init=null")
     head.check_finite()                     # a torn head would train on NaN
-    head = head.float().to(target.device)
-    head.d2t, head.t2d = head.d2t.long(), head.t2d.bool()
+    head = head.float().to(target.device)       # d2t and t2d keep their integer types
     head.embed = target.input_embeddings().detach().float().to(target.device)
     head.requires_grad_(True)
     lm = target.output_head().detach().float()[head.draft_ids.to(target.device)]    # [Vd, E]

@@ -518,7 +518,7 @@ def read_head(path: str, target, what: str | None = None) -> tuple[Eagle3Head, t
                               f"config.json says {tuple(tensor.shape)}; the folder mixes two heads")
     _in_layer_order(shape, weights)
     head.load_state_dict({k: weights[k] for k in expected}, strict=True)
-    ids = torch.arange(len(head.d2t)) + head.d2t.long()
+    ids = head.draft_ids
     if int(ids.min()) < 0 or int(ids.max()) >= shape.vocab_size:
         raise ConfigError(f"{what}: d2t maps draft ids outside the target's vocabulary; copy the "
                           f"head again")

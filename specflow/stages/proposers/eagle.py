@@ -41,6 +41,9 @@ from specflow.state import Proposal
 HEAD_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,
                "float16": torch.float16, "int8": None, "int4": None}
 HEAD_BITS = {"int8": 8, "int4": 4}     # weights in GGUF blocks: the native step only
+# auto beside a float32 target, where the native step runs: Q8_0 blocks (half of float16's bytes a
+# step reads; acceptance as the saved weights', docs/heads.md), else the head as saved
+AUTO_BITS = 8
 
 
 def head_dtype(setting: str, target) -> torch.dtype | None:
@@ -61,8 +64,9 @@ class EagleProposerConfig:
     path: str | None = None      # an EAGLE-3 head folder; null = the shipped demo head (demo target)
     topk: int = 1                # > 1: an EAGLE-2 tree, each node's topk likeliest children
     num_draft_tokens: int | None = None   # nodes per row in a tree (default k)
-    dtype: str = "auto"          # the head's weights: auto (a 16-bit target's dtype, else as
-                                 # saved) | float32 | bfloat16 | float16
+    dtype: str = "auto"          # the head's weights: auto (a 16-bit target's dtype; else int8
+                                 # blocks where the native step runs, else as saved) | float32 |
+                                 # bfloat16 | float16 | int8 | int4
 
     def __post_init__(self) -> None:
         if self.k < 0:
@@ -91,7 +95,12 @@ class EagleProposer:
         # the head's step as native calls where the kernel builds (float32 activations)
         from specflow.backends.heads.native_step import NativeHead
 
-        self.native = NativeHead.build(self.head, target.device, HEAD_BITS.get(cfg.dtype))
+        blocks = cfg.dtype == "auto" and head_dtype(cfg.dtype, target) is None
+        self.bits = HEAD_BITS.get(cfg.dtype, AUTO_BITS if blocks else None)
+        self.native = NativeHead.build(self.head, target.device, self.bits)
+        if self.native is None and blocks:     # a width off the blocks' 32: as saved
+            self.bits = None
+            self.native = NativeHead.build(self.head, target.device)
         if self.native is None and cfg.dtype in HEAD_BITS:
             raise ConfigError(f"proposer.dtype={cfg.dtype} holds the head in GGUF blocks for "
                               f"specflow's native kernel, which does not run here (a CPU target "
@@ -109,7 +118,7 @@ class EagleProposer:
 
     def describe(self) -> dict:
         """The head that drafts (metrics.json `backends.proposer`)."""
-        dtype = self.cfg.dtype if self.cfg.dtype in HEAD_BITS else \
+        dtype = f"int{self.bits}" if self.bits is not None and self.native is not None else \
             str(self.head.fc.weight.dtype).removeprefix("torch.")
         return {"head": str(self.path), "dtype": dtype,
                 "draft_vocab_size": self.head.shape.draft_vocab_size,

@@ -19,7 +19,7 @@ def proposer(hf_models, tiny_head, *overrides):  # noqa: F811
     return pipe, pipe.pm.get_plugin("proposer.eagle")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "auto"])           # auto: as saved, float16
+@pytest.mark.parametrize("dtype", ["float32", "float16"])        # float16: as saved
 def test_the_native_step_computes_what_the_eager_step_does(hf_models, tiny_head, dtype):  # noqa: F811
     from specflow.backends.slot_cache import SlotKVCache
 
@@ -77,6 +77,31 @@ def test_a_head_held_in_blocks_drafts_natively_and_exactly(hf_models, tiny_head)
         assert pipe.backends["proposer"]["dtype"] == dtype
         assert [r.token_ids for r in pipe.generate(PROMPTS[:4], max_new_tokens=24)] == want
         assert pipe.last_stats["num_accepted_tokens"] > 0
+
+
+def test_auto_holds_the_head_in_int8_blocks_beside_a_float32_target(hf_models, tiny_head,  # noqa: F811
+                                                                  monkeypatch):
+    """proposer.dtype=auto beside a float32 target, where the native step runs: Q8_0 blocks (half
+    of float16's bytes; acceptance as the saved weights'), greedy output plain decoding's; where
+    blocks cannot hold the head (a width off 32), the head as saved."""
+    from specflow.backends.heads.native_step import NativeHead
+    from specflow.backends.lean.blocks import BITS, BlockWeight
+
+    plain = pipeline(hf_models, "proposer=none")
+    want = [r.token_ids for r in plain.generate(PROMPTS[:4], max_new_tokens=24)]
+    pipe, prop = proposer(hf_models, tiny_head)
+    held = [prop.native.fc, prop.native.lm_head, *prop.native.products]
+    assert all(isinstance(w, BlockWeight) and BITS[w.kind_code] == 8 for w in held)
+    assert pipe.backends["proposer"]["dtype"] == "int8"
+    assert [r.token_ids for r in pipe.generate(PROMPTS[:4], max_new_tokens=24)] == want
+    assert pipe.last_stats["num_accepted_tokens"] > 0
+    build = NativeHead.build.__func__
+    monkeypatch.setattr(NativeHead, "build", classmethod(
+        lambda cls, head, device, bits=None: None if bits else build(cls, head, device)))
+    pipe, prop = proposer(hf_models, tiny_head)
+    assert prop.native is not None and not isinstance(prop.native.lm_head, BlockWeight)
+    assert pipe.backends["proposer"]["dtype"] == "float16"
+    assert [r.token_ids for r in pipe.generate(PROMPTS[:4], max_new_tokens=24)] == want
 
 
 def test_a_head_in_blocks_without_the_native_step_is_one_line(hf_models, tiny_head,  # noqa: F811

@@ -140,7 +140,7 @@ bench-precision: smollm2
 	$(PY) bench/precision.py
 
 # make bench-drafters: each drafter's tokens/s, tau and c (a draft step over a target pass) on the
-# demo pair (EAGLE head as saved, int8, int4; draft model) and SmolLM2 (its head, fp32 and Q4_1)
+# demo pair (EAGLE head at auto = int8, as saved, int4; draft model) and SmolLM2 (its head, fp32 and Q4_1)
 bench-drafters: smollm2
 	$(PY) bench/drafters.py
 

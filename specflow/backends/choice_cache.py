@@ -23,7 +23,8 @@ entry at once leave one whole file.
 
 `retime` in the config (or `SPECFLOW_RETIME=1`) times every choice again and rewrites what is
 kept: the first run after the machine was busy keeps what it measured then (a neighbour's load
-turns a timing, backends/turns.py). `SPECFLOW_CHOICE_CACHE=0` neither reads nor writes (the test
+turns a timing, backends/turns.py); the benchmarks (bench/*.py) time every choice again unless
+SPECFLOW_RETIME is set. `SPECFLOW_CHOICE_CACHE=0` neither reads nor writes (the test
 suite's default: tests that fake the clock must time). Where each choice's times came from is
 recorded (`recording()`): a backend's `describe()` and metrics.json say `cache` or `timed`.
 """
@@ -50,6 +51,13 @@ _records: contextvars.ContextVar[tuple[dict, ...]] = contextvars.ContextVar("spe
 
 def enabled() -> bool:
     return os.environ.get(ENABLE_ENV, "1") != "0"
+
+
+def retime_unless_told() -> None:
+    """Time every choice again in this process, unless SPECFLOW_RETIME is set: a benchmark
+    compares arms, and a choice kept from a busy machine slows one of them (a demo target's
+    one-position pass kept from a loaded run decoded at 172 tokens/s, timed again at 270)."""
+    os.environ.setdefault(RETIME_ENV, "1")
 
 
 def forced() -> bool:

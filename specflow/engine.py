@@ -199,7 +199,7 @@ class Engine:
             prompt_lens=[len(r.request.prompt_ids) for r in rows],
             max_new_tokens=[r.request.max_new_tokens for r in rows],
             generators=[r.generator for r in rows], greedy=pipe.round_is_greedy(sampling),
-            max_batch_size=self.capacity, shaper=pipe.shape,
+            max_batch_size=self.capacity, shaper=pipe.shape, argmax_kept=pipe.keeps_argmax,
             seeds=torch.tensor([r.request.seed for r in rows], dtype=torch.long)
             if pipe.draws_by_position else None, sampling=sampling)
         out = pipe.step(batch, self.round_index)

@@ -312,6 +312,23 @@ class Pipeline:
                                           sampling, greedy))
         return shaped
 
+    def keeps_argmax(self, request_ids: list[int], sampling: list[dict | None] | None,
+                     greedy: bool) -> bool:
+        """shape() leaves the argmax of these rows' logits as the model's own: a greedy round
+        whose every shaping stage says so (its `keeps_argmax(request_ids, sampling, greedy)`:
+        no bias, grammar or penalty on these rows); a stage without that method, or a wrapper
+        around the shaping hooks, may change it. A proposer may then take a draft's argmax
+        without the shaping call (backends' greedy_steps)."""
+        if not greedy:
+            return False
+        for hook in (self.hook.specflow_mask_logits, self.hook.specflow_process_logits):
+            for impl in hook.get_hookimpls():
+                check = getattr(impl.plugin, "keeps_argmax", None)
+                if impl.hookwrapper or getattr(impl, "wrapper", False) or check is None \
+                        or not check(request_ids, sampling, greedy):
+                    return False
+        return True
+
     def _shaping_stages(self) -> list[tuple[str, Callable]]:
         """The shaping hook implementations in the order shape() calls them (no wrappers)."""
         stages = []

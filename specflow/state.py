@@ -41,6 +41,14 @@ class DecodeBatch:
     # [B] each row's request's own sampling settings (temperature, top_k, penalties, logit_bias,
     # ...) over the configured ones; None: the config's for every row
     sampling: list[dict | None] | None = None
+    # Pipeline.keeps_argmax: (request_ids, sampling, greedy) -> whether shape() leaves these
+    # rows' argmax alone; None: assume it does not
+    argmax_kept: Callable[..., bool] | None = field(repr=False, default=None)
+
+    def shaping_keeps_argmax(self) -> bool:
+        """A greedy round in which shape() leaves every row's argmax as the model's own."""
+        return self.greedy and self.argmax_kept is not None and \
+            self.argmax_kept(self.request_ids, self.sampling, self.greedy)
 
     @property
     def draws_by_position(self) -> bool:
@@ -78,7 +86,8 @@ class DecodeBatch:
             max_batch_size=self.max_batch_size, shaper=self.shaper,
             node_price=None if self.node_price is None else [self.node_price[b] for b in rows],
             seeds=None if self.seeds is None else self.seeds[rows],
-            sampling=None if self.sampling is None else [self.sampling[b] for b in rows])
+            sampling=None if self.sampling is None else [self.sampling[b] for b in rows],
+            argmax_kept=self.argmax_kept)
 
     def num_generated(self, row: int) -> int:
         return len(self.token_ids[row]) - self.prompt_lens[row]

@@ -174,6 +174,10 @@ class GrammarConstraint:
             self._masks[key] = mask
         return mask
 
+    def keeps_argmax(self, request_ids: list[int], sampling, greedy: bool) -> bool:
+        """None of these rows' requests runs a grammar (their logits are not masked)."""
+        return not any(rid in self.indexes for rid in request_ids)
+
     # --- hooks ----------------------------------------------------------------------------------
 
     @hookimpl

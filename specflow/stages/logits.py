@@ -114,6 +114,11 @@ class LogitProcessor:
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         return self.apply(logits, getattr(self.cfg, self.field))
 
+    def keeps_argmax(self, request_ids: list[int], sampling, greedy: bool) -> bool:
+        """These rows' argmax is the model's after this processor (Pipeline.keeps_argmax): a
+        sampling processor in a greedy round leaves the logits alone."""
+        return self.samples and greedy
+
     @hookimpl
     def specflow_process_logits(self, shaping):
         if self.samples and shaping.greedy:

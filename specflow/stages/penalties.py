@@ -354,6 +354,10 @@ class _Bias:
         self.ids = torch.tensor([int(t) for t in bias], dtype=torch.long)
         self.values = torch.tensor([float(v) for v in bias.values()])
 
+    def keeps_argmax(self, request_ids: list[int], sampling, greedy: bool) -> bool:
+        """No bias touches these rows: none configured, none of their requests' own."""
+        return not len(self.ids) and not any(row and row.get(self.key) for row in sampling or ())
+
     def apply(self, shaping) -> None:
         own = shaping.row_values(self.key, None)
         if own is None and not len(self.ids):

@@ -780,6 +780,24 @@ class HFBackend(Backend):
     def truncate(self, slots: torch.Tensor, lengths: list[int]) -> None:
         self.cache.truncate(slots.tolist(), lengths)
 
+    @torch.inference_mode()
+    def greedy_steps(self, slots: list[int], first: torch.Tensor, steps: list[int],
+                     vocab_size: int) -> torch.Tensor | None:
+        """Greedy draft steps as one native call (backends/lean/native_chain.py): row r feeds
+        first[r] [R] and steps[r] times the token it found -> [R, max(steps)] long (-1 past a
+        row's steps), each step's argmax over the first `vocab_size` logits, the fed tokens
+        cached; None where the native steps do not run (the caller steps through forward())."""
+        if self.lean is None or self.graphs is not None or self.device.type != "cpu" \
+                or self.window is not None and max(
+                    self.cache.lengths[s] + n for s, n in zip(slots, steps)) > self.window:
+            return None
+        from specflow.backends.lean.native_chain import chain
+
+        out = chain(self.lean, self.cache, slots, first, steps, vocab_size)
+        if out is not None:
+            self.cache.commit(slots, steps)
+        return out
+
     def can_adopt_cache(self, source: "HFBackend") -> str | None:
         """None where this model's cache can take `source`'s keys and values as its own (the
         same layers, attention shapes, rotary positions and context), else why not."""

@@ -739,3 +739,74 @@ int specflow_side_layer(float *x, const float *side, const float *side_norm, int
     return layers(x, R, E, H, Hkv, D, I, 1, W, kinds, G, eps, keys, values, C, slot, col, below,
                   see, S, cos, sin, &none, NULL, side, side_norm, threads);
 }
+
+/* ---- Greedy draft steps of a decoder as one call (specflow_chain) -----------------------------
+
+   A draft model's autoregressive steps, each one query per row through layers(), the final
+   RMSNorm (G_out), the LM head (head, of `head_kind` as product() takes it, N rows) and the
+   argmax over its first V logits, the token found fed to the next step. Row r feeds first[r] at
+   step 0 and takes steps[r] steps (0 to S), its query s at cache column col0[r] + s and rotary
+   position pos0[r] + s (rows of the tables cos, sin [P, D]), seeing its slot's keys up to that
+   column; out[r, s] = the token step s found (-1 where the row took no step s). The argmax is
+   torch's: the first largest logit, a NaN counting as largest. Each step computes what the
+   lean forward's native pass and its LM head would for the same query, by the same products.
+   Returns 0, 1 out of memory, 3 a column or position outside the cache or the tables, 4 a
+   token outside the embedding's V_in rows. */
+int specflow_chain(const float *embed, int64_t V_in, int64_t R, const int64_t *first,
+                   const int64_t *steps, int64_t S, int64_t E, int64_t H, int64_t Hkv,
+                   int64_t D, int64_t I, int64_t L, const void *const *W, const int8_t *kinds,
+                   const float *const *G, float eps, float *const *keys, float *const *values,
+                   int64_t C, const int64_t *slot, const int64_t *col0, const int64_t *pos0,
+                   const float *cos, const float *sin, int64_t P, const float *G_out,
+                   const void *head, int head_kind, int64_t N, int64_t V, int64_t *out,
+                   int threads) {
+    int64_t top = V < N ? V : N;
+    for (int64_t r = 0; r < R; r++) {
+        if (steps[r] < 0 || steps[r] > S) return 3;
+        if (steps[r] && (col0[r] < 0 || col0[r] + steps[r] > C || pos0[r] < 0
+                         || pos0[r] + steps[r] > P)) return 3;
+        if (steps[r] && (first[r] < 0 || first[r] >= V_in)) return 4;
+        for (int64_t s = 0; s < S; s++) out[r * S + s] = -1;
+    }
+    int64_t *live = malloc((size_t)(R > 0 ? R : 1) * 4 * sizeof(int64_t));
+    int64_t *capture = malloc((size_t)(L > 0 ? L : 1) * sizeof(int64_t));
+    float *x = malloc((size_t)(R * E) * sizeof(float));
+    float *xn = malloc((size_t)(R * E) * sizeof(float));
+    float *rot = malloc((size_t)(R * 2 * D) * sizeof(float));
+    float *logits = malloc((size_t)(R * N) * sizeof(float));
+    int failed = !live || !capture || !x || !xn || !rot || !logits;
+    for (int64_t l = 0; l < L && !failed; l++) capture[l] = -1;
+    for (int64_t s = 0; s < S && !failed; s++) {
+        int64_t n = 0;
+        int64_t *lslot = live + R, *lcol = live + 2 * R, *lbelow = live + 3 * R;
+        for (int64_t r = 0; r < R; r++) {
+            if (steps[r] <= s) continue;
+            int64_t token = s ? out[r * S + s - 1] : first[r];
+            if (token < 0 || token >= V_in) { failed = 4; break; }
+            live[n] = r;
+            lslot[n] = slot[r];
+            lcol[n] = col0[r] + s;
+            lbelow[n] = col0[r] + s + 1;
+            memcpy(x + n * E, embed + token * E, (size_t)E * sizeof(float));
+            memcpy(rot + n * D, cos + (pos0[r] + s) * D, (size_t)D * sizeof(float));
+            memcpy(rot + (R + n) * D, sin + (pos0[r] + s) * D, (size_t)D * sizeof(float));
+            n++;
+        }
+        if (failed || !n) break;
+        failed = layers(x, n, E, H, Hkv, D, I, L, W, kinds, G, eps, keys, values, C, lslot,
+                        lcol, lbelow, NULL, 0, rot, rot + R * D, capture, NULL, NULL, NULL,
+                        threads);
+        if (failed) break;
+        rms_rows(x, G_out, eps, n, E, xn);
+        if (product(head, head_kind, xn, logits, N, E, n, threads)) { failed = 1; break; }
+        for (int64_t j = 0; j < n; j++) {
+            const float *row = logits + j * N;
+            int64_t best = 0;
+            for (int64_t v = 1; v < top && row[best] == row[best]; v++)
+                if (row[v] > row[best] || row[v] != row[v]) best = v;
+            out[live[j] * S + s] = best;
+        }
+    }
+    free(live); free(capture); free(x); free(xn); free(rot); free(logits);
+    return failed;
+}

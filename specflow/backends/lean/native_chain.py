@@ -1,0 +1,87 @@
+"""A draft model's greedy steps as one native call (`gemv.c`'s specflow_chain).
+
+A greedy draft step of a small model is a few tens of microseconds of arithmetic wrapped in
+about half a millisecond of Python: the plan, the pass, the LM head, the shaping call and the
+argmax, each a handful of torch operations (the demo pair's draft, 2 layers of width 128: 0.34 ms
+a step inside a round, 0.04 ms of it its layers). Where nothing shapes the draft's logits (a
+greedy round whose shaping stages all leave the argmax alone: no penalty, bias or grammar on
+its rows), the steps after the first need no Python between them: `specflow_chain` embeds each
+row's last token, runs the decoder layers as the native pass does (specflow_layers), the final
+norm and the LM head by the same products, takes the argmax and feeds it to the next step, for
+every row and step in one call. The tokens equal the torch steps' (each step computes what the
+lean forward's native pass and LM head compute for the same query;
+tests/backends/lean/test_native_chain.py).
+
+It runs where the model's one-query pass is the native one (`LeanLlama._native_layers(1)`), its
+embedding is a float32 table and its LM head a float32 tensor or a held weight (GGUF blocks,
+16-bit weights read against float32 inputs); elsewhere `chain()` returns None and the caller
+takes its torch steps.
+"""
+from __future__ import annotations
+
+import torch
+
+from specflow.backends.lean import native
+from specflow.backends.lean.native_pass import cache_tables, raise_failed
+
+
+def head_kind(head) -> int | None:
+    """The LM head as specflow_chain's product reads it: 0 a float32 tensor, a held weight's
+    kind_code, None for any other layout (packed, ATen's int4, 16-bit tensors)."""
+    if isinstance(head, native.HeldWeight):
+        return head.kind_code
+    if isinstance(head, torch.Tensor) and head.dtype == torch.float32 and not head.is_mkldnn \
+            and head.device.type == "cpu" and head.is_contiguous():
+        return 0
+    return None
+
+
+def runs(lean, cache) -> bool:
+    """The chain can run this model's steps: a native one-query pass, a float32 embedding table
+    it reads itself, an LM head it multiplies, a cache the native pass reads."""
+    if lean._dual is not None and lean.dual_from <= 1 or lean.embed_held is not None:
+        return False
+    whole = lean._native_layers(1)
+    return (whole is not None and head_kind(lean.lm_head) is not None
+            and lean.embed.dtype == torch.float32 and lean.embed.is_contiguous()
+            and cache_tables(cache, lean.num_kv_heads, lean.head_dim) is not None)
+
+
+def chain(lean, cache, slots: list[int], first: torch.Tensor, steps: list[int],
+          vocab_size: int) -> torch.Tensor | None:
+    """Greedy steps of rows `slots` (cache rows whose lengths are cache.lengths): row r feeds
+    first[r] [R] long at its cache length and takes steps[r] steps, each feeding the token the
+    last one found -> [R, max(steps)] long, each row's tokens (-1 past its steps), the argmax of
+    each step's logits over the first `vocab_size` entries; None where the chain does not run
+    here. The cache holds the fed tokens afterwards; the caller commits their lengths."""
+    if not runs(lean, cache):
+        return None
+    R, S = len(slots), max(steps, default=0)
+    out = torch.full((R, S), -1, dtype=torch.long)                                  # [R, S]
+    if S == 0:
+        return out
+    starts = [cache.lengths[s] for s in slots]
+    lean._rope(torch.zeros(1, 1, dtype=torch.long), torch.float32, max(starts) + S + 1)
+    cos, sin = lean._cos, lean._sin                                                 # [P, D]
+    whole = lean._native_layers(1)
+    keys, values = cache_tables(cache, lean.num_kv_heads, lean.head_dim)
+    head = lean.lm_head
+    slot_t = torch.tensor(slots, dtype=torch.long)                                  # [R]
+    start_t = torch.tensor(starts, dtype=torch.long)                                # [R]
+    steps_t = torch.tensor(steps, dtype=torch.long)                                 # [R]
+    first = first.to(torch.long).contiguous()                                       # [R]
+    E = lean.embed.shape[1]
+    failed = native._library().specflow_chain(
+        lean.embed.data_ptr(), lean.embed.shape[0], R, first.data_ptr(), steps_t.data_ptr(), S,
+        E, lean.num_heads, lean.num_kv_heads, lean.head_dim, lean.layers[0][7].shape[1],
+        len(lean.layers), whole.weights, whole.kinds.data_ptr(), whole.norms, lean.eps,
+        keys, values, cache.max_capacity, slot_t.data_ptr(), start_t.data_ptr(),
+        start_t.data_ptr(), cos.contiguous().data_ptr(), sin.contiguous().data_ptr(),
+        cos.shape[0], lean.norm.data_ptr(), head.data_ptr(), head_kind(head), head.shape[0],
+        vocab_size, out.data_ptr(), torch.get_num_threads())
+    if failed == 4:
+        raise ValueError(f"a token fed to specflow's native draft steps lies outside the "
+                         f"embedding's {lean.embed.shape[0]} rows: {first.tolist()}")
+    raise_failed(failed, "specflow's native draft steps", R, start_t + S, cache.max_capacity)
+    return out
+

@@ -1,0 +1,109 @@
+"""Greedy draft steps as one native call (backends/lean/native_chain.py, gemv.c's specflow_chain):
+the tokens and the cache the torch steps leave, bit for bit; ragged steps; left alone where
+it does not run; and proposer=draft takes it only where shaping leaves the argmax alone."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specflow.backends.lean import native, native_chain
+from specflow.backends.hf.backend import DEMO_DIR
+
+from tests.backends.lean.test_native_pass import backend_for, prefill, tiny_llama
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler with OpenMP here")
+
+LENGTHS = [37, 5, 120]
+
+
+def torch_steps(backend, first: list[int], steps: list[int]) -> list[list[int]]:
+    """Each row's greedy steps one forward() at a time (the proposer's torch path)."""
+    out = []
+    for slot, (token, n) in enumerate(zip(first, steps)):
+        row = []
+        for _ in range(n):
+            logits = backend.forward(torch.tensor([slot]), torch.tensor([[token]]),
+                                     torch.tensor([1]))                               # [1, 1, V]
+            token = int(logits[0, -1].argmax())
+            row.append(token)
+        out.append(row + [-1] * (max(steps) - n))
+    return out
+
+
+def model_path(tmp_path, model: str) -> str:
+    return str(DEMO_DIR / "draft") if model == "demo draft" else tiny_llama(tmp_path)
+
+
+@pytest.mark.parametrize("model", ["demo draft", "tiny llama"])
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_the_chain_finds_the_torch_steps_tokens_and_leaves_their_cache(tmp_path, model, dtype):
+    backend = backend_for(model_path(tmp_path, model))
+    if dtype == "int8":
+        backend.lean.quantize(8)
+    first, steps = [11, 700, 4000], [3, 0, 5]
+    prefill(backend, LENGTHS)
+    want = torch_steps(backend, first, steps)
+    want_lengths = backend.cache.lengths[:3]
+    nxt = backend.forward(torch.arange(3), torch.tensor([[5], [6], [7]]), torch.tensor([1] * 3))
+    prefill(backend, LENGTHS)
+    got = backend.greedy_steps([0, 1, 2], torch.tensor(first), steps, backend.vocab_size)
+    assert got is not None and got.tolist() == want
+    assert backend.cache.lengths[:3] == want_lengths
+    # the keys and values the chain cached are the torch steps': the next pass scores the same
+    after = backend.forward(torch.arange(3), torch.tensor([[5], [6], [7]]), torch.tensor([1] * 3))
+    torch.testing.assert_close(after, nxt, atol=1e-5, rtol=1e-5)
+
+
+def test_the_argmax_stays_inside_the_vocabulary_asked_for(tmp_path):
+    # a draft whose table is wider than the target's vocabulary: tokens past it are never drafted
+    backend = backend_for(DEMO_DIR / "draft")
+    prefill(backend, [9])
+    backend.lean.lm_head = backend.lean.lm_head.clone()
+    backend.lean.lm_head[5000:] = 0
+    backend.lean.lm_head[7000] = 10.0           # the largest logit, outside the first 6000
+    got = backend.greedy_steps([0], torch.tensor([3]), [2], 6000)
+    assert got is not None and (got < 6000).all() and (got >= 0).all()
+
+
+def test_where_the_chain_does_not_run_the_backend_says_so(tmp_path):
+    backend = backend_for(DEMO_DIR / "draft")
+    prefill(backend, [9])
+    backend.lean.native_layers = False            # the eager layers: no native pass to chain
+    assert not native_chain.runs(backend.lean, backend.cache)
+    assert backend.greedy_steps([0], torch.tensor([3]), [2], backend.vocab_size) is None
+    assert backend.cache.lengths[0] == 9                      # nothing was fed
+
+
+class ChainSpy:
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        real = native_chain.chain
+
+        def counted(*args, **kwargs):
+            out = real(*args, **kwargs)
+            self.calls += out is not None
+            return out
+        monkeypatch.setattr(native_chain, "chain", counted)
+
+
+@pytest.mark.parametrize("extra,chained", [
+    ((), True),
+    (("logits=[repetition_penalty]", "logits.repetition_penalty.penalty=1.3"), False),
+])
+def test_proposer_draft_chains_only_where_shaping_keeps_the_argmax(make_pipeline, monkeypatch,
+                                                                   extra, chained):
+    prompts = ["def fib(n):", "class Stack:", "import os"]
+    plain = make_pipeline("model=demo", "draft=demo", "proposer=none", "max_batch_size=3", *extra)
+    want = [r.token_ids for r in plain.generate(prompts, max_new_tokens=24)]
+    spy = ChainSpy(monkeypatch)
+    pipe = make_pipeline("model=demo", "draft=demo", "proposer=draft", "max_batch_size=3", *extra)
+    got = [r.token_ids for r in pipe.generate(prompts, max_new_tokens=24)]
+    assert got == want
+    assert (spy.calls > 0) == chained
+
+
+def test_a_request_with_its_own_bias_or_grammar_keeps_the_shaping_call(make_pipeline):
+    pipe = make_pipeline("model=demo", "draft=demo", "proposer=draft")
+    assert pipe.keeps_argmax([0, 1], None, True)
+    assert not pipe.keeps_argmax([0, 1], None, False)                        # sampling
+    assert not pipe.keeps_argmax([0, 1], [None, {"logit_bias": {5: 3.0}}], True)

@@ -33,7 +33,8 @@ from specflow.backends.choice_cache import retime_unless_told  # noqa: E402
 
 PAIRS = {
     "demo": ["proposer=none", "proposer=eagle", "proposer=eagle proposer.dtype=float16",
-             "proposer=eagle proposer.dtype=int4", "proposer=draft"],
+             "proposer=eagle proposer.dtype=int4", "proposer=draft",
+             "proposer=draft draft.dtype=int8"],
     "smollm2": ["proposer=none dtype=float32", "proposer=eagle dtype=float32",
                 "proposer=eagle policy=goodput dtype=float32",
                 "proposer=eagle dtype=float32 proposer.dtype=int4",

@@ -262,13 +262,13 @@ class Backend(abc.ABC):
     def truncate(self, slots: torch.Tensor, lengths: list[int]) -> None:
         """Roll each slot's cache back to its first `lengths[b]` tokens."""
 
-    def greedy_steps(self, slots: list[int], first: torch.Tensor, steps: list[int],
+    def greedy_steps(self, slots: list[int], fed: list[list[int]], steps: list[int],
                      vocab_size: int) -> torch.Tensor | None:
-        """Optional: greedy draft steps in one call. Row r (cache slot slots[r]) feeds first[r]
-        and then, steps[r] - 1 more times, the token its last step found; each step's token is
-        the argmax of its logits' first `vocab_size` entries -> [R, max(steps)] long (-1 past a
-        row's steps), the fed tokens cached. None (this default): the caller steps through
-        forward()."""
+        """Optional: greedy draft steps in one call. Row r (cache slot slots[r]) feeds fed[r]
+        (the committed tokens its cache lacks, at least one) and then, steps[r] - 1 more times,
+        the token its last step found; each step's token is the argmax of the row's last logits'
+        first `vocab_size` entries -> [R, max(steps)] long (-1 past a row's steps), the fed
+        tokens cached. None (this default): the caller steps through forward()."""
         return None
 
     # --- token trees (optional) -------------------------------------------------------------

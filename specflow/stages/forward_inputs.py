@@ -14,6 +14,13 @@ import torch
 from specflow.state import PAD
 
 
+def uncached_tokens(token_ids: list[list[int]], cached: list[int]) -> list[list[int]]:
+    """Each row's committed tokens a cache holding cached[b] of them lacks (at least the last:
+    a cache is never ahead of the committed tokens, and one that was never rolled back, the
+    fault the tests inject, still has to be fed the last committed token)."""
+    return [ids[min(n, len(ids) - 1):] for ids, n in zip(token_ids, cached)]
+
+
 def uncached_inputs(token_ids: list[list[int]], cached: list[int],
                     drafts: torch.Tensor | None = None, counts: list[int] | None = None):
     """A pass's inputs: each row's committed tokens not yet in a cache (at least its last one),
@@ -23,9 +30,7 @@ def uncached_inputs(token_ids: list[list[int]], cached: list[int],
     -> (inputs [B, T] long, on the drafts' device; lens [B] long and last [B] long on the host:
     last is the index of each row's last committed token, whose output predicts the first
     draft; output last + j follows draft j)."""
-    # a cache is never ahead of the committed tokens; one that was never rolled back (the fault
-    # the tests inject) still has to be fed the last committed token
-    pending = [ids[min(n, len(ids) - 1):] for ids, n in zip(token_ids, cached)]
+    pending = uncached_tokens(token_ids, cached)
     K = 0 if drafts is None else drafts.shape[1]
     if all(len(p) == 1 for p in pending):   # the steady state: only the last token each
         if K and counts is not None:    # counted drafts, maybe on the device: not read

@@ -781,21 +781,22 @@ class HFBackend(Backend):
         self.cache.truncate(slots.tolist(), lengths)
 
     @torch.inference_mode()
-    def greedy_steps(self, slots: list[int], first: torch.Tensor, steps: list[int],
+    def greedy_steps(self, slots: list[int], fed: list[list[int]], steps: list[int],
                      vocab_size: int) -> torch.Tensor | None:
         """Greedy draft steps as one native call (backends/lean/native_chain.py): row r feeds
-        first[r] [R] and steps[r] times the token it found -> [R, max(steps)] long (-1 past a
+        fed[r], then steps[r] - 1 times the token it found -> [R, max(steps)] long (-1 past a
         row's steps), each step's argmax over the first `vocab_size` logits, the fed tokens
         cached; None where the native steps do not run (the caller steps through forward())."""
         if self.lean is None or self.graphs is not None or self.device.type != "cpu" \
                 or self.window is not None and max(
-                    self.cache.lengths[s] + n for s, n in zip(slots, steps)) > self.window:
+                    self.cache.lengths[s] + len(f) + n for s, f, n in zip(slots, fed, steps)
+                ) > self.window:
             return None
         from specflow.backends.lean.native_chain import chain
 
-        out = chain(self.lean, self.cache, slots, first, steps, vocab_size)
-        if out is not None:
-            self.cache.commit(slots, steps)
+        out = chain(self.lean, self.cache, slots, fed, steps, vocab_size)
+        if out is not None:     # the fed tokens, and each step's token but the last
+            self.cache.commit(slots, [len(f) + n - 1 if n else 0 for f, n in zip(fed, steps)])
         return out
 
     def can_adopt_cache(self, source: "HFBackend") -> str | None:

@@ -742,69 +742,81 @@ int specflow_side_layer(float *x, const float *side, const float *side_norm, int
 
 /* ---- Greedy draft steps of a decoder as one call (specflow_chain) -----------------------------
 
-   A draft model's autoregressive steps, each one query per row through layers(), the final
-   RMSNorm (G_out), the LM head (head, of `head_kind` as product() takes it, N rows) and the
-   argmax over its first V logits, the token found fed to the next step. Row r feeds first[r] at
-   step 0 and takes steps[r] steps (0 to S), its query s at cache column col0[r] + s and rotary
-   position pos0[r] + s (rows of the tables cos, sin [P, D]), seeing its slot's keys up to that
-   column; out[r, s] = the token step s found (-1 where the row took no step s). The argmax is
-   torch's: the first largest logit, a NaN counting as largest. Each step computes what the
-   lean forward's native pass and its LM head would for the same query, by the same products.
-   Returns 0, 1 out of memory, 3 a column or position outside the cache or the tables, 4 a
-   token outside the embedding's V_in rows. */
-int specflow_chain(const float *embed, int64_t V_in, int64_t R, const int64_t *first,
-                   const int64_t *steps, int64_t S, int64_t E, int64_t H, int64_t Hkv,
-                   int64_t D, int64_t I, int64_t L, const void *const *W, const int8_t *kinds,
-                   const float *const *G, float eps, float *const *keys, float *const *values,
-                   int64_t C, const int64_t *slot, const int64_t *col0, const int64_t *pos0,
+   A draft model's autoregressive steps: each step runs its queries through layers(), then the
+   final RMSNorm (G_out), the LM head (head, of `head_kind` as product() takes it, N rows) and the
+   argmax over its first V logits for each row's last query, and the token found is the row's
+   one query of the next step. Row r takes steps[r] steps (0 to S); its step 0 feeds its
+   fed_len[r] >= 1 tokens (the committed ones its cache lacks, in fed, row after row), at cache
+   columns col0[r], col0[r] + 1, ... and the same rotary positions (rows of the tables cos, sin
+   [P, D]); each query sees its slot's keys up to its own column. out[r, s] = the token step s
+   found (-1 where the row took no step s). The argmax is torch's: the first largest logit, a
+   NaN counting as largest. Each step computes what the lean forward's native pass and its LM
+   head compute for the same queries, by the same products. Returns 0, 1 out of memory, 3 a
+   column or position outside the cache or the tables, 4 a token outside the embedding's V_in
+   rows. */
+int specflow_chain(const float *embed, int64_t V_in, int64_t R, const int64_t *fed,
+                   const int64_t *fed_len, const int64_t *steps, int64_t S, int64_t E, int64_t H,
+                   int64_t Hkv, int64_t D, int64_t I, int64_t L, const void *const *W,
+                   const int8_t *kinds, const float *const *G, float eps, float *const *keys,
+                   float *const *values, int64_t C, const int64_t *slot, const int64_t *col0,
                    const float *cos, const float *sin, int64_t P, const float *G_out,
                    const void *head, int head_kind, int64_t N, int64_t V, int64_t *out,
                    int threads) {
-    int64_t top = V < N ? V : N;
+    int64_t top = V < N ? V : N, Q = 0;           /* Q: the most queries of a step (step 0's) */
     for (int64_t r = 0; r < R; r++) {
-        if (steps[r] < 0 || steps[r] > S) return 3;
-        if (steps[r] && (col0[r] < 0 || col0[r] + steps[r] > C || pos0[r] < 0
-                         || pos0[r] + steps[r] > P)) return 3;
-        if (steps[r] && (first[r] < 0 || first[r] >= V_in)) return 4;
+        if (steps[r] < 0 || steps[r] > S || fed_len[r] < 1) return 3;
+        int64_t reach = col0[r] + fed_len[r] + steps[r] - 1;       /* columns written: < reach */
+        if (steps[r] && (col0[r] < 0 || reach > C || reach > P)) return 3;
+        for (int64_t j = 0; j < fed_len[r]; j++)
+            if (steps[r] && (fed[Q + j] < 0 || fed[Q + j] >= V_in)) return 4;
+        Q += fed_len[r];
         for (int64_t s = 0; s < S; s++) out[r * S + s] = -1;
     }
-    int64_t *live = malloc((size_t)(R > 0 ? R : 1) * 4 * sizeof(int64_t));
+    if (Q < R) Q = R;
+    int64_t *live = malloc((size_t)(Q > 0 ? Q : 1) * 5 * sizeof(int64_t));
     int64_t *capture = malloc((size_t)(L > 0 ? L : 1) * sizeof(int64_t));
-    float *x = malloc((size_t)(R * E) * sizeof(float));
+    float *x = malloc((size_t)(Q * E) * sizeof(float));
     float *xn = malloc((size_t)(R * E) * sizeof(float));
-    float *rot = malloc((size_t)(R * 2 * D) * sizeof(float));
+    float *rot = malloc((size_t)(Q * 2 * D) * sizeof(float));
     float *logits = malloc((size_t)(R * N) * sizeof(float));
     int failed = !live || !capture || !x || !xn || !rot || !logits;
     for (int64_t l = 0; l < L && !failed; l++) capture[l] = -1;
+    int64_t *lslot = live + Q, *lcol = live + 2 * Q, *lbelow = live + 3 * Q, *last = live + 4 * Q;
     for (int64_t s = 0; s < S && !failed; s++) {
-        int64_t n = 0;
-        int64_t *lslot = live + R, *lcol = live + 2 * R, *lbelow = live + 3 * R;
-        for (int64_t r = 0; r < R; r++) {
+        int64_t n = 0, rows = 0;       /* n queries; rows: the live rows, live[i] their index */
+        for (int64_t r = 0, at = 0; r < R; at += fed_len[r], r++) {
             if (steps[r] <= s) continue;
-            int64_t token = s ? out[r * S + s - 1] : first[r];
-            if (token < 0 || token >= V_in) { failed = 4; break; }
-            live[n] = r;
-            lslot[n] = slot[r];
-            lcol[n] = col0[r] + s;
-            lbelow[n] = col0[r] + s + 1;
-            memcpy(x + n * E, embed + token * E, (size_t)E * sizeof(float));
-            memcpy(rot + n * D, cos + (pos0[r] + s) * D, (size_t)D * sizeof(float));
-            memcpy(rot + (R + n) * D, sin + (pos0[r] + s) * D, (size_t)D * sizeof(float));
-            n++;
+            int64_t count = s ? 1 : fed_len[r];
+            for (int64_t j = 0; j < count; j++, n++) {
+                int64_t token = s ? out[r * S + s - 1] : fed[at + j];
+                int64_t column = s ? col0[r] + fed_len[r] + s - 1 : col0[r] + j;
+                if (token < 0 || token >= V_in) { failed = 4; break; }
+                lslot[n] = slot[r];
+                lcol[n] = column;
+                lbelow[n] = column + 1;
+                memcpy(x + n * E, embed + token * E, (size_t)E * sizeof(float));
+                memcpy(rot + n * D, cos + column * D, (size_t)D * sizeof(float));
+                memcpy(rot + (Q + n) * D, sin + column * D, (size_t)D * sizeof(float));
+            }
+            if (failed) break;
+            live[rows] = r;
+            last[rows++] = n - 1;
         }
         if (failed || !n) break;
         failed = layers(x, n, E, H, Hkv, D, I, L, W, kinds, G, eps, keys, values, C, lslot,
-                        lcol, lbelow, NULL, 0, rot, rot + R * D, capture, NULL, NULL, NULL,
+                        lcol, lbelow, NULL, 0, rot, rot + Q * D, capture, NULL, NULL, NULL,
                         threads);
         if (failed) break;
-        rms_rows(x, G_out, eps, n, E, xn);
-        if (product(head, head_kind, xn, logits, N, E, n, threads)) { failed = 1; break; }
-        for (int64_t j = 0; j < n; j++) {
-            const float *row = logits + j * N;
+        for (int64_t i = 0; i < rows; i++)                /* each live row's last query */
+            memcpy(xn + i * E, x + last[i] * E, (size_t)E * sizeof(float));
+        rms_rows(xn, G_out, eps, rows, E, x);
+        if (product(head, head_kind, x, logits, N, E, rows, threads)) { failed = 1; break; }
+        for (int64_t i = 0; i < rows; i++) {
+            const float *row = logits + i * N;
             int64_t best = 0;
             for (int64_t v = 1; v < top && row[best] == row[best]; v++)
                 if (row[v] > row[best] || row[v] != row[v]) best = v;
-            out[live[j] * S + s] = best;
+            out[live[i] * S + s] = best;
         }
     }
     free(live); free(capture); free(x); free(xn); free(rot); free(logits);

@@ -47,13 +47,14 @@ def runs(lean, cache) -> bool:
             and cache_tables(cache, lean.num_kv_heads, lean.head_dim) is not None)
 
 
-def chain(lean, cache, slots: list[int], first: torch.Tensor, steps: list[int],
+def chain(lean, cache, slots: list[int], fed: list[list[int]], steps: list[int],
           vocab_size: int) -> torch.Tensor | None:
-    """Greedy steps of rows `slots` (cache rows whose lengths are cache.lengths): row r feeds
-    first[r] [R] long at its cache length and takes steps[r] steps, each feeding the token the
-    last one found -> [R, max(steps)] long, each row's tokens (-1 past its steps), the argmax of
-    each step's logits over the first `vocab_size` entries; None where the chain does not run
-    here. The cache holds the fed tokens afterwards; the caller commits their lengths."""
+    """Greedy steps of rows `slots` (cache rows of lengths cache.lengths): row r feeds its tokens
+    fed[r] (at least one: the committed ones its cache lacks) at its cache length and takes
+    steps[r] steps, each after the first feeding the token the last one found -> [R, max(steps)]
+    long, each row's tokens (-1 past its steps), the argmax of each step's logits over the first
+    `vocab_size` entries; None where the chain does not run here. The cache holds the fed tokens
+    afterwards (their lengths are the caller's to commit)."""
     if not runs(lean, cache):
         return None
     R, S = len(slots), max(steps, default=0)
@@ -61,27 +62,26 @@ def chain(lean, cache, slots: list[int], first: torch.Tensor, steps: list[int],
     if S == 0:
         return out
     starts = [cache.lengths[s] for s in slots]
-    lean._rope(torch.zeros(1, 1, dtype=torch.long), torch.float32, max(starts) + S + 1)
-    cos, sin = lean._cos, lean._sin                                                 # [P, D]
+    reach = max(n + len(f) + k for n, f, k in zip(starts, fed, steps))
+    lean._rope(torch.zeros(1, 1, dtype=torch.long), torch.float32, reach)
+    cos, sin = lean._cos.contiguous(), lean._sin.contiguous()                      # [P, D]
     whole = lean._native_layers(1)
     keys, values = cache_tables(cache, lean.num_kv_heads, lean.head_dim)
     head = lean.lm_head
-    slot_t = torch.tensor(slots, dtype=torch.long)                                  # [R]
-    start_t = torch.tensor(starts, dtype=torch.long)                                # [R]
-    steps_t = torch.tensor(steps, dtype=torch.long)                                 # [R]
-    first = first.to(torch.long).contiguous()                                       # [R]
+    numbers = torch.tensor([*slots, *starts, *steps, *(len(f) for f in fed),
+                            *(t for f in fed for t in f)], dtype=torch.long)
+    slot_t, start_t, steps_t, lens_t, fed_t = numbers.split([R, R, R, R, len(numbers) - 4 * R])
     E = lean.embed.shape[1]
     failed = native._library().specflow_chain(
-        lean.embed.data_ptr(), lean.embed.shape[0], R, first.data_ptr(), steps_t.data_ptr(), S,
-        E, lean.num_heads, lean.num_kv_heads, lean.head_dim, lean.layers[0][7].shape[1],
-        len(lean.layers), whole.weights, whole.kinds.data_ptr(), whole.norms, lean.eps,
-        keys, values, cache.max_capacity, slot_t.data_ptr(), start_t.data_ptr(),
-        start_t.data_ptr(), cos.contiguous().data_ptr(), sin.contiguous().data_ptr(),
-        cos.shape[0], lean.norm.data_ptr(), head.data_ptr(), head_kind(head), head.shape[0],
-        vocab_size, out.data_ptr(), torch.get_num_threads())
+        lean.embed.data_ptr(), lean.embed.shape[0], R, fed_t.data_ptr(), lens_t.data_ptr(),
+        steps_t.data_ptr(), S, E, lean.num_heads, lean.num_kv_heads, lean.head_dim,
+        lean.layers[0][7].shape[1], len(lean.layers), whole.weights, whole.kinds.data_ptr(),
+        whole.norms, lean.eps, keys, values, cache.max_capacity, slot_t.data_ptr(),
+        start_t.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0], lean.norm.data_ptr(),
+        head.data_ptr(), head_kind(head), head.shape[0], vocab_size, out.data_ptr(),
+        torch.get_num_threads())
     if failed == 4:
         raise ValueError(f"a token fed to specflow's native draft steps lies outside the "
-                         f"embedding's {lean.embed.shape[0]} rows: {first.tolist()}")
+                         f"embedding's {lean.embed.shape[0]} rows: {fed}")
     raise_failed(failed, "specflow's native draft steps", R, start_t + S, cache.max_capacity)
     return out
-

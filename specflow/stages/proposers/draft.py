@@ -16,7 +16,7 @@ import torch
 from specflow.errors import ConfigError
 from specflow.plugins import hookimpl
 from specflow.stages.proposers.draft_tree import Calibration, DraftTree, draft_trees, keep_accepted_path, learn
-from specflow.stages.forward_inputs import catch_up, uncached_inputs
+from specflow.stages.forward_inputs import catch_up, uncached_inputs, uncached_tokens
 from specflow.stages.tree import no_branch_pays, tree_budget
 from specflow.state import PAD, Proposal
 
@@ -167,19 +167,19 @@ class DraftModelProposer:
         """K autoregressive draft steps; a row stops being computed once it has its own k
         (the draft's cost follows sum(k), not rows x max(k)). -> ([B, K], [B, K, V] or None).
         Where shape() leaves every row's argmax alone (a greedy round with no bias, penalty or
-        grammar on its rows), the steps after the first run as one call of the backend's
-        greedy_steps where it has one (the same tokens, without Python between steps)."""
-        first = self._first_logits(batch)                                  # [B, V]
-        if K > 1 and batch.shaping_keeps_argmax():
-            top = first.argmax(-1)                                         # [B]
-            rest = self.model.greedy_steps(batch.slots.tolist(), top, [k - 1 for k in ks],
-                                           self.vocab_size)                # [B, K - 1]
-            if rest is not None:
-                return torch.cat([top[:, None], rest.to(top.device)], 1), None   # [B, K]
+        grammar on its rows), every step runs in one call of the backend's greedy_steps where
+        it has one (the same tokens, without Python between the steps)."""
+        if batch.shaping_keeps_argmax():
+            cached = [self.model.cache_length(s) for s in batch.slots.tolist()]
+            drafts = self.model.greedy_steps(batch.slots.tolist(),
+                                             uncached_tokens(batch.token_ids, cached), ks,
+                                             self.vocab_size)                      # [B, K]
+            if drafts is not None:
+                return drafts.to(self.model.device), None
 
         def step(i, sub, still_live, previous):
-            if i == 0:     # every row, fed its uncached committed tokens (above)
-                return first                                               # [L, V]
+            if i == 0:     # every row, fed its uncached committed tokens
+                return self._first_logits(sub)                             # [L, V]
             # each row's last draft
             logits = self.model.forward(sub.slots, previous[:, None],
                                         torch.ones(len(still_live), dtype=torch.long))  # [L, 1, V_d]

@@ -16,16 +16,17 @@ pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler wi
 LENGTHS = [37, 5, 120]
 
 
-def torch_steps(backend, first: list[int], steps: list[int]) -> list[list[int]]:
-    """Each row's greedy steps one forward() at a time (the proposer's torch path)."""
+def torch_steps(backend, fed: list[list[int]], steps: list[int]) -> list[list[int]]:
+    """Each row's greedy steps one forward() at a time (the proposer's torch path): its tokens
+    `fed` first, then the token each step found."""
     out = []
-    for slot, (token, n) in enumerate(zip(first, steps)):
+    for slot, (tokens, n) in enumerate(zip(fed, steps)):
         row = []
         for _ in range(n):
-            logits = backend.forward(torch.tensor([slot]), torch.tensor([[token]]),
-                                     torch.tensor([1]))                               # [1, 1, V]
-            token = int(logits[0, -1].argmax())
-            row.append(token)
+            logits = backend.forward(torch.tensor([slot]), torch.tensor([tokens]),
+                                     torch.tensor([len(tokens)]))                     # [1, T, V]
+            tokens = [int(logits[0, -1].argmax())]
+            row.append(tokens[0])
         out.append(row + [-1] * (max(steps) - n))
     return out
 
@@ -40,13 +41,14 @@ def test_the_chain_finds_the_torch_steps_tokens_and_leaves_their_cache(tmp_path,
     backend = backend_for(model_path(tmp_path, model))
     if dtype == "int8":
         backend.lean.quantize(8)
-    first, steps = [11, 700, 4000], [3, 0, 5]
+    # a row fed one token, one skipped, one catching up on three committed tokens
+    fed, steps = [[11], [700], [4000, 12, 13]], [3, 0, 5]
     prefill(backend, LENGTHS)
-    want = torch_steps(backend, first, steps)
+    want = torch_steps(backend, fed, steps)
     want_lengths = backend.cache.lengths[:3]
     nxt = backend.forward(torch.arange(3), torch.tensor([[5], [6], [7]]), torch.tensor([1] * 3))
     prefill(backend, LENGTHS)
-    got = backend.greedy_steps([0, 1, 2], torch.tensor(first), steps, backend.vocab_size)
+    got = backend.greedy_steps([0, 1, 2], fed, steps, backend.vocab_size)
     assert got is not None and got.tolist() == want
     assert backend.cache.lengths[:3] == want_lengths
     # the keys and values the chain cached are the torch steps': the next pass scores the same
@@ -61,7 +63,7 @@ def test_the_argmax_stays_inside_the_vocabulary_asked_for(tmp_path):
     backend.lean.lm_head = backend.lean.lm_head.clone()
     backend.lean.lm_head[5000:] = 0
     backend.lean.lm_head[7000] = 10.0           # the largest logit, outside the first 6000
-    got = backend.greedy_steps([0], torch.tensor([3]), [2], 6000)
+    got = backend.greedy_steps([0], [[3]], [2], 6000)
     assert got is not None and (got < 6000).all() and (got >= 0).all()
 
 
@@ -70,7 +72,7 @@ def test_where_the_chain_does_not_run_the_backend_says_so(tmp_path):
     prefill(backend, [9])
     backend.lean.native_layers = False            # the eager layers: no native pass to chain
     assert not native_chain.runs(backend.lean, backend.cache)
-    assert backend.greedy_steps([0], torch.tensor([3]), [2], backend.vocab_size) is None
+    assert backend.greedy_steps([0], [[3]], [2], backend.vocab_size) is None
     assert backend.cache.lengths[0] == 9                      # nothing was fed
 
 

@@ -106,3 +106,40 @@ class NativeHead:
         """Draft-vocabulary logits [.., Vd] float32 of pre-norm states [.., E]: the final norm
         and the LM head in one call."""
         return native.held(self.lm_head, h.float(), self.final_norm, self.eps)
+
+    def chain(self, head, states: torch.Tensor, cache, slots: list[int], steps: list[int],
+              ids: torch.Tensor | None) -> torch.Tensor | None:
+        """Greedy steps as one native call (gemv.c's specflow_head_chain): states [R, E] each
+        row's head state after its committed pairs; row r takes steps[r] drafts, each the argmax
+        of the head's logits (on the target's vocabulary through `ids` [Vd] increasing, or None
+        for the identity), each after the first fed back with the state before it -> [R,
+        max(steps)] long (-1 past a row's steps). The steps' keys and values are written past
+        the cache's lengths, which stay as they are. None where the cache is not the native
+        one's."""
+        tables = cache_tables(cache, self.shape.num_key_value_heads, self.shape.dim)
+        if tables is None:
+            return None
+        s, D = self.shape, self.shape.dim
+        R, S, E = len(slots), max(steps, default=0), s.hidden_size
+        out = torch.full((R, S), -1, dtype=torch.long)                                # [R, S]
+        if S == 0:
+            return out
+        starts = [cache.lengths[slot] for slot in slots]
+        head.rope(torch.zeros(1, 1, dtype=torch.long), torch.float32, max(starts) + S)
+        cos, sin = head._cos.contiguous(), head._sin.contiguous()                     # [P, D]
+        x = states.float().contiguous().clone()                                       # [R, E]
+        numbers = torch.tensor([*slots, *starts, *steps], dtype=torch.long)
+        slot_t, start_t, steps_t = numbers.split(R)
+        failed = native._library().specflow_head_chain(
+            x.data_ptr(), self.embed.data_ptr(), self.embed.shape[0], self.side_norm.data_ptr(),
+            R, steps_t.data_ptr(), S, E, s.num_attention_heads, s.num_key_value_heads, D,
+            s.intermediate_size, self.weights, self.kinds.data_ptr(), self.norms, self.eps,
+            tables[0], tables[1], cache.max_capacity, slot_t.data_ptr(), start_t.data_ptr(),
+            cos.data_ptr(), sin.data_ptr(), cos.shape[0], self.final_norm.data_ptr(),
+            self.lm_head.data_ptr(), self.lm_head.kind_code, self.lm_head.shape[0],
+            None if ids is None else ids.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        if failed == 4:
+            raise ValueError(f"a token the head drafted lies outside the embedding's "
+                             f"{self.embed.shape[0]} rows")
+        raise_failed(failed, "the head's native steps", R, start_t + S, cache.max_capacity)
+        return out

@@ -822,3 +822,80 @@ int specflow_chain(const float *embed, int64_t V_in, int64_t R, const int64_t *f
     free(live); free(capture); free(x); free(xn); free(rot); free(logits);
     return failed;
 }
+
+/* ---- An EAGLE-3 head's greedy steps as one call (specflow_head_chain) ------------------------
+
+   x [R, E]: each row's head state after its committed pairs (overwritten). Step 0 takes the
+   draft from that state: the final RMSNorm (G_out), the LM head (head, `head_kind`, N rows:
+   the draft vocabulary) and the argmax, mapped to the target's vocabulary through ids [N]
+   (increasing, so the first largest logit in draft order is the first in target order too).
+   Each later step feeds the state and the token just drafted (its row of embed [V_in, E]) to the
+   head's layer (specflow_side_layer: W, kinds, G, side_norm), at cache column col0[r] + s - 1
+   and the same rotary position, and takes the draft from the layer's output as step 0 did. Row
+   r takes steps[r] steps (0 to S); out[r, s] = the target token step s found (-1 where the row
+   took no step s). Each step computes what the head's two native calls compute for it.
+   Returns 0, 1 out of memory, 3 a column or position outside the cache or the tables, 4 a
+   drafted token outside embed's rows. */
+int specflow_head_chain(float *x, const float *embed, int64_t V_in, const float *side_norm,
+                        int64_t R, const int64_t *steps, int64_t S, int64_t E, int64_t H,
+                        int64_t Hkv, int64_t D, int64_t I, const void *const *W,
+                        const int8_t *kinds, const float *const *G, float eps,
+                        float *const *keys, float *const *values, int64_t C,
+                        const int64_t *slot, const int64_t *col0, const float *cos,
+                        const float *sin, int64_t P, const float *G_out, const void *head,
+                        int head_kind, int64_t N, const int64_t *ids, int64_t *out,
+                        int threads) {
+    for (int64_t r = 0; r < R; r++) {
+        if (steps[r] < 0 || steps[r] > S) return 3;
+        if (steps[r] > 1 && (col0[r] < 0 || col0[r] + steps[r] - 1 > C
+                             || col0[r] + steps[r] - 1 > P)) return 3;
+        for (int64_t s = 0; s < S; s++) out[r * S + s] = -1;
+    }
+    int64_t *live = malloc((size_t)(R > 0 ? R : 1) * 4 * sizeof(int64_t));
+    float *h = malloc((size_t)(R * E) * sizeof(float));
+    float *side = malloc((size_t)(R * E) * sizeof(float));
+    float *xn = malloc((size_t)(R * E) * sizeof(float));
+    float *rot = malloc((size_t)(R * 2 * D) * sizeof(float));
+    float *logits = malloc((size_t)(R * N) * sizeof(float));
+    int failed = !live || !h || !side || !xn || !rot || !logits;
+    int64_t *lslot = live + R, *lcol = live + 2 * R, *lbelow = live + 3 * R;
+    for (int64_t s = 0; s < S && !failed; s++) {
+        int64_t n = 0;
+        for (int64_t r = 0; r < R; r++) {
+            if (steps[r] <= s) continue;
+            if (s) {
+                int64_t token = out[r * S + s - 1], column = col0[r] + s - 1;
+                if (token < 0 || token >= V_in) { failed = 4; break; }
+                memcpy(side + n * E, embed + token * E, (size_t)E * sizeof(float));
+                memcpy(rot + n * D, cos + column * D, (size_t)D * sizeof(float));
+                memcpy(rot + (R + n) * D, sin + column * D, (size_t)D * sizeof(float));
+                lslot[n] = slot[r];
+                lcol[n] = column;
+                lbelow[n] = column + 1;
+            }
+            memcpy(h + n * E, x + r * E, (size_t)E * sizeof(float));
+            live[n++] = r;
+        }
+        if (failed || !n) break;
+        if (s) {
+            const int64_t none = -1;
+            failed = layers(h, n, E, H, Hkv, D, I, 1, W, kinds, G, eps, keys, values, C, lslot,
+                            lcol, lbelow, NULL, 0, rot, rot + R * D, &none, NULL, side,
+                            side_norm, threads);
+            if (failed) break;
+            for (int64_t i = 0; i < n; i++)
+                memcpy(x + live[i] * E, h + i * E, (size_t)E * sizeof(float));
+        }
+        rms_rows(h, G_out, eps, n, E, xn);
+        if (product(head, head_kind, xn, logits, N, E, n, threads)) { failed = 1; break; }
+        for (int64_t i = 0; i < n; i++) {
+            const float *row = logits + i * N;
+            int64_t best = 0;
+            for (int64_t v = 1; v < N && row[best] == row[best]; v++)
+                if (row[v] > row[best] || row[v] != row[v]) best = v;
+            out[live[i] * S + s] = ids ? ids[best] : best;
+        }
+    }
+    free(live); free(h); free(side); free(xn); free(rot); free(logits);
+    return failed;
+}

@@ -111,6 +111,10 @@ class EagleProposer:
         self.pending: dict[int, list] = {}    # slot -> [(first position, [n, nE]), ...]
         self.vocab_size = target.vocab_size
         self.draft_ids = self.head.draft_ids                      # [Vd] target id of each entry
+        ids = self.draft_ids.cpu().long().contiguous()
+        # the greedy steps as one native call take the argmax in draft order: the same token
+        # as on the target's vocabulary where the entries' ids increase
+        self.chain_ids = ids if bool((ids[1:] > ids[:-1]).all()) else None       # [Vd]
         self.device = target.device
         self.target_length = target.max_length
         self.trees: dict[int, DraftTree] = {}       # by slot, this round's tree rows
@@ -333,6 +337,11 @@ class EagleProposer:
         -> ([B, K] long, [B, K, V] or None)."""
         slots = batch.slots.tolist()
         g, read = self._read(batch)         # read: pairs resting on the target's states
+        if self.native is not None and self.chain_ids is not None \
+                and batch.shaping_keeps_argmax():     # every step in one native call
+            drafts = self.native.chain(self.head, g[:, 0], self.cache, slots, ks, self.chain_ids)
+            if drafts is not None:
+                return drafts.to(self.device), None
 
         def step(i, sub, still_live, previous):
             nonlocal g

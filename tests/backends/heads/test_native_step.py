@@ -112,3 +112,34 @@ def test_a_head_in_blocks_without_the_native_step_is_one_line(hf_models, tiny_he
     monkeypatch.setattr(NativeHead, "build", classmethod(lambda cls, *a: None))
     with pytest.raises(ConfigError, match="proposer.dtype=int8 holds the head in GGUF blocks"):
         proposer(hf_models, tiny_head, "proposer.dtype=int8")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_the_greedy_steps_as_one_call_draft_what_the_steps_do(hf_models, tiny_head, dtype):  # noqa: F811
+    """Where shaping keeps the argmax, every draft step of a round is one native call
+    (specflow_head_chain): the drafts of every round equal the step-by-step native calls'."""
+    drafted = {}
+    for way in ("chain", "steps"):
+        pipe, prop = proposer(hf_models, tiny_head, f"proposer.dtype={dtype}")
+        assert prop.chain_ids is not None
+        if way == "steps":
+            prop.chain_ids = None
+        calls = drafted[way] = []
+        real = prop.native.chain
+
+        def counted(*args, _real=real, _calls=calls, **kwargs):
+            _calls.append("chain")
+            return _real(*args, **kwargs)
+        prop.native.chain = counted
+        draft = prop._draft
+
+        def recorded(batch, ks, K, _draft=draft, _calls=calls):
+            drafts, probs = _draft(batch, ks, K)
+            _calls.append(drafts.tolist())
+            return drafts, probs
+        prop._draft = recorded
+        pipe.generate(PROMPTS, max_new_tokens=24, max_batch_size=3)
+    chained = [d for d in drafted["chain"] if d != "chain"]
+    assert len(chained) < len(drafted["chain"])          # the one call ran
+    assert "chain" not in drafted["steps"]
+    assert chained == drafted["steps"]

@@ -91,6 +91,7 @@ class ChainSpy:
 @pytest.mark.parametrize("extra,chained", [
     ((), True),
     (("logits=[repetition_penalty]", "logits.repetition_penalty.penalty=1.3"), False),
+    (("constraint=regex", "constraint.pattern='(def|class) [a-z_]{1,12}\\(\\):'"), False),
 ])
 def test_proposer_draft_chains_only_where_shaping_keeps_the_argmax(make_pipeline, monkeypatch,
                                                                    extra, chained):

@@ -812,10 +812,24 @@ int specflow_side_layer(float *x, const float *side, const float *side_norm, int
    [P, D]); each query sees its slot's keys up to its own column. out[r, s] = the token step s
    found (-1 where the row took no step s). The argmax is torch's: the first largest logit, a
    NaN counting as largest. Each step computes what the lean forward's native pass and its LM
-   head compute for the same queries, by the same products. Returns 0, 1 out of memory, 3 a
-   column or position outside the cache or the tables, 4 a token outside the embedding's V_in
-   rows. */
-int specflow_chain(const float *embed, int64_t V_in, int64_t R, const int64_t *fed,
+   head compute for the same queries, by the same products. The embedding embed [V_in, E] is a
+   float32 table (embed_kind -1) or held in blocks of embed_kind (embed_row). Returns 0, 1 out of
+   memory, 3 a column or position outside the cache or the tables, 4 a token outside the
+   embedding's V_in rows. */
+/* Row `token` of an embedding table [V_in, E] into out: float32 rows (kind -1) or a block weight
+   of that kind (specflow_block_rows: a table held in its tied head's blocks). 4 where token is
+   outside the table. */
+static int embed_row(const void *embed, int kind, int64_t token, int64_t V_in, int64_t E,
+                     float *out) {
+    if (token < 0 || token >= V_in) return 4;
+    if (kind < 0) {
+        memcpy(out, (const float *)embed + token * E, (size_t)E * sizeof(float));
+        return 0;
+    }
+    return specflow_block_rows(embed, kind, &token, 1, V_in, E, out) ? 4 : 0;
+}
+
+int specflow_chain(const void *embed, int embed_kind, int64_t V_in, int64_t R, const int64_t *fed,
                    const int64_t *fed_len, const int64_t *steps, int64_t S, int64_t E, int64_t H,
                    int64_t Hkv, int64_t D, int64_t I, int64_t L, const void *const *W,
                    const int8_t *kinds, const float *const *G, float eps, float *const *keys,
@@ -851,11 +865,10 @@ int specflow_chain(const float *embed, int64_t V_in, int64_t R, const int64_t *f
             for (int64_t j = 0; j < count; j++, n++) {
                 int64_t token = s ? out[r * S + s - 1] : fed[at + j];
                 int64_t column = s ? col0[r] + fed_len[r] + s - 1 : col0[r] + j;
-                if (token < 0 || token >= V_in) { failed = 4; break; }
+                if ((failed = embed_row(embed, embed_kind, token, V_in, E, x + n * E))) break;
                 lslot[n] = slot[r];
                 lcol[n] = column;
                 lbelow[n] = column + 1;
-                memcpy(x + n * E, embed + token * E, (size_t)E * sizeof(float));
                 memcpy(rot + n * D, cos + column * D, (size_t)D * sizeof(float));
                 memcpy(rot + (Q + n) * D, sin + column * D, (size_t)D * sizeof(float));
             }

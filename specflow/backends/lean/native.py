@@ -103,7 +103,7 @@ def _library() -> ctypes.CDLL | None:
                                                               I64, P, P, P, P, I64, P, P,
                                                               ctypes.c_int]
     lib.specflow_side_layer.restype = ctypes.c_int
-    lib.specflow_chain.argtypes = [P, I64, I64, P, P, P] + [I64] * 7 + [P, P, P, ctypes.c_float,
+    lib.specflow_chain.argtypes = [P, ctypes.c_int, I64, I64, P, P, P] + [I64] * 7 + [P, P, P, ctypes.c_float,
                                                                     P, P, I64, P, P, P, P, I64,
                                                                     P, P, ctypes.c_int, I64, I64,
                                                                     P, ctypes.c_int]

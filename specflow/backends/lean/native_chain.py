@@ -13,9 +13,9 @@ lean forward's native pass and LM head compute for the same query;
 tests/backends/lean/test_native_chain.py).
 
 It runs where the model's one-query pass is the native one (`LeanLlama._native_layers(1)`), its
-embedding is a float32 table and its LM head a float32 tensor or a held weight (GGUF blocks,
-16-bit weights read against float32 inputs); elsewhere `chain()` returns None and the caller
-takes its torch steps.
+embedding is a float32 table or looked up in its tied head's blocks, and its LM head is a float32
+tensor or a held weight (GGUF blocks, 16-bit weights read against float32 inputs); elsewhere
+`chain()` returns None and the caller takes its torch steps.
 """
 from __future__ import annotations
 
@@ -36,14 +36,26 @@ def head_kind(head) -> int | None:
     return None
 
 
+def embedding(lean) -> tuple[object, int] | None:
+    """The embedding table as specflow_chain reads it: (a float32 tensor, -1), or (the tied
+    head's blocks it is looked up in, their kind: quantize(share_embedding=True)); None else."""
+    if lean.embed_held is not None:
+        held = lean.embed_held
+        return (held, held.kind_code) if hasattr(held, "rows") else None
+    table = lean.embed
+    if table.dtype == torch.float32 and table.is_contiguous() and table.device.type == "cpu":
+        return table, -1
+    return None
+
+
 def runs(lean, cache) -> bool:
-    """The chain can run this model's steps: a native one-query pass, a float32 embedding table
-    it reads itself, an LM head it multiplies, a cache the native pass reads."""
-    if lean._dual is not None and lean.dual_from <= 1 or lean.embed_held is not None:
+    """The chain can run this model's steps: a native one-query pass, an embedding table and an
+    LM head it reads itself, a cache the native pass reads."""
+    if lean._dual is not None and lean.dual_from <= 1:
         return False
     whole = lean._native_layers(1)
     return (whole is not None and head_kind(lean.lm_head) is not None
-            and lean.embed.dtype == torch.float32 and lean.embed.is_contiguous()
+            and embedding(lean) is not None
             and cache_tables(cache, lean.num_kv_heads, lean.head_dim) is not None)
 
 
@@ -71,9 +83,10 @@ def chain(lean, cache, slots: list[int], fed: list[list[int]], steps: list[int],
     numbers = torch.tensor([*slots, *starts, *steps, *(len(f) for f in fed),
                             *(t for f in fed for t in f)], dtype=torch.long)
     slot_t, start_t, steps_t, lens_t, fed_t = numbers.split([R, R, R, R, len(numbers) - 4 * R])
-    E = lean.embed.shape[1]
+    table, kind = embedding(lean)
+    V_in, E = table.shape
     failed = native._library().specflow_chain(
-        lean.embed.data_ptr(), lean.embed.shape[0], R, fed_t.data_ptr(), lens_t.data_ptr(),
+        table.data_ptr(), kind, V_in, R, fed_t.data_ptr(), lens_t.data_ptr(),
         steps_t.data_ptr(), S, E, lean.num_heads, lean.num_kv_heads, lean.head_dim,
         lean.layers[0][7].shape[1], len(lean.layers), whole.weights, whole.kinds.data_ptr(),
         whole.norms, lean.eps, keys, values, cache.max_capacity, slot_t.data_ptr(),
@@ -82,6 +95,6 @@ def chain(lean, cache, slots: list[int], fed: list[list[int]], steps: list[int],
         torch.get_num_threads())
     if failed == 4:
         raise ValueError(f"a token fed to specflow's native draft steps lies outside the "
-                         f"embedding's {lean.embed.shape[0]} rows: {fed}")
+                         f"embedding's {V_in} rows: {fed}")
     raise_failed(failed, "specflow's native draft steps", R, start_t + S, cache.max_capacity)
     return out

@@ -40,7 +40,8 @@ class NativeHead:
         self.norms = _pointers(self.norm_weights)
         self.side_norm = m.input_layernorm.weight.detach().float().contiguous()
         self.final_norm = head.norm.weight.detach().float().contiguous()
-        self.embed = head.embed if head.embed.dtype == torch.float32 else head.embed.float()
+        self.embed = (head.embed if head.embed.dtype == torch.float32
+                      else head.embed.float()).contiguous()         # [V, E], read by row in C
         self.eps = float(s.rms_norm_eps)
         self.shape = s
 

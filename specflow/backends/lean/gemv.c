@@ -195,6 +195,7 @@ __attribute__((noinline)) static void NAME##_##MCK(const WT *w, const float *x, 
 #else
 #define PAIR_ROWS 0
 #endif
+#if PAIR_ROWS      /* its register constraint is x86's; elsewhere no paired walk at all */
 #define PAIR(NAME, WT, LOADW, WIDEN, STORE, MCK)                                                  \
 __attribute__((noinline)) static void NAME##_pair_##MCK(const WT *w, const float *x, void *Y,     \
                                 int64_t n, int64_t m0, int64_t N, int64_t K, int64_t k16,        \
@@ -231,6 +232,10 @@ __attribute__((noinline)) static void NAME##_pair_##MCK(const WT *w, const float
     case 5: NAME##_pair_5(W + n * K, X + m0 * K, Y, n, m0, N, K, k16, pf); break;                \
     default: NAME##_pair_6(W + n * K, X + m0 * K, Y, n, m0, N, K, k16, pf); break;               \
     }
+#else
+#define PAIR(NAME, WT, LOADW, WIDEN, STORE, MCK)
+#define PAIR_WALK(NAME, pf)
+#endif
 
 /* The walk of row n of W over columns k0..k1 against the group of mc rows of X from row m0. */
 #define WALK(NAME, k0, k1, acc, pf)                                                              \
@@ -810,9 +815,11 @@ int specflow_side_layer(float *x, const float *side, const float *side_norm, int
    fed_len[r] >= 1 tokens (the committed ones its cache lacks, in fed, row after row), at cache
    columns col0[r], col0[r] + 1, ... and the same rotary positions (rows of the tables cos, sin
    [P, D]); each query sees its slot's keys up to its own column. out[r, s] = the token step s
-   found (-1 where the row took no step s). The argmax is torch's: the first largest logit, a
-   NaN counting as largest. Each step computes what the lean forward's native pass and its LM
-   head compute for the same queries, by the same products. The embedding embed [V_in, E] is a
+   found (-1 where the row took no step s): the first largest logit, or 0 where the row's
+   largest is not finite (a NaN, an infinity, or every logit -inf), as the shaping call's
+   mark_empty leaves such a row (zeros) for torch's argmax. Each step computes what the lean
+   forward's native pass and its native LM-head product compute for the same queries, by the
+   same products. The embedding embed [V_in, E] is a
    float32 table (embed_kind -1) or held in blocks of embed_kind (embed_row). Returns 0, 1 out of
    memory, 3 a column or position outside the cache or the tables, 4 a token outside the
    embedding's V_in rows. */
@@ -890,7 +897,7 @@ int specflow_chain(const void *embed, int embed_kind, int64_t V_in, int64_t R, c
             int64_t best = 0;
             for (int64_t v = 1; v < top && row[best] == row[best]; v++)
                 if (row[v] > row[best] || row[v] != row[v]) best = v;
-            out[live[i] * S + s] = best;
+            out[live[i] * S + s] = isfinite(row[best]) ? best : 0;   /* unusable: as shape() */
         }
     }
     free(live); free(capture); free(x); free(xn); free(rot); free(logits);
@@ -907,7 +914,8 @@ int specflow_chain(const void *embed, int embed_kind, int64_t V_in, int64_t R, c
    head's layer (specflow_side_layer: W, kinds, G, side_norm), at cache column col0[r] + s - 1
    and the same rotary position, and takes the draft from the layer's output as step 0 did. Row
    r takes steps[r] steps (0 to S); out[r, s] = the target token step s found (-1 where the row
-   took no step s). Each step computes what the head's two native calls compute for it.
+   took no step s; token 0 where the largest logit is not finite, as the shaping call leaves
+   such a row). Each step computes what the head's two native calls compute for it.
    Returns 0, 1 out of memory, 3 a column or position outside the cache or the tables, 4 a
    drafted token outside embed's rows. */
 int specflow_head_chain(float *x, const float *embed, int64_t V_in, const float *side_norm,
@@ -967,7 +975,7 @@ int specflow_head_chain(float *x, const float *embed, int64_t V_in, const float 
             int64_t best = 0;
             for (int64_t v = 1; v < N && row[best] == row[best]; v++)
                 if (row[v] > row[best] || row[v] != row[v]) best = v;
-            out[live[i] * S + s] = ids ? ids[best] : best;
+            out[live[i] * S + s] = !isfinite(row[best]) ? 0 : ids ? ids[best] : best;
         }
     }
     free(live); free(h); free(side); free(xn); free(rot); free(logits);

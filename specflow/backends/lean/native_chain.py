@@ -8,9 +8,11 @@ greedy round whose shaping stages all leave the argmax alone: no penalty, bias o
 its rows), the steps after the first need no Python between them: `specflow_chain` embeds each
 row's last token, runs the decoder layers as the native pass does (specflow_layers), the final
 norm and the LM head by the same products, takes the argmax and feeds it to the next step, for
-every row and step in one call. The tokens equal the torch steps' (each step computes what the
-lean forward's native pass and LM head compute for the same query;
-tests/backends/lean/test_native_chain.py).
+every row and step in one call. Where the step path takes the native pass and the native LM-head
+product too (the one-query passes of a float32 model, its usual case) the tokens are the torch
+steps' bit for bit (tests/backends/lean/test_native_chain.py); where it would take other kernels
+(the eager layers or a packed copy for a pass of several rows, torch's norm before a held head)
+a draft can differ at a near-tie, which changes how often drafts are accepted, never the output.
 
 It runs where the model's one-query pass is the native one (`LeanLlama._native_layers(1)`), its
 embedding is a float32 table or looked up in its tied head's blocks, and its LM head is a float32

@@ -112,3 +112,13 @@ def test_a_request_with_its_own_bias_or_grammar_keeps_the_shaping_call(make_pipe
     assert pipe.keeps_argmax([0, 1], None, True)
     assert not pipe.keeps_argmax([0, 1], None, False)                        # sampling
     assert not pipe.keeps_argmax([0, 1], [None, {"logit_bias": {5: 3.0}}], True)
+
+
+def test_a_row_with_no_finite_logit_drafts_token_0_as_the_shaping_call_leaves_it(tmp_path):
+    # shape()'s mark_empty zeroes a row whose largest logit is not finite; its argmax is 0
+    backend = backend_for(DEMO_DIR / "draft")
+    prefill(backend, [9, 9])
+    backend.lean.lm_head = backend.lean.lm_head.clone()
+    backend.lean.lm_head[100] = float("nan")            # a NaN in every row's logits
+    got = backend.greedy_steps([0, 1], [[3], [4]], [3, 2], backend.vocab_size)
+    assert got is not None and got.tolist() == [[0, 0, 0], [0, 0, -1]]

@@ -823,6 +823,27 @@ int specflow_side_layer(float *x, const float *side, const float *side_norm, int
    float32 table (embed_kind -1) or held in blocks of embed_kind (embed_row). Returns 0, 1 out of
    memory, 3 a column or position outside the cache or the tables, 4 a token outside the
    embedding's V_in rows. */
+/* The draft of each of n states [n, E]: the final RMSNorm (G_out), the LM head (head, of `kind`
+   as product() takes it, N rows) and the first largest of the first `top` logits, or 0 where the
+   largest is not finite (a NaN, an infinity, or every logit -inf: the shaping call's mark_empty
+   zeroes such a row before torch's argmax), mapped through ids [N] unless NULL, into
+   out[live[i] * S + s]. normed [n, E] and logits [n, N] are scratch. 0, or 1 out of memory. */
+static int draft_tokens(const float *states, const float *G_out, float eps, const void *head,
+                        int kind, int64_t N, int64_t top, const int64_t *ids, int64_t n,
+                        int64_t E, float *normed, float *logits, const int64_t *live, int64_t S,
+                        int64_t s, int64_t *out, int threads) {
+    rms_rows(states, G_out, eps, n, E, normed);
+    if (product(head, kind, normed, logits, N, E, n, threads)) return 1;
+    for (int64_t i = 0; i < n; i++) {
+        const float *row = logits + i * N;
+        int64_t best = 0;
+        for (int64_t v = 1; v < top && row[best] == row[best]; v++)
+            if (row[v] > row[best] || row[v] != row[v]) best = v;
+        out[live[i] * S + s] = !isfinite(row[best]) ? 0 : ids ? ids[best] : best;
+    }
+    return 0;
+}
+
 /* Row `token` of an embedding table [V_in, E] into out: float32 rows (kind -1) or a block weight
    of that kind (specflow_block_rows: a table held in its tied head's blocks). 4 where token is
    outside the table. */
@@ -890,15 +911,8 @@ int specflow_chain(const void *embed, int embed_kind, int64_t V_in, int64_t R, c
         if (failed) break;
         for (int64_t i = 0; i < rows; i++)                /* each live row's last query */
             memcpy(xn + i * E, x + last[i] * E, (size_t)E * sizeof(float));
-        rms_rows(xn, G_out, eps, rows, E, x);
-        if (product(head, head_kind, x, logits, N, E, rows, threads)) { failed = 1; break; }
-        for (int64_t i = 0; i < rows; i++) {
-            const float *row = logits + i * N;
-            int64_t best = 0;
-            for (int64_t v = 1; v < top && row[best] == row[best]; v++)
-                if (row[v] > row[best] || row[v] != row[v]) best = v;
-            out[live[i] * S + s] = isfinite(row[best]) ? best : 0;   /* unusable: as shape() */
-        }
+        if (draft_tokens(xn, G_out, eps, head, head_kind, N, top, NULL, rows, E, x, logits,
+                         live, S, s, out, threads)) { failed = 1; break; }
     }
     free(live); free(capture); free(x); free(xn); free(rot); free(logits);
     return failed;
@@ -968,15 +982,8 @@ int specflow_head_chain(float *x, const float *embed, int64_t V_in, const float 
             for (int64_t i = 0; i < n; i++)
                 memcpy(x + live[i] * E, h + i * E, (size_t)E * sizeof(float));
         }
-        rms_rows(h, G_out, eps, n, E, xn);
-        if (product(head, head_kind, xn, logits, N, E, n, threads)) { failed = 1; break; }
-        for (int64_t i = 0; i < n; i++) {
-            const float *row = logits + i * N;
-            int64_t best = 0;
-            for (int64_t v = 1; v < N && row[best] == row[best]; v++)
-                if (row[v] > row[best] || row[v] != row[v]) best = v;
-            out[live[i] * S + s] = !isfinite(row[best]) ? 0 : ids ? ids[best] : best;
-        }
+        if (draft_tokens(h, G_out, eps, head, head_kind, N, N, ids, n, E, xn, logits, live, S,
+                         s, out, threads)) { failed = 1; break; }
     }
     free(live); free(h); free(side); free(xn); free(rot); free(logits);
     return failed;

@@ -305,14 +305,19 @@ class Eagle3Head(nn.Module):
         rows (drafting passes it from the host: reading positions.max() would sync a device)."""
         need = needed if needed is not None else \
             (int(positions.max()) + 1 if positions.numel() else 1)
-        if self._cos is None or self._cos.shape[0] < need or self._cos.dtype != dtype:
+        cos, sin = self.rope_table(dtype, need, positions.device)                     # [P, D]
+        return cos[positions][:, None], sin[positions][:, None]
+
+    def rope_table(self, dtype, needed: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary tables cos, sin [P, D] (contiguous), grown to at least `needed` rows."""
+        if self._cos is None or self._cos.shape[0] < needed or self._cos.dtype != dtype:
             D = self.shape.dim
             inv = 1.0 / (self.shape.rope_theta ** (torch.arange(0, D, 2).float() / D))  # [D/2]
-            rows = max(256, 1 << (need - 1).bit_length())
+            rows = max(256, 1 << (needed - 1).bit_length())
             freqs = torch.arange(rows).float()[:, None] * inv[None]                     # [P, D/2]
-            emb = torch.cat([freqs, freqs], -1).to(positions.device)                     # [P, D]
+            emb = torch.cat([freqs, freqs], -1).to(device)                               # [P, D]
             self._cos, self._sin = emb.cos().to(dtype), emb.sin().to(dtype)
-        return self._cos[positions][:, None], self._sin[positions][:, None]
+        return self._cos, self._sin
 
     def layer_input(self, hidden: torch.Tensor) -> torch.Tensor:
         """fc over concatenated target states [.., nE_t] -> [.., E]; a head state passes as is."""

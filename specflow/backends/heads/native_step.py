@@ -126,8 +126,7 @@ class NativeHead:
         if S == 0:
             return out
         starts = [cache.lengths[slot] for slot in slots]
-        head.rope(torch.zeros(1, 1, dtype=torch.long), torch.float32, max(starts) + S)
-        cos, sin = head._cos.contiguous(), head._sin.contiguous()                     # [P, D]
+        cos, sin = head.rope_table(torch.float32, max(starts) + S)                    # [P, D]
         x = states.float().contiguous().clone()                                       # [R, E]
         numbers = torch.tensor([*slots, *starts, *steps], dtype=torch.long)
         slot_t, start_t, steps_t = numbers.split(R)

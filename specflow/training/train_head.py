@@ -312,7 +312,13 @@ def _earlier_states(folder: str, pipe, shape, fed: dict[int, list[int]]) -> dict
         raise ConfigError(f"{where} holds no train_data.pt; give the output folder of an earlier "
                           f"train-head run with train_head.sequences, or drop the setting")
     seqs = torch.load(path, weights_only=False)
-    check_recorded_width(path, seqs, shape)
+    width = shape.target_hidden_size * len(shape.layer_ids)
+    got = int(seqs.states[0].shape[-1]) if len(seqs) else width
+    if got != width:
+        raise ConfigError(f"{where} holds target states {got} wide, but layers {shape.layer_ids} "
+                          f"of this target are {width}: it was recorded with other "
+                          f"train_head.layers or another target; drop the setting to recompute "
+                          f"them")
     wanted = {tuple(t) for t in fed.values()}
     found = {}
     for t, s, f in zip(seqs.tokens, seqs.states, seqs.finals):

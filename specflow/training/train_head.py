@@ -312,13 +312,7 @@ def _earlier_states(folder: str, pipe, shape, fed: dict[int, list[int]]) -> dict
         raise ConfigError(f"{where} holds no train_data.pt; give the output folder of an earlier "
                           f"train-head run with train_head.sequences, or drop the setting")
     seqs = torch.load(path, weights_only=False)
-    width = shape.target_hidden_size * len(shape.layer_ids)
-    got = int(seqs.states[0].shape[-1]) if len(seqs) else width
-    if got != width:
-        raise ConfigError(f"{where} holds target states {got} wide, but layers {shape.layer_ids} "
-                          f"of this target are {width}: it was recorded with other "
-                          f"train_head.layers or another target; drop the setting to recompute "
-                          f"them")
+    check_recorded_width(where, seqs, shape, "drop the setting to recompute them")
     wanted = {tuple(t) for t in fed.values()}
     found = {}
     for t, s, f in zip(seqs.tokens, seqs.states, seqs.finals):
@@ -497,16 +491,16 @@ def check_rerun(out: pathlib.Path, settings: dict) -> None:
                           f"{fix}")
 
 
-def check_recorded_width(cache: pathlib.Path, seqs, shape) -> None:
-    """train_data.pt of a folder without SETTINGS_FILE (written before it was): its states must
-    be as wide as the head's input."""
+def check_recorded_width(cache, seqs, shape, fix: str = "pick another train_head.output, "
+                         "delete the folder, or pass train_head.resume=false") -> None:
+    """train_data.pt of a folder without SETTINGS_FILE (written before it was), or
+    train_head.states_from's: its states must be as wide as the head's input."""
     width = shape.target_hidden_size * len(shape.layer_ids)
     got = int(seqs.states[0].shape[-1]) if len(seqs) else width
     if got != width:
         raise ConfigError(f"{cache} holds target states {got} wide, but layers "
                           f"{shape.layer_ids} of this target are {width}: it was recorded with "
-                          f"other train_head.layers or another target; pick another "
-                          f"train_head.output, delete the folder, or pass train_head.resume=false")
+                          f"other train_head.layers or another target; {fix}")
 
 
 # --- the closing check ---------------------------------------------------------------------------

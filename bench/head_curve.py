@@ -85,7 +85,9 @@ def score(pipe, head_path: str, folder: str, k: int, batch: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--folder", default="head_data/smollm2")
-    ap.add_argument("--head", action="append", required=True, help="label=path")
+    ap.add_argument("--head", action="append", default=[], help="label=path")
+    ap.add_argument("--from", dest="scored", default=None,
+                    help="a JSON this script wrote: write its table and plot again, scoring nothing")
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--batch", type=int, default=16)
@@ -93,6 +95,12 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "head_curve"))
     ap.add_argument("--png", default=str(ROOT / "docs" / "heads-smollm2-curve.png"))
     args = ap.parse_args()
+    if args.scored:
+        saved = json.loads(pathlib.Path(args.scored).read_text())
+        write(saved["heads"], saved["folder"], saved["k"], args.out, args.png)
+        return
+    if not args.head:
+        ap.error("give --head label=path (or --from a scored JSON)")
     pipe = Pipeline.from_config([f"model={args.model}", "dtype=float32", "proposer=none",
                                  "show_progress=false", f"threads={args.threads}",
                                  f"max_batch_size={args.batch}"])
@@ -101,8 +109,12 @@ def main() -> None:
         label, path = spec.split("=", 1)
         console.print(f"[dim]scoring {label} ({path})[/]")
         rows[label] = {"path": path, **score(pipe, path, args.folder, args.k, args.batch)}
-    atomic_write_json(pathlib.Path(args.out + ".json"), {"folder": args.folder, "k": args.k,
-                                                         "heads": rows})
+    write(rows, args.folder, args.k, args.out, args.png)
+
+
+def write(rows: dict, folder: str, k: int, out: str, png: str) -> None:
+    """The scores as JSON, a markdown table and the plot."""
+    atomic_write_json(pathlib.Path(out + ".json"), {"folder": folder, "k": k, "heads": rows})
     lines = ["| head | training positions | held-out τ at k = 4 | code | chat | "
              "acceptance by step |", "|---|---:|---:|---:|---:|---|"]
     for label, r in rows.items():
@@ -111,12 +123,12 @@ def main() -> None:
                      f"{r.get('chat', {}).get('tau', float('nan')):.2f} | "
                      f"{r['all']['acceptance_by_step']} |")
     held = next(iter(rows.values()))["all"]["positions"]
-    atomic_write_text(pathlib.Path(args.out + ".md"),
-                      f"Held-out: every 20th sequence of `{args.folder}` ({held} generated "
-                      f"positions), greedy, k = {args.k}; `python bench/head_curve.py`.\n\n"
+    atomic_write_text(pathlib.Path(out + ".md"),
+                      f"Held-out: every 20th sequence of `{folder}` ({held} generated "
+                      f"positions), greedy, k = {k}; `python bench/head_curve.py`.\n\n"
                       + "\n".join(lines) + "\n")
     console.print("\n".join(lines))
-    plot(rows, args.png)
+    plot(rows, png)
 
 
 def plot(rows: dict, png: str) -> None:
@@ -125,25 +137,40 @@ def plot(rows: dict, png: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 3.8))
-    by_steps: dict = {}                  # one line per number of training steps and precision
-    for label, r in rows.items():
-        key = (r.get("steps") or 0, r.get("precision", "float32"))
-        by_steps.setdefault(key, []).append((r["train_positions"], r["all"]["tau"], label))
-    for i, ((steps, precision), pts) in enumerate(sorted(by_steps.items())):
-        pts.sort()
-        name = f"{steps} steps" if steps else "steps not recorded"
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-" if precision == "float32" else "s--",
-                color=f"C{i}", label=name if precision == "float32" else f"{name}, {precision}")
-        for n, (x, y, label) in enumerate(pts):
-            ax.annotate(label, (x, y), textcoords="offset points", fontsize=7,
-                        xytext=(-10, 8 if n % 2 else -13))
+    from matplotlib.ticker import FuncFormatter
+
+    fig, ax = plt.subplots(figsize=(7.2, 4.2))
+    heads = list(rows.items())             # in the order given: each round after the one before
+    xs = [r["train_positions"] for _, r in heads]
+    for kind, style in (("all", "o-"), ("code", "^--"), ("chat", "v--")):
+        ys = [r.get(kind, {}).get("tau") for _, r in heads]
+        if any(y is None for y in ys):
+            continue
+        ax.plot(xs, ys, style, color={"all": "C0", "code": "C2", "chat": "C3"}[kind],
+                lw=1.8 if kind == "all" else 1, ms=6 if kind == "all" else 4,
+                label={"all": "all held-out", "code": "code", "chat": "chat"}[kind])
+    seen: dict = {}
+    names = []
+    for n, (label, r) in enumerate(heads, 1):  # each overall point numbered, named in a key
+        x, y = r["train_positions"], r["all"]["tau"]
+        twice = seen.get(x, 0)                     # heads on the same data: numbers side by side
+        seen[x] = twice + 1
+        ax.annotate(str(n), (x, y), textcoords="offset points", fontsize=8, ha="center",
+                    xytext=(10 + 9 * twice, -12))
+        steps = f" ({r['steps']} steps in all)" if r.get("steps") else ""
+        names.append(f"{n}: {label}{steps}")
+    ax.text(0.01, 0.99, "\n".join(names), transform=ax.transAxes, fontsize=7, va="top")
     ax.set_xscale("log")
-    ax.margins(x=0.3, y=0.15)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v / 1e6:.2g}M"))
+    ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+    ax.set_xticks(sorted(set(xs)))
+    ax.set_xlim(min(xs) / 1.3, max(xs) * 1.3)
+    low, high = ax.get_ylim()
+    ax.set_ylim(low, high + (high - low) * 0.12 * len(heads))       # room for the key
     ax.set_xlabel("training positions (target-written tokens)")
     ax.set_ylabel("held-out greedy τ at k = 4")
     ax.axhline(3.0, color="gray", ls=":", lw=1)
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=8, loc="upper right")
     ax.set_title("SmolLM2 EAGLE-3 head: acceptance against data and steps")
     fig.tight_layout()
     fig.savefig(png, dpi=120)

@@ -200,12 +200,16 @@ def recorded_sequences(sequences: list[list[int]], prompt_lens: list[int],
     return Sequences(tokens, aux, finals, list(prompt_lens))
 
 
-def draft_vocabulary(seqs: Sequences, size: int, vocab: int) -> torch.Tensor:
+def draft_vocabulary(seqs: Sequences, size: int, vocab: int,
+                     keep: torch.Tensor | None = None) -> torch.Tensor:
     """The `size` most frequent tokens of the sequences' generated parts (the tokens the head
-    must predict), sorted by id; all of them when size >= vocab."""
+    must predict), sorted by id; all of them when size >= vocab. `keep` [n <= size]: ids taken
+    first whatever their counts (a vocabulary grown from a smaller one)."""
     if size >= vocab:
         return torch.arange(vocab)
     counts = torch.zeros(vocab, dtype=torch.long)
     for t, p in zip(seqs.tokens, seqs.prompt_lens):
         counts += torch.bincount(t[max(p, 1):], minlength=vocab)
+    if keep is not None:
+        counts[keep] = counts.sum() + 1                      # above every count: taken first
     return counts.topk(size).indices.sort().values

@@ -158,7 +158,7 @@ def _train(cfg, th: TrainHeadConfig, out: pathlib.Path, settings: dict, prompts:
     torch.set_num_threads(threads)
     train_seqs, held = seqs.split_last(n_held)
     head, lm = _head_from_target(target, shape, train_seqs, th.seed) if not th.init else \
-        _head_from_folder(target, shape, th.init)
+        _head_from_folder(target, shape, th.init, train_seqs, th.seed)
     schedule = loop.Settings(steps=th.steps, batch=th.batch, seq=th.seq, ttt_steps=th.ttt_steps,
                              lr=th.lr, checkpoint_every=th.checkpoint_every, seed=th.seed,
                              bfloat16=th.precision == "bfloat16")
@@ -354,10 +354,11 @@ def _head_from_target(target, shape, train_seqs, seed: int):
     return head, lm
 
 
-def _head_from_folder(target, shape, init: str):
+def _head_from_folder(target, shape, init: str, train_seqs, seed: int):
     """The head in folder `init` (train_head.init) to train on from where it stopped: its weights
-    (float32 from here on) and its draft vocabulary; its shape must be this run's. -> (head, lm
-    [Vd, E] the target's LM head rows of its draft vocabulary)."""
+    (float32 from here on) and its draft vocabulary; its shape must be this run's, but for a
+    larger draft vocabulary (grown, _grown_vocabulary). -> (head, lm [Vd, E] the target's LM
+    head rows of its draft vocabulary)."""
     from dataclasses import asdict
 
     from specflow.backends.heads.eagle import read_head
@@ -365,17 +366,45 @@ def _head_from_folder(target, shape, init: str):
     what = f"train_head.init={init!r}"
     head, _ = read_head(init, target, what)
     theirs, ours = asdict(head.shape), asdict(shape)
-    diffs = [f"{k} {theirs[k]} (this run: {ours[k]})" for k in ours if theirs[k] != ours[k]]
+    diffs = [f"{k} {theirs[k]} (this run: {ours[k]})" for k in ours if theirs[k] != ours[k]
+             and not (k == "draft_vocab_size" and ours[k] > theirs[k])]
     if diffs:
         raise ConfigError(f"{what} has another shape: {'; '.join(diffs)}; train with its settings "
-                          f"(train_head.layers, draft_vocab_size, intermediate_size) or start "
-                          f"fresh with train_head.init=null")
+                          f"(train_head.layers, intermediate_size; draft_vocab_size may only "
+                          f"grow) or start fresh with train_head.init=null")
     head.check_finite()                     # a torn head would train on NaN
-    head = head.float().to(target.device)       # d2t and t2d keep their integer types
+    head = head.float()                         # d2t and t2d keep their integer types
+    if shape.draft_vocab_size > head.shape.draft_vocab_size:
+        head = _grown_vocabulary(head, shape, target, train_seqs, seed)
+    head = head.to(target.device)
     head.embed = target.input_embeddings().detach().float().to(target.device)
     head.requires_grad_(True)
     lm = target.output_head().detach().float()[head.draft_ids.to(target.device)]    # [Vd, E]
     return head, lm
+
+
+def _grown_vocabulary(head, shape, target, train_seqs, seed: int):
+    """`head` (float32, on the CPU) with its draft vocabulary grown to shape.draft_vocab_size:
+    every token it had, then the training sequences' most frequent others; the LM head rows of
+    its tokens kept as trained, the new ones the target's own (as a fresh head starts), every
+    other weight as it was."""
+    from specflow.backends.heads.eagle import init_head
+    from specflow.training import data
+
+    old = head.draft_ids.cpu()                                                       # [Vo]
+    used = data.draft_vocabulary(train_seqs, shape.draft_vocab_size, shape.vocab_size,
+                                 keep=old)                                           # [Vd]
+    grown = init_head(shape, head.embed.float().cpu(), seed).float()
+    state = {k: v for k, v in head.state_dict().items()
+             if k not in ("lm_head.weight", "d2t", "t2d")}
+    missing, unexpected = grown.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight", "d2t", "t2d"}, (missing, unexpected)
+    grown.set_vocab(used)
+    with torch.no_grad():
+        rows = target.output_head().detach().float().cpu()[used].clone()              # [Vd, E]
+        rows[torch.searchsorted(used, old)] = head.lm_head.weight.detach().float().cpu()
+        grown.lm_head.weight.copy_(rows)
+    return grown
 
 
 def _init_record(init: str) -> dict:

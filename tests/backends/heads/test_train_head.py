@@ -268,6 +268,40 @@ def test_init_goes_on_from_a_head_s_weights_and_draft_vocabulary(deep_target, de
         [r.token_ids for r in plain]
 
 
+def test_init_grows_a_head_s_draft_vocabulary(deep_target, deep_head, tmp_path):
+    """train_head.init with a larger draft_vocab_size: every token the head had stays, with its
+    LM head row as trained; the new tokens start from the target's own rows; every other weight
+    is the head's; it drafts exactly."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "wider"
+    cfg = compose(TRAIN + [f"model.path={deep_target}", f"train_head.output={out}",
+                           f"train_head.init={deep_head}", "train_head.draft_vocab_size=160",
+                           "train_head.steps=1", "train_head.lr=1e-12"], "train_head")
+    train_head.run(cfg, read_prompts(cfg), quiet)
+    mine, theirs = load_file(out / "model.safetensors"), load_file(deep_head / "model.safetensors")
+    assert mine.keys() == theirs.keys()
+    for name in mine:
+        if name not in ("lm_head.weight", "d2t", "t2d"):
+            assert torch.equal(mine[name], theirs[name]), name
+    old = torch.arange(120) + theirs["d2t"]
+    new = torch.arange(160) + mine["d2t"]
+    assert new.tolist() == sorted(new.tolist()) and set(old.tolist()) < set(new.tolist())
+    assert mine["t2d"].sum() == 160 and bool(mine["t2d"][old].all())
+    at = torch.searchsorted(new, old)
+    assert torch.equal(mine["lm_head.weight"][at], theirs["lm_head.weight"])
+    fresh = torch.ones(160, dtype=torch.bool)
+    fresh[at] = False
+    target = AutoModelForCausalLM.from_pretrained(deep_target).get_output_embeddings().weight
+    assert torch.equal(mine["lm_head.weight"][fresh], target[new[fresh]].to(torch.float16))
+    base = ["model=hf", f"model.path={deep_target}", "draft=none", "max_batch_size=3"]
+    plain = Pipeline.from_config([*base, "proposer=none"]).generate(PROMPTS, max_new_tokens=12)
+    pipe = Pipeline.from_config([*base, "proposer=eagle", f"proposer.path={out}"])
+    assert [r.token_ids for r in pipe.generate(PROMPTS, max_new_tokens=12)] == \
+        [r.token_ids for r in plain]
+
+
 def test_init_from_a_head_of_another_shape_is_one_line(deep_target, deep_head, tmp_path):
     cfg = compose(TRAIN + [f"model.path={deep_target}", f"train_head.output={tmp_path / 'h'}",
                            f"train_head.init={deep_head}", "train_head.draft_vocab_size=100"],

@@ -81,17 +81,18 @@ def run_pair(model: str, arms: list[str], prompts: list[str], new_tokens: int, t
                 rows[a][f"tau_{kind}"] = sum(x["num_committed_tokens"] for x in part) / max(
                     sum(x["num_target_passes"] for x in part), 1)
     for a, row in rows.items():      # against none at the same target precision
-        twin = "proposer=none" + "".join(f" {w}" for w in a.split() if w.startswith("dtype="))
-        row["vs_none"] = row["tokens_per_s"] / rows[twin]["tokens_per_s"]
+        row["vs_none"] = row["tokens_per_s"] / rows[twin(a)]["tokens_per_s"]
     return rows
 
 
+def twin(arm: str) -> str:
+    """The arm `arm` is reported against: `proposer=none` at its target precision."""
+    return "proposer=none" + "".join(f" {w}" for w in arm.split() if w.startswith("dtype="))
+
+
 def with_twins(arms: list[str]) -> list[str]:
-    """`arms` with `proposer=none` at each target precision they name first (every arm is
-    reported against it)."""
-    twins = ["proposer=none" + "".join(f" {w}" for w in a.split() if w.startswith("dtype="))
-             for a in arms]
-    return list(dict.fromkeys([*twins, *arms]))
+    """`arms` with each one's twin first (every arm is reported against it)."""
+    return list(dict.fromkeys([*map(twin, arms), *arms]))
 
 
 def render(results: dict, env: dict) -> str:
@@ -130,16 +131,13 @@ def main() -> None:
     ap.add_argument("--name", default="drafters")
     args = ap.parse_args()
     prompts = read_prompt_file(str(DEMO_DIR / "prompts.jsonl"), "prompt")[-args.prompts:]
-    pairs = {k: with_twins(args.arm) if args.arm else v
-             for k, v in PAIRS.items() if args.pair is None or k in args.pair}
+    pairs = {k: args.arm or v for k, v in PAIRS.items() if args.pair is None or k in args.pair}
     for path in args.smollm2_head if "smollm2" in pairs else []:
         at = f" proposer.path={path}"
         pairs["smollm2"] = [*pairs["smollm2"], "proposer=eagle dtype=float32" + at,
                             "proposer=eagle dtype=auto proposer.dtype=int4" + at]
-    if "smollm2" in pairs:
-        pairs["smollm2"] = with_twins(pairs["smollm2"])
     results = {}
-    for model, arms in pairs.items():
+    for model, arms in ((k, with_twins(v)) for k, v in pairs.items()):
         chat = args.smollm2_chat if model == "smollm2" else 0
         try:
             results[model] = run_pair(model, arms, prompts, args.new_tokens, args.threads, chat)

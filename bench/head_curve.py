@@ -142,13 +142,12 @@ def plot(rows: dict, png: str) -> None:
     fig, ax = plt.subplots(figsize=(7.2, 4.2))
     heads = list(rows.items())             # in the order given: each round after the one before
     xs = [r["train_positions"] for _, r in heads]
-    for kind, style in (("all", "o-"), ("code", "^--"), ("chat", "v--")):
+    for kind, style, name in (("all", dict(fmt="o-", color="C0", lw=1.8, ms=6), "all held-out"),
+                              ("code", dict(fmt="^--", color="C2", lw=1, ms=4), "code"),
+                              ("chat", dict(fmt="v--", color="C3", lw=1, ms=4), "chat")):
         ys = [r.get(kind, {}).get("tau") for _, r in heads]
-        if any(y is None for y in ys):
-            continue
-        ax.plot(xs, ys, style, color={"all": "C0", "code": "C2", "chat": "C3"}[kind],
-                lw=1.8 if kind == "all" else 1, ms=6 if kind == "all" else 4,
-                label={"all": "all held-out", "code": "code", "chat": "chat"}[kind])
+        if None not in ys:
+            ax.plot(xs, ys, style.pop("fmt"), label=name, **style)
     seen: dict = {}
     names = []
     for n, (label, r) in enumerate(heads, 1):  # each overall point numbered, named in a key

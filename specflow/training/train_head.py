@@ -158,7 +158,7 @@ def _train(cfg, th: TrainHeadConfig, out: pathlib.Path, settings: dict, prompts:
     torch.set_num_threads(threads)
     train_seqs, held = seqs.split_last(n_held)
     head, lm = _head_from_target(target, shape, train_seqs, th.seed) if not th.init else \
-        _head_from_folder(target, shape, th.init, train_seqs, th.seed)
+        _head_from_folder(target, shape, th.init, train_seqs)
     schedule = loop.Settings(steps=th.steps, batch=th.batch, seq=th.seq, ttt_steps=th.ttt_steps,
                              lr=th.lr, checkpoint_every=th.checkpoint_every, seed=th.seed,
                              bfloat16=th.precision == "bfloat16")
@@ -354,7 +354,7 @@ def _head_from_target(target, shape, train_seqs, seed: int):
     return head, lm
 
 
-def _head_from_folder(target, shape, init: str, train_seqs, seed: int):
+def _head_from_folder(target, shape, init: str, train_seqs):
     """The head in folder `init` (train_head.init) to train on from where it stopped: its weights
     (float32 from here on) and its draft vocabulary; its shape must be this run's, but for a
     larger draft vocabulary (grown, _grown_vocabulary). -> (head, lm [Vd, E] the target's LM
@@ -375,7 +375,7 @@ def _head_from_folder(target, shape, init: str, train_seqs, seed: int):
     head.check_finite()                     # a torn head would train on NaN
     head = head.float()                         # d2t and t2d keep their integer types
     if shape.draft_vocab_size > head.shape.draft_vocab_size:
-        head = _grown_vocabulary(head, shape, target, train_seqs, seed)
+        head = _grown_vocabulary(head, shape, target, train_seqs)
     head = head.to(target.device)
     head.embed = target.input_embeddings().detach().float().to(target.device)
     head.requires_grad_(True)
@@ -383,7 +383,7 @@ def _head_from_folder(target, shape, init: str, train_seqs, seed: int):
     return head, lm
 
 
-def _grown_vocabulary(head, shape, target, train_seqs, seed: int):
+def _grown_vocabulary(head, shape, target, train_seqs):
     """`head` (float32, on the CPU) with its draft vocabulary grown to shape.draft_vocab_size:
     every token it had, then the training sequences' most frequent others; the LM head rows of
     its tokens kept as trained, the new ones the target's own (as a fresh head starts), every
@@ -394,7 +394,7 @@ def _grown_vocabulary(head, shape, target, train_seqs, seed: int):
     old = head.draft_ids.cpu()                                                       # [Vo]
     used = data.draft_vocabulary(train_seqs, shape.draft_vocab_size, shape.vocab_size,
                                  keep=old)                                           # [Vd]
-    grown = init_head(shape, head.embed.float().cpu(), seed).float()
+    grown = init_head(shape, head.embed.float().cpu()).float()     # every weight replaced below
     state = {k: v for k, v in head.state_dict().items()
              if k not in ("lm_head.weight", "d2t", "t2d")}
     missing, unexpected = grown.load_state_dict(state, strict=False)

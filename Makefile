@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 PLUGINS := plugins/specflow-suffix plugins/specflow-trace
 
 # the example plugins' tests run in their own pytest session (autoload on)
-.PHONY: demo test test-slow test-all test-vllm vllm bench bench-policies bench-real bench-precision bench-drafters bench-vllm llama-cpp sim calibrate demo-head smollm2 smollm2-head smollm2-head-data head-curve wheel-check clean
+.PHONY: demo test test-slow test-all test-vllm vllm bench bench-policies bench-real bench-precision bench-drafters bench-vllm llama-cpp sim calibrate demo-head smollm2 smollm2-head smollm2-head-data smollm2-head-user-data head-curve wheel-check clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -117,6 +117,14 @@ smollm2-head: smollm2
 smollm2-head-data: smollm2
 	$(VENV)/bin/specflow head-data model=smollm2 threads=2 head_data.folder=head_data/smollm2 \
 	  head_data.sequences=1024 head_data.generate_batch=64 hydra.run.dir=build/head-data-run
+
+# answers to turns people wrote (head_data/user_prompts.jsonl: 430 Spec-Bench and Vicuna
+# questions, none of them a benchmark's): each run answers those not in the folder yet, in file
+# order (kind user); about 11 minutes of 2 cores for all 430
+smollm2-head-user-data: smollm2
+	$(VENV)/bin/specflow head-data model=smollm2 threads=2 head_data.folder=head_data/smollm2 \
+	  head_data.sequences=430 head_data.generate_batch=32 \
+	  head_data.user_prompts=head_data/user_prompts.jsonl hydra.run.dir=build/head-data-user
 
 # the SmolLM2 head's held-out acceptance against its training data (bench/results/head_curve.*,
 # docs/heads-smollm2-curve.png): every head scored on the folder's held-out sequences

@@ -65,7 +65,7 @@ def score(pipe, head_path: str, folder: str, k: int, batch: int) -> dict:
     seqs, kinds = HELD[key]
     lm = target.output_head().detach().float()[head.draft_ids]                     # [Vd, E]
     out = {}
-    for name, pick in (("all", None), ("code", 0), ("chat", 1)):
+    for name, pick in (("all", None), ("code", 0), ("chat", 1), ("user", 2)):
         rows = [i for i, kind in enumerate(kinds) if pick is None or kind == pick]
         if not rows:
             continue

@@ -333,7 +333,8 @@ def head_data_task(cfg) -> None:
         raise SystemExit(fail(str(exc))) from None
     parts = manifest["parts"]
     console.print(f"{cfg.head_data.folder}: {sum(p['sequences'] for p in parts)} sequences "
-                  f"({sum(p['chat'] for p in parts)} chat), {sum(p['tokens'] for p in parts)} "
+                  f"({sum(p['chat'] for p in parts)} chat, {sum(p.get('user', 0) for p in parts)} user), "
+                  f"{sum(p['tokens'] for p in parts)} "
                   f"tokens ({sum(p['generated'] for p in parts)} target-written) in "
                   f"{len(parts)} parts")
     console.print(f"[dim]train a head on it: specflow train-head train_head.sequences="

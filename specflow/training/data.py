@@ -31,6 +31,8 @@ class Sequences:
         return len(self.tokens)
 
     heldout_count: int | None = None  # set where the held-out ones were chosen otherwise
+    weights: list[float] | None = None  # [N] how often each sequence's positions are drawn
+    #                                     against the others' (None: all alike)
 
     def heldout_share(self, heldout: float) -> int:
         """How many of the last sequences a share `heldout` holds out (at least one)."""
@@ -46,7 +48,8 @@ class Sequences:
 
         def part(sl):
             return Sequences(self.tokens[sl], self.states[sl], self.finals[sl],
-                             self.prompt_lens[sl])
+                             self.prompt_lens[sl],
+                             weights=None if self.weights is None else self.weights[sl])
         return part(slice(0, cut)), part(slice(cut, None))
 
     def positions(self) -> int:

@@ -1,7 +1,9 @@
 """A draft head's data kept as token ids, grown a part at a time: `specflow head-data`.
 
-What a head learns from is the target's own writing: its greedy continuations of code prompts
-and its answers to user turns it wrote itself (user_turns.py). The hidden states those
+What a head learns from is the target's own writing: its greedy continuations of code prompts,
+its answers to user turns it wrote itself (user_turns.py), and its answers to user turns people
+wrote (`head_data.user_prompts`, a prompt file: a small model's own turns are narrower than what
+people ask, and a head trained on them alone accepts far less on people's turns). The hidden states those
 sequences produce are 4.6 KB a token for SmolLM2 (three layers' inputs and the final state, in
 float16), while the sequences are 2 bytes a token: so the sequences are what is kept (in the
 repository, where sessions add to them), and train-head recomputes the states by a batched
@@ -10,12 +12,13 @@ than writing them, which is token-by-token decoding).
 
 A folder holds `manifest.json` (the target it was written by, the writing settings, and one
 entry per part) and `part-NNNN.npz` files: each part's sequences concatenated (`tokens`, uint16
-where the vocabulary allows), their `lengths`, `prompt_lens` and `kinds` (0 code, 1 chat). A
-run adds `head_data.sequences` more, PART_SEQUENCES to a part, each written and entered in the
-manifest as soon as it is decoded (an interrupted run keeps every finished part). The code
-prompts continue the stdlib workload's order where the last part stopped, and the chat turns
-continue the sampling draws, so a folder grown in five runs holds what one run of the same
-total writes; a prompt already in the folder is skipped.
+where the vocabulary allows), their `lengths`, `prompt_lens` and `kinds` (0 code, 1 chat, 2 user:
+a turn people wrote). A run adds `head_data.sequences` more, PART_SEQUENCES to a part, each
+written and entered in the manifest as soon as it is decoded (an interrupted run keeps every
+finished part). The code prompts continue the stdlib workload's order where the last part
+stopped, and the chat turns continue the sampling draws, so a folder grown in five runs holds
+what one run of the same total writes; a prompt already in the folder is skipped (so a run with
+user_prompts goes on where the file's last run stopped).
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ from specflow.errors import ConfigError
 FORMAT = 1
 MANIFEST = "manifest.json"
 PART_SEQUENCES = 256
-KINDS = ("code", "chat")
+KINDS = ("code", "chat", "user")
 HELDOUT_EVERY = 20        # every 20th sequence (by its index in the folder) is held out
 
 
@@ -46,6 +49,9 @@ class HeadDataConfig:
     new_tokens: int = 128          # the target's continuation (or answer) per prompt
     generate_batch: int = 32       # rows decoded together
     seed: int = 0                  # the user turns' sampling seed
+    user_prompts: str | None = None    # a prompt file of turns people wrote (JSONL `prompt`
+                                   # rows, or one a line): this run answers those not yet in
+                                   # the folder, in file order (kind user), nothing else
 
     def __post_init__(self) -> None:
         if not self.folder or self.folder == "???":
@@ -182,7 +188,8 @@ def write_part(folder: pathlib.Path, index: int, rows: list[tuple[list[int], int
     tmp.replace(folder / name)
     return {"file": name, "sequences": len(rows), "tokens": int(flat.size),
             "generated": int(sum(len(ids) - n for ids, n, _ in rows)),
-            "chat": int(sum(k for _, _, k in rows)), "sha256": _digest(folder / name)}
+            "chat": int(sum(k == 1 for _, _, k in rows)),
+            "user": int(sum(k == 2 for _, _, k in rows)), "sha256": _digest(folder / name)}
 
 
 def grow(cfg, progress) -> dict:
@@ -196,11 +203,16 @@ def grow(cfg, progress) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     manifest = read_manifest(folder)
     pipe = _pipeline(cfg, hd.generate_batch)
-    if hd.chat_share > 0 and not getattr(getattr(pipe.tokenizer, "tok", pipe.tokenizer),
-                                         "chat_template", None):
+    templated = getattr(getattr(pipe.tokenizer, "tok", pipe.tokenizer), "chat_template", None)
+    if hd.user_prompts and not templated:
+        raise ConfigError(f"head_data.user_prompts={hd.user_prompts!r} needs a target with a "
+                          f"chat template (an instruction-tuned model) to answer user turns; "
+                          f"this tokenizer has none: drop head_data.user_prompts")
+    if hd.chat_share > 0 and not hd.user_prompts and not templated:
         raise ConfigError(f"head_data.chat_share={hd.chat_share} needs a target with a chat "
                           f"template (an instruction-tuned model) to write user turns; this "
                           f"tokenizer has none: set head_data.chat_share=0 (code only)")
+    people = _user_prompts(hd.user_prompts, pipe.tokenizer) if hd.user_prompts else None
     identity = target_identity(pipe.target)
     settings = writing_settings(cfg, hd)
     if manifest is None:
@@ -219,14 +231,20 @@ def grow(cfg, progress) -> dict:
     try:
         while added < hd.sequences:
             n = min(PART_SEQUENCES, hd.sequences - added)
-            code, chat = manifest["prompts"]          # the share holds over the folder, however
-            n_chat = round((code + chat + n) * hd.chat_share) - chat      # its runs were cut
-            n_chat = min(max(n_chat, 0), n)
-            prompts = _code_prompts(pipe.tokenizer, manifest, hd, n - n_chat, seen)
-            if n_chat and sampler is None:
-                sampler = _pipeline(cfg, hd.generate_batch, sampling=True)
-            prompts += _chat_prompts(sampler, pipe.tokenizer, manifest, hd, n_chat, seen)
-            manifest["prompts"] = [code + n - n_chat, chat + n_chat]
+            if people is not None:          # turns people wrote, those not in the folder yet
+                prompts = [(text, 2) for text in _unseen(people, seen, n, pipe.tokenizer)]
+                if not prompts:
+                    note(f"every turn of {hd.user_prompts} is in {folder} already")
+                    break
+            else:
+                code, chat = manifest["prompts"]      # the share holds over the folder, however
+                n_chat = round((code + chat + n) * hd.chat_share) - chat  # its runs were cut
+                n_chat = min(max(n_chat, 0), n)
+                prompts = _code_prompts(pipe.tokenizer, manifest, hd, n - n_chat, seen)
+                if n_chat and sampler is None:
+                    sampler = _pipeline(cfg, hd.generate_batch, sampling=True)
+                prompts += _chat_prompts(sampler, pipe.tokenizer, manifest, hd, n_chat, seen)
+                manifest["prompts"] = [code + n - n_chat, chat + n_chat]
             rows = _written(pipe, prompts, hd.new_tokens, lambda: adv(1))
             entry = write_part(folder, len(manifest["parts"]), rows, pipe.target.vocab_size)
             manifest["parts"].append(entry)
@@ -303,6 +321,27 @@ def _chat_prompts(sampler, tokenizer, manifest: dict, hd: HeadDataConfig, count:
                 out.append((text, 1))
         if not turns:
             break
+    return out
+
+
+def _user_prompts(path: str, tokenizer):
+    """The turns of a prompt file through the target's chat template, in file order (an
+    iterator: a run takes what it needs, part by part)."""
+    from specflow.experiments.workloads import apply_chat_template, read_prompt_file
+
+    return iter(apply_chat_template(read_prompt_file(path, "prompt"), tokenizer, "on"))
+
+
+def _unseen(texts, seen: set, count: int, tokenizer) -> list[str]:
+    """Up to `count` of `texts` (an iterator, advanced) whose tokens are not in `seen` (added)."""
+    out = []
+    for text in texts:
+        key = tuple(tokenizer.encode(text))
+        if key not in seen:
+            seen.add(key)
+            out.append(text)
+            if len(out) == count:
+                break
     return out
 
 

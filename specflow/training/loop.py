@@ -37,7 +37,9 @@ class Windows:
         self.T = seq
         self.steps = steps
         lengths = torch.tensor([len(t) for t in seqs.tokens], dtype=torch.float)
-        self.weights = (lengths - 2).clamp(min=1)
+        self.weights = (lengths - 2).clamp(min=1)                   # [N] by positions
+        if seqs.weights is not None:              # and by kind (train_head.user_weight)
+            self.weights = self.weights * torch.tensor(seqs.weights, dtype=torch.float)
 
     def draw(self, batch: int, gen: torch.Generator, index: list[int] | None = None,
              offset: list[int] | None = None):

@@ -61,6 +61,8 @@ class TrainHeadConfig:
     #                                     vocabulary) instead of a fresh head; null: fresh
     states_from: str | None = None      # an earlier run's output on the same folder: its
     #                                     recorded states are reused, only the rest prefilled
+    user_weight: float = 1.0            # a folder's turns people wrote (kind user) drawn this
+    #                                     many times as often as other sequences, per position
 
     def __post_init__(self) -> None:
         if self.format not in HEAD_FORMATS:
@@ -88,6 +90,9 @@ class TrainHeadConfig:
         if self.sequences_limit is not None and self.sequences_limit < 1:
             raise ConfigError(f"train_head.sequences_limit={self.sequences_limit} must be >= 1 "
                               f"(null: every sequence of the folder)")
+        if self.user_weight <= 0:
+            raise ConfigError(f"train_head.user_weight={self.user_weight} must be > 0 (1: the "
+                              f"turns people wrote drawn as often as the rest)")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 2:
             raise ConfigError(f"train_head.draft_vocab_size={self.draft_vocab_size} must be >= 2")
 
@@ -296,6 +301,8 @@ def _prefilled(pipe, th: TrainHeadConfig, shape, progress):
     seqs = data.Sequences([rows[i][0] for i in keep], [rows[i][1] for i in keep],
                           [rows[i][2] for i in keep], [ids.prompt_lens[i] for i in keep])
     seqs.heldout_count = sum(held[i] for i in keep)
+    if th.user_weight != 1.0:
+        seqs.weights = [th.user_weight if ids.kinds[i] == 2 else 1.0 for i in keep]
     return seqs
 
 
@@ -457,11 +464,12 @@ RESULTS = ("train_data.pt", "checkpoint.pt", "model.safetensors", PARTS, TURNS)
 # grow; checkpoint_every, generate_batch, device and threads may change)
 KEPT = ("prompts", "chat_turns", "prompt_tokens", "new_tokens", "draft_vocab_size", "intermediate_size",
         "batch", "seq", "ttt_steps", "lr", "heldout", "seed", "sequences", "sequences_limit",
-        "init")
+        "init", "user_weight")
 
 # settings newer than some folders: their values then
 ADDED_SINCE = {"train_head.chat_turns": 0, "train_head.sequences": None,
-               "train_head.sequences_limit": None, "train_head.init": None}
+               "train_head.sequences_limit": None, "train_head.init": None,
+               "train_head.user_weight": 1.0}
 
 
 def settings_of(cfg, th: TrainHeadConfig, layers: list[int]) -> dict:

@@ -120,6 +120,34 @@ def test_code_only_needs_no_chat_template(hf_models, tmp_path, monkeypatch):
     assert not (tmp_path / "b" / head_data.MANIFEST).exists()
 
 
+def test_user_prompts_are_answered_once_each_in_file_order(chatty, hf_models, tmp_path):
+    turns = tmp_path / "turns.jsonl"
+    turns.write_text("".join(json.dumps({"prompt": f"people ask {i}?"}) + "\n" for i in range(7)))
+    user = f"head_data.user_prompts={turns}"
+    grow(chatty, tmp_path / "a", "head_data.sequences=2")               # code and own turns
+    grow(chatty, tmp_path / "a", "head_data.sequences=5", user)
+    manifest = grow(chatty, tmp_path / "a", "head_data.sequences=5", user)  # 2 left: those
+    seqs, _ = head_data.read(tmp_path / "a")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(chatty)
+    asked = [tok.decode(t[:n].tolist()) for t, n, k in zip(seqs.tokens, seqs.prompt_lens,
+                                                           seqs.kinds) if k == 2]
+    # each turn once, in file order, through the chat template, answered like any prompt
+    assert [a.split("people ask ")[1].split("?")[0] for a in asked] == [str(i) for i in range(7)]
+    assert all(a.rstrip().endswith("assistant:") for a in asked)
+    assert all(k in (0, 1) for k in seqs.kinds[:2]) and seqs.kinds[2:] == [2] * 7
+    assert [p["user"] for p in manifest["parts"]] == [0, 4, 1, 2]
+    assert sum(p["chat"] for p in manifest["parts"]) == seqs.kinds.count(1)
+    # every turn answered: a further run adds nothing and says so
+    again = grow(chatty, tmp_path / "a", "head_data.sequences=3", user)
+    assert again["parts"] == manifest["parts"]
+    with pytest.raises(ConfigError, match="head_data.user_prompts=.* needs a target with a "
+                                          "chat template .* drop head_data.user_prompts"):
+        grow(hf_models["llama"], tmp_path / "b", "head_data.sequences=1", user)
+    assert not (tmp_path / "b" / head_data.MANIFEST).exists()
+
+
 def test_held_out_sequences_stay_held_out_as_the_folder_grows():
     ids = head_data.IdSequences([torch.arange(5)] * 45, [2] * 45, [0] * 45)
     held = ids.heldout()
@@ -173,6 +201,31 @@ def test_train_head_learns_from_a_folder_and_a_grown_folder_is_other_data(chatty
         train_head.run(cfg, read_prompts(cfg), quiet)
 
 
+def test_user_weight_draws_the_turns_people_wrote_more_often(chatty, tmp_path):
+    turns = tmp_path / "turns.jsonl"
+    turns.write_text("".join(json.dumps({"prompt": f"people ask {i}?"}) + "\n" for i in range(4)))
+    grow(chatty, tmp_path / "data", "head_data.sequences=6")
+    grow(chatty, tmp_path / "data", "head_data.sequences=4", f"head_data.user_prompts={turns}")
+    out = tmp_path / "head"
+    cfg = compose(TRAIN + [f"model.path={chatty}", f"train_head.output={out}",
+                           f"train_head.sequences={tmp_path / 'data'}",
+                           "train_head.user_weight=5"], "train_head")
+    train_head.run(cfg, read_prompts(cfg), quiet)
+    ids, _ = head_data.read(tmp_path / "data")
+    seqs = torch.load(out / "train_data.pt", weights_only=False)
+    # folder order (none of these 10 is held out): the 4 turns people wrote weigh 5 each
+    assert [ids.kinds[i] for i in range(10)][6:] == [2] * 4
+    assert seqs.weights == [1.0] * 6 + [5.0] * 4
+    from specflow.training import loop
+
+    train, _ = seqs.split_last(1)
+    windows = loop.Windows(train, torch.zeros(8, 4), 4, 1)
+    lengths = torch.tensor([len(t) for t in train.tokens], dtype=torch.float)
+    assert torch.equal(windows.weights, (lengths - 2).clamp(min=1) * torch.tensor(train.weights))
+    with pytest.raises(ConfigError, match="train_head.user_weight=0.0 must be > 0"):
+        train_head.TrainHeadConfig(output="x", user_weight=0.0)
+
+
 def test_a_folder_of_another_vocabulary_is_one_line(chatty, hf_models, tmp_path):
     grow(chatty, tmp_path / "data", "head_data.sequences=2")
     manifest = json.loads((tmp_path / "data" / head_data.MANIFEST).read_text())
@@ -195,7 +248,7 @@ def test_the_command_grows_a_folder_and_refuses_a_missing_one_in_one_line(tmp_pa
     done = subprocess.run(args + [f"head_data.folder={tmp_path / 'data'}"], capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert f"{tmp_path / 'data'}: 3 sequences (0 chat)" in done.stdout
+    assert f"{tmp_path / 'data'}: 3 sequences (0 chat, 0 user)" in done.stdout
     assert f"train_head.sequences={tmp_path / 'data'}" in done.stdout
     bad = subprocess.run(args, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2

@@ -115,12 +115,12 @@ def main() -> None:
 def write(rows: dict, folder: str, k: int, out: str, png: str) -> None:
     """The scores as JSON, a markdown table and the plot."""
     atomic_write_json(pathlib.Path(out + ".json"), {"folder": folder, "k": k, "heads": rows})
-    lines = ["| head | training positions | held-out τ at k = 4 | code | chat | "
-             "acceptance by step |", "|---|---:|---:|---:|---:|---|"]
+    kinds = ["code", "chat"] + (["user"] if any("user" in r for r in rows.values()) else [])
+    lines = ["| head | training positions | held-out τ at k = 4 | " + " | ".join(kinds)
+             + " | acceptance by step |", "|---|---:|---:|" + "---:|" * len(kinds) + "---|"]
     for label, r in rows.items():
-        lines.append(f"| {label} | {r['train_positions']:,} | {r['all']['tau']:.2f} | "
-                     f"{r.get('code', {}).get('tau', float('nan')):.2f} | "
-                     f"{r.get('chat', {}).get('tau', float('nan')):.2f} | "
+        taus = " | ".join(f"{r.get(kind, {}).get('tau', float('nan')):.2f}" for kind in kinds)
+        lines.append(f"| {label} | {r['train_positions']:,} | {r['all']['tau']:.2f} | {taus} | "
                      f"{r['all']['acceptance_by_step']} |")
     held = next(iter(rows.values()))["all"]["positions"]
     atomic_write_text(pathlib.Path(out + ".md"),
@@ -144,7 +144,9 @@ def plot(rows: dict, png: str) -> None:
     xs = [r["train_positions"] for _, r in heads]
     for kind, style, name in (("all", dict(fmt="o-", color="C0", lw=1.8, ms=6), "all held-out"),
                               ("code", dict(fmt="^--", color="C2", lw=1, ms=4), "code"),
-                              ("chat", dict(fmt="v--", color="C3", lw=1, ms=4), "chat")):
+                              ("chat", dict(fmt="v--", color="C3", lw=1, ms=4), "chat"),
+                              ("user", dict(fmt="s--", color="C1", lw=1, ms=4),
+                               "turns people wrote")):
         ys = [r.get(kind, {}).get("tau") for _, r in heads]
         if None not in ys:
             ax.plot(xs, ys, style.pop("fmt"), label=name, **style)

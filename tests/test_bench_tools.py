@@ -42,3 +42,14 @@ def test_head_curve_writes_table_and_plot_again_from_its_json(tmp_path, monkeypa
     assert "`head_data/x` (100 generated positions)" in table
     assert json.loads((tmp_path / "again.json").read_text())["heads"] == heads
     assert png.read_bytes()[:4] == b"\x89PNG"
+    assert "| code | chat | acceptance" in table and "user" not in table
+
+
+def test_head_curve_gives_turns_people_wrote_a_column_where_scored(tmp_path):
+    heads = {"before": scored(2.0, 1000, 10), "after": scored(2.1, 2000, 20)}
+    for r, tau in zip(heads.values(), (1.79, 1.93)):
+        r["user"] = {**r["all"], "tau": tau}
+    head_curve.write(heads, "head_data/x", 4, str(tmp_path / "c"), str(tmp_path / "c.png"))
+    table = (tmp_path / "c.md").read_text()
+    assert "| code | chat | user | acceptance by step |" in table
+    assert "| after | 2,000 | 2.10 | 2.40 | 1.80 | 1.93 |" in table

@@ -44,8 +44,8 @@ def mark_empty(logits: torch.Tensor, inplace: bool = False
     # one reduction: the max of a row is -inf when all are, +inf or NaN when any is (max
     # propagates NaN)
     maxima = logits.amax(-1)                                                   # [B, P]
-    # cpu only (no sync): the few maxima read as floats, 2-3x quicker than isfinite().all()
-    if logits.device.type == "cpu" and all(map(math.isfinite, maxima.reshape(-1).tolist())):
+    # the few maxima read as floats: 2-3x quicker than isfinite().all()
+    if logits.device.type == "cpu" and all(map(math.isfinite, maxima.view(-1).tolist())):  # cpu only
         return logits, None
     unusable = ~torch.isfinite(maxima)                                         # [B, P]
     fill = logits.masked_fill_ if inplace else logits.masked_fill

@@ -55,7 +55,7 @@ HELD: dict = {}         # (folder, layer ids) -> held-out sequences: heads readi
 
 def score(pipe, head_path: str, folder: str, k: int, batch: int) -> dict:
     from specflow.backends.heads.eagle import load_head
-    from specflow.training import data, loop
+    from specflow.training import data, head_data, loop
 
     target = pipe.target
     head = load_head(head_path, target, torch.device("cpu"), torch.float32)
@@ -65,7 +65,7 @@ def score(pipe, head_path: str, folder: str, k: int, batch: int) -> dict:
     seqs, kinds = HELD[key]
     lm = target.output_head().detach().float()[head.draft_ids]                     # [Vd, E]
     out = {}
-    for name, pick in (("all", None), ("code", 0), ("chat", 1), ("user", 2)):
+    for name, pick in (("all", None), *((kind, i) for i, kind in enumerate(head_data.KINDS))):
         rows = [i for i, kind in enumerate(kinds) if pick is None or kind == pick]
         if not rows:
             continue

@@ -31,8 +31,8 @@ class Sequences:
         return len(self.tokens)
 
     heldout_count: int | None = None  # set where the held-out ones were chosen otherwise
-    weights: list[float] | None = None  # [N] how often each sequence's positions are drawn
-    #                                     against the others' (None: all alike)
+    kinds: list[int] | None = None    # [N] each sequence's kind (head_data.KINDS), where the
+    #                                     sequences came from a head-data folder
 
     def heldout_share(self, heldout: float) -> int:
         """How many of the last sequences a share `heldout` holds out (at least one)."""
@@ -49,7 +49,7 @@ class Sequences:
         def part(sl):
             return Sequences(self.tokens[sl], self.states[sl], self.finals[sl],
                              self.prompt_lens[sl],
-                             weights=None if self.weights is None else self.weights[sl])
+                             kinds=None if self.kinds is None else self.kinds[sl])
         return part(slice(0, cut)), part(slice(cut, None))
 
     def positions(self) -> int:

@@ -314,11 +314,8 @@ def _chat_prompts(sampler, tokenizer, manifest: dict, hd: HeadDataConfig, count:
     while len(out) < count:
         turns, manifest["next_chat_draw"] = user_turns.draw_user_turns(
             sampler, count - len(out), hd.seed, lambda n=1: None, manifest["next_chat_draw"])
-        for text in apply_chat_template(turns, tokenizer, "on"):
-            key = tuple(tokenizer.encode(text))
-            if key not in seen:
-                seen.add(key)
-                out.append((text, 1))
+        texts = iter(apply_chat_template(turns, tokenizer, "on"))
+        out += [(text, 1) for text in _unseen(texts, seen, count - len(out), tokenizer)]
         if not turns:
             break
     return out

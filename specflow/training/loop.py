@@ -30,7 +30,8 @@ class Settings:
 class Windows:
     """Random training windows over the sequences (longer sequences drawn more often)."""
 
-    def __init__(self, seqs: Sequences, head_rows: torch.Tensor, seq: int, steps: int):
+    def __init__(self, seqs: Sequences, head_rows: torch.Tensor, seq: int, steps: int,
+                 weights: list[float] | None = None):
         self.seqs = seqs
         self.device = head_rows.device              # windows are built on the host, then moved
         self.rows = head_rows                      # [Vd, E] the target's LM head, draft vocab rows
@@ -38,8 +39,8 @@ class Windows:
         self.steps = steps
         lengths = torch.tensor([len(t) for t in seqs.tokens], dtype=torch.float)
         self.weights = (lengths - 2).clamp(min=1)                   # [N] by positions
-        if seqs.weights is not None:              # and by kind (train_head.user_weight)
-            self.weights = self.weights * torch.tensor(seqs.weights, dtype=torch.float)
+        if weights is not None:          # and by each sequence's own weight [N]
+            self.weights = self.weights * torch.tensor(weights, dtype=torch.float)
 
     def draw(self, batch: int, gen: torch.Generator, index: list[int] | None = None,
              offset: list[int] | None = None):

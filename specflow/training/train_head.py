@@ -167,7 +167,7 @@ def _train(cfg, th: TrainHeadConfig, out: pathlib.Path, settings: dict, prompts:
     schedule = loop.Settings(steps=th.steps, batch=th.batch, seq=th.seq, ttt_steps=th.ttt_steps,
                              lr=th.lr, checkpoint_every=th.checkpoint_every, seed=th.seed,
                              bfloat16=th.precision == "bfloat16")
-    windows = loop.Windows(train_seqs, lm, th.seq, th.ttt_steps)
+    windows = loop.Windows(train_seqs, lm, th.seq, th.ttt_steps, kind_weights(train_seqs, th))
     adv = progress("training (training-time test)", th.steps)
     t0 = time.perf_counter()
     log = loop.train(head, windows, schedule, out / "checkpoint.pt", th.resume, adv,
@@ -268,6 +268,17 @@ def _target_written(pipe, run_cfg, th: TrainHeadConfig, out: pathlib.Path, setti
     return seqs, seqs.heldout_share(th.heldout)
 
 
+def kind_weights(seqs, th: TrainHeadConfig) -> list[float] | None:
+    """How often each sequence's positions are drawn (train_head.user_weight for the turns
+    people wrote, 1 for the rest), or None: all alike."""
+    from specflow.training.head_data import KINDS
+
+    if seqs.kinds is None or th.user_weight == 1.0:
+        return None
+    user = KINDS.index("user")
+    return [th.user_weight if kind == user else 1.0 for kind in seqs.kinds]
+
+
 def _prefilled(pipe, th: TrainHeadConfig, shape, progress):
     """A head-data folder's sequences with their states recomputed by one prefill each (or read
     from train_head.states_from's train_data.pt where it holds them), the held-out ones
@@ -301,8 +312,7 @@ def _prefilled(pipe, th: TrainHeadConfig, shape, progress):
     seqs = data.Sequences([rows[i][0] for i in keep], [rows[i][1] for i in keep],
                           [rows[i][2] for i in keep], [ids.prompt_lens[i] for i in keep])
     seqs.heldout_count = sum(held[i] for i in keep)
-    if th.user_weight != 1.0:
-        seqs.weights = [th.user_weight if ids.kinds[i] == 2 else 1.0 for i in keep]
+    seqs.kinds = [ids.kinds[i] for i in keep]
     return seqs
 
 

@@ -137,7 +137,7 @@ static inline uint16_t f32_to_bf16(float f) {      /* to nearest even; NaN stays
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* One row w of W (row n) against MCK rows of X from row m0 (a compile-time count, so the 2 x MCK
+/* One row w of W (row n) against MCK rows of X from row m0 (2..MC, a compile-time count, so the 2 x MCK
    accumulators stay in registers: 12 of AVX2's 16 at MCK = 6), over the columns k0..k1 (multiples
    of 16, k1 <= k16 = K - K % 16). A walk that does not start at column 0 takes its sums from acc
    [MCK][2], one that ends before k16 leaves them there; the walk that reaches k16 adds the tail
@@ -237,11 +237,13 @@ __attribute__((noinline)) static void NAME##_pair_##MCK(const WT *w, const float
 #define PAIR_WALK(NAME, pf)
 #endif
 
-/* Rows n0..n1 of W against the one row of X (M = 1): each result by the same operations as
-   GROUP's walk of its row alone (two accumulators over the 16-column steps, summed, then the
-   tail), so a result's bits do not change, in one call for the thread's whole share of rows
-   (a single stream through W): a call per weight row, with the chunking arguments the other
-   walks need, cost 2-8% of a one-row product of SmolLM2's matrices (576 columns, 36 steps a row).
+/* Rows n0..n1 of W against the one row of X (M = 1), the one-row case of GROUP: each result by
+   the same operations as a GROUP walk gives each of its rows (two accumulators over the
+   16-column steps, summed, then the tail), so a row's bits do not depend on M, in one call for
+   the thread's whole share of rows (a single stream through W): GROUP's one-row walk, called
+   per weight row with the chunking arguments the many-row walks need, cost 2-8% of a one-row
+   product of SmolLM2's matrices (576 columns, 36 steps a row). M = 1 is the only way to a group
+   of one row (groups of up to MC rows split M evenly), so GROUP starts at two.
    Walking four rows side by side instead (each load of X serving four) ran at half the speed:
    four interleaved streams defeat the prefetchers where one long one does not. */
 #define SINGLE(NAME, WT, LOADW, WIDEN, STORE)                                                     \
@@ -264,7 +266,6 @@ __attribute__((noinline)) static void NAME##_single(const WT *W, const float *x,
 /* The walk of row n of W over columns k0..k1 against the group of mc rows of X from row m0. */
 #define WALK(NAME, k0, k1, acc, pf)                                                              \
     switch (mc) {                                                                                \
-    case 1: NAME##_1(W + n * K, X + m0 * K, Y, n, m0, N, K, k0, k1, k16, acc, pf); break;         \
     case 2: NAME##_2(W + n * K, X + m0 * K, Y, n, m0, N, K, k0, k1, k16, acc, pf); break;         \
     case 3: NAME##_3(W + n * K, X + m0 * K, Y, n, m0, N, K, k0, k1, k16, acc, pf); break;         \
     case 4: NAME##_4(W + n * K, X + m0 * K, Y, n, m0, N, K, k0, k1, k16, acc, pf); break;         \
@@ -292,9 +293,9 @@ __attribute__((noinline)) static void NAME##_single(const WT *W, const float *x,
 #define NB 16
 #define KC 768
 #define ROWS_OF_W(NAME, WT, LOADW, WIDEN, STORE)                                                  \
-GROUP(NAME, WT, LOADW, WIDEN, STORE, 1) GROUP(NAME, WT, LOADW, WIDEN, STORE, 2)                   \
-GROUP(NAME, WT, LOADW, WIDEN, STORE, 3) GROUP(NAME, WT, LOADW, WIDEN, STORE, 4)                   \
-GROUP(NAME, WT, LOADW, WIDEN, STORE, 5) GROUP(NAME, WT, LOADW, WIDEN, STORE, 6)                   \
+GROUP(NAME, WT, LOADW, WIDEN, STORE, 2) GROUP(NAME, WT, LOADW, WIDEN, STORE, 3)                   \
+GROUP(NAME, WT, LOADW, WIDEN, STORE, 4) GROUP(NAME, WT, LOADW, WIDEN, STORE, 5)                   \
+GROUP(NAME, WT, LOADW, WIDEN, STORE, 6)                                                           \
 SINGLE(NAME, WT, LOADW, WIDEN, STORE)                                                             \
 PAIR(NAME, WT, LOADW, WIDEN, STORE, 2) PAIR(NAME, WT, LOADW, WIDEN, STORE, 3)                     \
 PAIR(NAME, WT, LOADW, WIDEN, STORE, 4) PAIR(NAME, WT, LOADW, WIDEN, STORE, 5)                     \
@@ -319,7 +320,7 @@ static void NAME(const WT *W, const float *X, void *Y, int64_t n0, int64_t n1, i
         for (; n < n1; n++)                                                                      \
             for (int64_t g = 0, m0 = 0, mc; g < groups; g++, m0 += mc) {                         \
                 mc = size + (g < larger);                                                        \
-                WALK(NAME, 0, k16, acc[0], g == 0 && mc > 1 ? PF : 0)   /* acc not touched */  \
+                WALK(NAME, 0, k16, acc[0], g == 0 ? PF : 0)   /* acc not touched */            \
             }                                                                                    \
         return;                                                                                  \
     }                                                                                            \
@@ -327,7 +328,7 @@ static void NAME(const WT *W, const float *X, void *Y, int64_t n0, int64_t n1, i
         int64_t b1 = b0 + NB < n1 ? b0 + NB : n1;                                                \
         for (int64_t g = 0, m0 = 0; g < groups; g++) {                                           \
             int64_t mc = size + (g < larger), chunk = g == 0 ? k16 : KC;                         \
-            int64_t pf = g == 0 ? (mc > 1 ? PF : 0) : g == 1 && b1 < n1 ? NB * K : 0;           \
+            int64_t pf = g == 0 ? PF : g == 1 && b1 < n1 ? NB * K : 0;                          \
             for (int64_t c0 = 0;; c0 += chunk) {                                                 \
                 int64_t c1 = c0 + chunk < k16 ? c0 + chunk : k16;                                \
                 for (int64_t n = b0; n < b1; n++) WALK(NAME, c0, c1, acc[n - b0], pf)            \

@@ -215,13 +215,17 @@ def test_user_weight_draws_the_turns_people_wrote_more_often(chatty, tmp_path):
     seqs = torch.load(out / "train_data.pt", weights_only=False)
     # folder order (none of these 10 is held out): the 4 turns people wrote weigh 5 each
     assert [ids.kinds[i] for i in range(10)][6:] == [2] * 4
-    assert seqs.weights == [1.0] * 6 + [5.0] * 4
+    th = train_head.TrainHeadConfig(output="x", user_weight=5)
+    assert seqs.kinds == ids.kinds[:10]
+    weights = train_head.kind_weights(seqs, th)
+    assert weights == [1.0] * 6 + [5.0] * 4
+    assert train_head.kind_weights(seqs, train_head.TrainHeadConfig(output="x")) is None
     from specflow.training import loop
 
     train, _ = seqs.split_last(1)
-    windows = loop.Windows(train, torch.zeros(8, 4), 4, 1)
+    windows = loop.Windows(train, torch.zeros(8, 4), 4, 1, train_head.kind_weights(train, th))
     lengths = torch.tensor([len(t) for t in train.tokens], dtype=torch.float)
-    assert torch.equal(windows.weights, (lengths - 2).clamp(min=1) * torch.tensor(train.weights))
+    assert torch.equal(windows.weights, (lengths - 2).clamp(min=1) * torch.tensor(weights[:9]))
     with pytest.raises(ConfigError, match="train_head.user_weight=0.0 must be > 0"):
         train_head.TrainHeadConfig(output="x", user_weight=0.0)
 

@@ -151,12 +151,19 @@ __attribute__((noinline)) static void NAME##_tile_##MR(const uint8_t *tile, cons
         SCALES                                                                                   \
         for (int j = 0; j < MR; j++) {                                                           \
             const int8_t *x = xq + j * K + b * QK;                                               \
-            __m512i s[4];                  /* four chains of two: a quarter of the latency */  \
-            for (int k = 0; k < 4; k++)                                                          \
-                s[k] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w[k],      \
-                                           bcast4(x + 4 * k)), w[k + 4], bcast4(x + 16 + 4 * k)); \
-            __m512i sum = _mm512_add_epi32(_mm512_add_epi32(s[0], s[1]),                         \
-                                           _mm512_add_epi32(s[2], s[3]));   /* exact */          \
+            __m512i sum = _mm512_setzero_si512();                                                \
+            if (MR > 1)            /* one chain: the other rows' chains hide its latency */      \
+                for (int k = 0; k < 4; k++)                                                      \
+                    sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sum, w[k], bcast4(x + 4 * k)), \
+                                              w[k + 4], bcast4(x + 16 + 4 * k));                 \
+            else {                 /* alone: four chains of two, a quarter of the latency */     \
+                __m512i s[4];                                                                    \
+                for (int k = 0; k < 4; k++)                                                      \
+                    s[k] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w[k], \
+                                          bcast4(x + 4 * k)), w[k + 4], bcast4(x + 16 + 4 * k)); \
+                sum = _mm512_add_epi32(_mm512_add_epi32(s[0], s[1]),                             \
+                                       _mm512_add_epi32(s[2], s[3]));     /* exact */            \
+            }                                                                                    \
             __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(sx[j * G + b]));     \
             acc[j] = _mm512_fmadd_ps(dv, t, acc[j]);                                             \
             accm[j] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[j * G + b]), accm[j]);                \
@@ -219,12 +226,17 @@ __attribute__((noinline)) static void q8_tile_##MR(const uint8_t *tile, const ui
         __m512i start = _mm512_loadu_si512(blk + 544);                                          \
         for (int j = 0; j < MR; j++) {                                                           \
             const int8_t *x = (const int8_t *)xu + j * K + b * QK;                               \
-            __m512i s0 = start, s1 = _mm512_setzero_si512();                                     \
-            for (int k = 0; k < 4; k++) {                                                        \
-                s0 = _mm512_dpbusd_epi32(s0, bcast4(x + 4 * k), w[k]);                           \
-                s1 = _mm512_dpbusd_epi32(s1, bcast4(x + 16 + 4 * k), w[k + 4]);                  \
+            __m512i s = start;                                                                   \
+            if (MR > 1)                              /* one chain, as Q4_1's */                  \
+                for (int k = 0; k < 8; k++) s = _mm512_dpbusd_epi32(s, bcast4(x + 4 * k), w[k]); \
+            else {                                                                               \
+                __m512i s1 = _mm512_setzero_si512();                                             \
+                for (int k = 0; k < 4; k++) {                                                    \
+                    s = _mm512_dpbusd_epi32(s, bcast4(x + 4 * k), w[k]);                         \
+                    s1 = _mm512_dpbusd_epi32(s1, bcast4(x + 16 + 4 * k), w[k + 4]);             \
+                }                                                                                \
+                s = _mm512_add_epi32(s, s1);                                                     \
             }                                                                                    \
-            __m512i s = _mm512_add_epi32(s0, s1);                                                \
             __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(sx[j * G + b]));       \
             acc[j] = _mm512_fmadd_ps(dv, t, acc[j]);                                             \
         }                                                                                        \

@@ -628,6 +628,22 @@ static inline __attribute__((always_inline)) void attend_heads(
     float top[GH], total[GH], inv[GH];
     for (int h = 0; h < NH; h++) top[h] = -INFINITY;
     int64_t b4 = below - below % 4, j = 0;
+    if (NH == 1)                          /* alone: eight keys a block, eight chains in flight */
+        for (; j + 8 <= b4; j += 8) {
+            const float *k = K + j * D;
+            v8 acc[8] = {(v8){0}, (v8){0}, (v8){0}, (v8){0}, (v8){0}, (v8){0}, (v8){0}, (v8){0}};
+            for (int64_t d = 0; d < D; d += 8) {
+                v8 x = load_f32(q + d);
+                for (int i = 0; i < 8; i++) acc[i] = madd(acc[i], x, load_f32(k + i * D + d));
+            }
+            float s[8];
+            hsum4(acc, s);
+            hsum4(acc + 4, s + 4);
+            for (int i = 0; i < 8; i++) {
+                scores[j + i] = s[i] * scale;
+                if (scores[j + i] > top[0]) top[0] = scores[j + i];
+            }
+        }
     for (; j < b4; j += 4) {
         const float *k = K + j * D;
         for (int h = 0; h < NH; h++) {
@@ -673,21 +689,23 @@ static inline __attribute__((always_inline)) void attend_heads(
         for (int h = 0; h < NH; h++) total[h] += scores[h * n + j];
     }
     for (int h = 0; h < NH; h++) inv[h] = 1.0f / total[h];
-    for (int64_t c = 0; c < D; c += 32) {
-        v8 o[GH][4];
+    const int CW = NH < 3 && D % 64 == 0 ? 64 : 32, NV = CW / 8;   /* columns a walk, vectors */
+    for (int64_t c = 0; c < D; c += CW) {
+        v8 o[GH][8];
         for (int h = 0; h < NH; h++)
-            for (int i = 0; i < 4; i++) o[h][i] = (v8){0};
+            for (int i = 0; i < NV; i++) o[h][i] = (v8){0};
         for (j = 0; j < n; j++) {
             if (j >= below && !see[j - below]) continue;
             const float *v = V + j * D + c;
-            v8 vv[4] = {load_f32(v), load_f32(v + 8), load_f32(v + 16), load_f32(v + 24)};
+            v8 vv[8];
+            for (int i = 0; i < NV; i++) vv[i] = load_f32(v + 8 * i);
             for (int h = 0; h < NH; h++) {
                 v8 p = (v8){0} + scores[h * n + j];
-                for (int i = 0; i < 4; i++) o[h][i] = madd(o[h][i], p, vv[i]);
+                for (int i = 0; i < NV; i++) o[h][i] = madd(o[h][i], p, vv[i]);
             }
         }
         for (int h = 0; h < NH; h++)
-            for (int i = 0; i < 4; i++) {
+            for (int i = 0; i < NV; i++) {
                 v8 r = o[h][i] * inv[h];
                 memcpy(out + h * D + c + 8 * i, &r, sizeof r);
             }

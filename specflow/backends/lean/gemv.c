@@ -622,6 +622,34 @@ static inline __attribute__((always_inline)) void attend_d(
    the values are summed 32 columns at a time for every head (12 accumulators and 4 values in
    registers). D: a multiple of 32. */
 #define GH 3
+/* out [NH, D] = each head's values summed with its weights scores[h x n + j] (column order) x
+   inv[h], NV x 8 columns a walk (NH x NV accumulators in registers: one or two heads take 64, so
+   that more sums are in flight than one multiply-add's latency). */
+static inline __attribute__((always_inline)) void value_sums(
+        const int NH, const int NV, const float *V, int64_t n, int64_t below, const uint8_t *see,
+        const int64_t D, const float *scores, const float *inv, float *out) {
+    for (int64_t c = 0; c < D; c += 8 * NV) {
+        v8 o[GH][NV];
+        for (int h = 0; h < NH; h++)
+            for (int i = 0; i < NV; i++) o[h][i] = (v8){0};
+        for (int64_t j = 0; j < n; j++) {
+            if (j >= below && !see[j - below]) continue;
+            const float *v = V + j * D + c;
+            v8 vv[NV];
+            for (int i = 0; i < NV; i++) vv[i] = load_f32(v + 8 * i);
+            for (int h = 0; h < NH; h++) {
+                v8 p = (v8){0} + scores[h * n + j];
+                for (int i = 0; i < NV; i++) o[h][i] = madd(o[h][i], p, vv[i]);
+            }
+        }
+        for (int h = 0; h < NH; h++)
+            for (int i = 0; i < NV; i++) {
+                v8 r = o[h][i] * inv[h];
+                memcpy(out + h * D + c + 8 * i, &r, sizeof r);
+            }
+    }
+}
+
 static inline __attribute__((always_inline)) void attend_heads(
         const float *q, const int NH, const float *K, const float *V, int64_t n, int64_t below,
         const uint8_t *see, const int64_t D, float scale, float *scores, float *out) {
@@ -689,27 +717,8 @@ static inline __attribute__((always_inline)) void attend_heads(
         for (int h = 0; h < NH; h++) total[h] += scores[h * n + j];
     }
     for (int h = 0; h < NH; h++) inv[h] = 1.0f / total[h];
-    const int CW = NH < 3 && D % 64 == 0 ? 64 : 32, NV = CW / 8;   /* columns a walk, vectors */
-    for (int64_t c = 0; c < D; c += CW) {
-        v8 o[GH][8];
-        for (int h = 0; h < NH; h++)
-            for (int i = 0; i < NV; i++) o[h][i] = (v8){0};
-        for (j = 0; j < n; j++) {
-            if (j >= below && !see[j - below]) continue;
-            const float *v = V + j * D + c;
-            v8 vv[8];
-            for (int i = 0; i < NV; i++) vv[i] = load_f32(v + 8 * i);
-            for (int h = 0; h < NH; h++) {
-                v8 p = (v8){0} + scores[h * n + j];
-                for (int i = 0; i < NV; i++) o[h][i] = madd(o[h][i], p, vv[i]);
-            }
-        }
-        for (int h = 0; h < NH; h++)
-            for (int i = 0; i < NV; i++) {
-                v8 r = o[h][i] * inv[h];
-                memcpy(out + h * D + c + 8 * i, &r, sizeof r);
-            }
-    }
+    if (NH < 3 && D % 64 == 0) value_sums(NH, 8, V, n, below, see, D, scores, inv, out);
+    else value_sums(NH, 4, V, n, below, see, D, scores, inv, out);
 }
 
 /* nh (1..GH) heads of one key/value head: attend_heads with the counts as constants (D 64 and

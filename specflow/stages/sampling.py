@@ -19,6 +19,8 @@ from typing import Sequence
 
 import torch
 
+from specflow.backends.lean.native import argmax
+
 Generators = torch.Generator | Sequence[torch.Generator | None] | None
 
 _M32 = 0xFFFFFFFF
@@ -76,7 +78,7 @@ def position_exponentials(seeds: torch.Tensor, positions: torch.Tensor, vocab_si
 def position_choice(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """The token plain sampling puts at each position: argmax(p / E(seed, position)) over
     unnormalised non-negative weights probs [B, P, V] -> [B, P] long (Categorical(p) exactly)."""
-    return (probs / position_exponentials(seeds, positions, probs.shape[-1])).argmax(-1)
+    return argmax(probs / position_exponentials(seeds, positions, probs.shape[-1]))
 
 
 def row_uniforms(shape: tuple[int, int], k: list[int], generator: Generators,
@@ -111,4 +113,4 @@ def sample_categorical(probs: torch.Tensor, generator: Generators = None,
                        active: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row from unnormalised non-negative weights [B, V] -> [B] (exponential race)."""
     e = row_exponentials(tuple(probs.shape), generator, probs.device, active)   # [B, V]
-    return (probs / e).argmax(-1)                                                # [B]
+    return argmax(probs / e)                                                     # [B]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from specflow.backends.lean.native import argmax
 from specflow.stages.sampling import Generators, position_exponentials, row_uniforms, sample_categorical
 from specflow.state import PAD
 
@@ -53,7 +54,7 @@ def verify(draft_token_ids: torch.Tensor, target_probs: torch.Tensor,
         draft_probs = draft_probs.to(device)
     if K == 0:   # plain decoding: the bonus token only
         p0 = target_probs[:, 0]                                                # [B, V]
-        final = p0.argmax(-1) if greedy else sample_categorical(p0, generator)
+        final = argmax(p0) if greedy else sample_categorical(p0, generator)
         return final[:, None], torch.zeros(B, dtype=torch.long, device=device)
     rows = torch.arange(B, device=device)                                      # [B]
     valid = draft_token_ids != PAD                                             # [B, K]
@@ -61,7 +62,7 @@ def verify(draft_token_ids: torch.Tensor, target_probs: torch.Tensor,
     safe_ids = draft_token_ids.clamp(min=0)                                    # [B, K] PAD never indexes
 
     if greedy:
-        target_argmax = target_probs.argmax(-1)                                # [B, K+1]
+        target_argmax = argmax(target_probs)                                   # [B, K+1]
         accept = (safe_ids == target_argmax[:, :K]) & valid                    # [B, K]
     else:
         p_draft = target_probs[:, :K].gather(-1, safe_ids[..., None]).squeeze(-1)   # [B, K]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from specflow.backends.lean.native import argmax as last_argmax
 from specflow.stages.tree import TreeLayout, tree_layout
 from specflow.stages.sampling import Generators, row_uniforms, sample_categorical
 from specflow.state import PAD
@@ -64,7 +65,7 @@ def verify_tree(draft_token_ids: torch.Tensor, parents: torch.Tensor, target_pro
     path = torch.full((B, N), PAD, dtype=torch.long, device=device)                 # [B, N]
     num_accepted = torch.zeros(B, dtype=torch.long, device=device)                  # [B]
     if greedy:
-        argmax = target_probs.argmax(-1)                                            # [B, N+1]
+        argmax = last_argmax(target_probs)                                          # [B, N+1]
         for d in range(layout.max_depth):
             kids = children[rows, current + 1]                                      # [B, M]
             want = argmax[rows, current + 1]                                        # [B]

@@ -114,6 +114,8 @@ def _library() -> ctypes.CDLL | None:
     lib.specflow_head_chain.restype = ctypes.c_int
     lib.specflow_block_rows.argtypes = [P, ctypes.c_int, P, I64, I64, I64, P]
     lib.specflow_block_rows.restype = ctypes.c_int
+    lib.specflow_argmax.argtypes = [P, I64, I64, P]
+    lib.specflow_argmax.restype = ctypes.c_int
     lib.has_f16 = bool(lib.specflow_has_f16())
     lib.vnni = bool(lib.specflow_blocks_vnni())
     return lib
@@ -164,6 +166,18 @@ def gemv(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None = None,
     if failed:
         raise RuntimeError(f"specflow's native product was built without {w.dtype}: rebuild it "
                            f"with a compiler that has it, or set {ENV}=0")
+    return out
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x [..., V] -> [...] long: torch.argmax(x, -1) (the first index of the largest value, the
+    first NaN where there is one), by one native call for a contiguous float32 CPU tensor, whose
+    rows torch's argmax reads ~10x slower than their max; torch's argmax elsewhere."""
+    if (x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous()
+            or x.dim() == 0 or x.shape[-1] == 0 or not available(torch.float32)):
+        return x.argmax(-1)
+    out = x.new_empty(x.shape[:-1], dtype=torch.long)                            # [...]
+    _library().specflow_argmax(x.data_ptr(), out.numel(), x.shape[-1], out.data_ptr())
     return out
 
 

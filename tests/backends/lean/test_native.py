@@ -201,3 +201,44 @@ def test_without_torch_operators_a_traced_graph_takes_torch_products(monkeypatch
     with torch.inference_mode():
         assert torch.allclose(compiled(x, w), x @ w.T, atol=1e-5)
     assert kernels.Kernels("native", "native").normed_matmul(x, torch.ones(16), 1e-5, w) is not None
+
+
+def _argmax_cases():
+    """Rows torch.argmax has rules for: ties (the first), NaN (the first NaN), all -inf (0),
+    +inf, signed zeros, widths that are not a multiple of the kernel's 8 or 32."""
+    g = torch.Generator().manual_seed(7)
+    for V in (1, 5, 8, 31, 32, 33, 100, 8192, 49152 + 3):
+        x = torch.randn(3, V, generator=g)
+        yield f"random {V}", x
+        tied = x.clone()
+        tied[:, ::3] = x.amax(-1, keepdim=True)
+        yield f"ties {V}", tied
+        nan = x.clone()
+        nan[torch.rand(3, V, generator=g) < 0.05] = float("nan")
+        nan[0, V - 1] = float("nan")                       # at least one, maybe only at the end
+        yield f"nan {V}", nan
+        yield f"-inf {V}", torch.full((2, V), float("-inf"))
+        inf = x.clone()
+        inf[:, V // 2] = float("inf")
+        yield f"+inf {V}", inf
+        zeros = torch.zeros(2, V)
+        zeros[:, : V // 2] = -0.0
+        yield f"signed zeros {V}", zeros
+        yield f"rounded {V}", (x * 2).round()
+
+
+@needs_native
+def test_the_native_argmax_is_torch_argmax():
+    for name, x in _argmax_cases():
+        assert torch.equal(native.argmax(x), x.argmax(-1)), name
+        three = x[None].expand(2, *x.shape).contiguous()                    # [2, R, V]
+        assert torch.equal(native.argmax(three), three.argmax(-1)), name
+
+
+def test_the_native_argmax_hands_other_inputs_to_torch(monkeypatch):
+    called = []
+    monkeypatch.setattr(native, "_library", lambda: called.append(1))       # must not be asked
+    x = torch.randn(4, 50)
+    for other in (x.double(), x.t(), x.half()):
+        assert torch.equal(native.argmax(other), other.argmax(-1))
+    assert not called

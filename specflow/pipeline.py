@@ -34,6 +34,7 @@ from specflow.engine import Engine
 from specflow.errors import ConfigError, InputError, PluginError
 from specflow.metrics import MetricsRecorder
 from specflow.backends.contract import Backend, SimClock
+from specflow.backends.lean.native import row_max
 from specflow.request import LOGPROB_FLOOR, GenerationResult, Request, Row
 from specflow.plugins import blame, check_hooks, get_registry, new_plugin_manager
 from specflow.stages.cache import TargetCacheSync
@@ -298,7 +299,7 @@ class Pipeline:
         shaping = ShapingBatch(logits.float(), token_ids, draft_token_ids, first_draft_index,
                                request_ids, source, sampling, greedy)
         if source == "target":     # the model's own verdict, before a stage may edit in place
-            raw_max = shaping.logits.amax(-1)                                         # [B, P]
+            raw_max = row_max(shaping.logits)                                         # [B, P]
         self.hook.specflow_mask_logits(shaping=shaping)
         self.hook.specflow_process_logits(shaping=shaping)
         # the stages made a new tensor (or the input was converted): edit it without a copy

@@ -26,6 +26,7 @@ from typing import Callable
 
 import torch
 
+from specflow.backends.lean.native import row_max
 from specflow.errors import InputError
 from specflow.state import ShapingBatch
 
@@ -43,7 +44,7 @@ def mark_empty(logits: torch.Tensor, inplace: bool = False
     flags costs nothing, unusable is None when every row is usable (the common case)."""
     # one reduction: the max of a row is -inf when all are, +inf or NaN when any is (max
     # propagates NaN)
-    maxima = logits.amax(-1)                                                   # [B, P]
+    maxima = row_max(logits)                                                   # [B, P]
     # the few maxima read as floats: 2-3x quicker than isfinite().all()
     if logits.device.type == "cpu" and all(map(math.isfinite, maxima.view(-1).tolist())):  # cpu only
         return logits, None

@@ -452,40 +452,60 @@ int specflow_has_f16(void) {
 #endif
 }
 
+/* The largest of p[0..V) (NaN passed over; -inf for none) and whether any is NaN: eight lanes
+   at a time, four vectors in flight. */
+static float row_top(const float *p, int64_t V, int *any_nan) {
+    v8 top[4];
+    i8v nan = (i8v){0};
+    for (int c = 0; c < 4; c++) top[c] = (v8){0} - INFINITY;
+    int64_t j = 0;
+    for (; j + 32 <= V; j += 32)
+        for (int c = 0; c < 4; c++) {
+            v8 v = load_f32(p + j + 8 * c);
+#ifdef __AVX__                                           /* max_ps keeps top where v is NaN */
+            top[c] = (v8)_mm256_max_ps((__m256)v, (__m256)top[c]);
+            nan |= (i8v)_mm256_cmp_ps((__m256)v, (__m256)v, _CMP_UNORD_Q);
+#else
+            nan |= v != v;
+            top[c] = pick(v > top[c], v, top[c]);
+#endif
+        }
+    float m = -INFINITY;
+    *any_nan = 0;
+    for (int c = 0; c < 4; c++)
+        for (int i = 0; i < 8; i++) {
+            if (top[c][i] > m) m = top[c][i];
+            *any_nan |= nan[i] != 0;
+        }
+    for (; j < V; j++) {
+        if (p[j] != p[j]) *any_nan = 1;
+        else if (p[j] > m) m = p[j];
+    }
+    return m;
+}
+
+/* out[r] = the largest value of row r of x [R, V] float32, NaN where the row has one: torch's
+   amax(-1). One thread: a round's few rows of logits, where torch's reduction opened a parallel
+   region per call (~45 us for a 49,152-wide row just written by the LM head, ~20 here). */
+int specflow_row_max(const float *x, int64_t R, int64_t V, float *out) {
+    for (int64_t r = 0; r < R; r++) {
+        int any_nan;
+        float m = row_top(x + r * V, V, &any_nan);
+        out[r] = any_nan ? NAN : m;
+    }
+    return 0;
+}
+
 /* out[r] = the index of row r's largest value among x [R, V] float32, as torch.argmax(-1) on a
    CPU: the first index of the maximum, the first NaN where a row has one (NaN counts as the
    largest). One thread: a verifier's few rows, where torch's argmax (an index carried beside
    every compare, 43 us for a 49,152-wide row here) cost ten times its max (3.6 us). Here the
-   max in eight lanes, then the first index equal to it. */
+   max (row_top), then the first index equal to it. */
 int specflow_argmax(const float *x, int64_t R, int64_t V, int64_t *out) {
     for (int64_t r = 0; r < R; r++) {
         const float *p = x + r * V;
-        v8 top[4];
-        i8v nan = (i8v){0};
-        for (int c = 0; c < 4; c++) top[c] = (v8){0} - INFINITY;
-        int64_t j = 0;
-        for (; j + 32 <= V; j += 32)
-            for (int c = 0; c < 4; c++) {
-                v8 v = load_f32(p + j + 8 * c);
-#ifdef __AVX__                                       /* max_ps keeps top where v is NaN */
-                top[c] = (v8)_mm256_max_ps((__m256)v, (__m256)top[c]);
-                nan |= (i8v)_mm256_cmp_ps((__m256)v, (__m256)v, _CMP_UNORD_Q);
-#else
-                nan |= v != v;
-                top[c] = pick(v > top[c], v, top[c]);
-#endif
-            }
-        float m = -INFINITY;
-        int any_nan = 0;
-        for (int c = 0; c < 4; c++)
-            for (int i = 0; i < 8; i++) {
-                if (top[c][i] > m) m = top[c][i];
-                any_nan |= nan[i] != 0;
-            }
-        for (; j < V; j++) {
-            if (p[j] != p[j]) any_nan = 1;
-            else if (p[j] > m) m = p[j];
-        }
+        int any_nan;
+        float m = row_top(p, V, &any_nan);
         int64_t at = 0;
         if (any_nan) {
             while (p[at] == p[at]) at++;

@@ -235,10 +235,19 @@ def test_the_native_argmax_is_torch_argmax():
         assert torch.equal(native.argmax(three), three.argmax(-1)), name
 
 
-def test_the_native_argmax_hands_other_inputs_to_torch(monkeypatch):
+def test_the_native_reductions_hand_other_inputs_to_torch(monkeypatch):
     called = []
     monkeypatch.setattr(native, "_library", lambda: called.append(1))       # must not be asked
     x = torch.randn(4, 50)
     for other in (x.double(), x.t(), x.half()):
         assert torch.equal(native.argmax(other), other.argmax(-1))
+        assert torch.equal(native.row_max(other), other.amax(-1))
     assert not called
+
+
+@needs_native
+def test_the_native_row_max_is_torch_amax():
+    for name, x in _argmax_cases():
+        got, want = native.row_max(x), x.amax(-1)
+        assert torch.equal(got.isnan(), want.isnan()), name
+        assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0)), name

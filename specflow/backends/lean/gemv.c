@@ -843,8 +843,8 @@ static void silu_range(const float *gu, float *act, int64_t I, int64_t lo, int64
 
 /* SiLU x up over [R, I], split among the threads from SILU_SPLIT elements (fewer: one thread, a
    parallel region costs more than it saves). Split from 2048, a 5-position pass's SiLU took half
-   the time and the pass did not gain (SmolLM2 Q4_1), or lost 3-4% (float32 and bfloat16 weights:
-   the next product's threads then read rows that both threads wrote). */
+   the time and the pass did not gain (SmolLM2 Q4_1), or lost 3-4% (float32 and bfloat16 weights;
+   the region's fork and join and rows written by both threads are the likely costs). */
 #define SILU_SPLIT 8192
 static void silu_up(const float *gu, float *act, int64_t R, int64_t I, int threads) {
     int64_t N = R * I;

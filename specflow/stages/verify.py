@@ -121,7 +121,8 @@ def _greedy_on_host(draft_token_ids: torch.Tensor, best: torch.Tensor
             n += 1
         out.append(row[:n] + [want[n]] + [PAD] * (K - n))
         accepted.append(n)
-    return torch.tensor(out, dtype=torch.long), torch.tensor(accepted, dtype=torch.long)
+    return (torch.tensor(out, dtype=torch.long).view(len(out), K + 1),         # [B, K+1]
+            torch.tensor(accepted, dtype=torch.long))                           # [B]
 
 
 def position_targets(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

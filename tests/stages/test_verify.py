@@ -237,3 +237,12 @@ def test_cuda_matches_cpu_under_greedy_and_samples_target_on_cuda():
     out, _ = verify(drafts, p.cuda().expand(n, 4, 6), q.cuda().expand(n, 3, 6), generator=gen)
     hist = np.bincount(out[:, 0].cpu().numpy(), minlength=6) / n
     assert tv(hist, p[0].numpy()) < 0.01
+
+
+def test_greedy_verification_keeps_its_shapes_for_no_rows_and_narrow_drafts():
+    out, n = verify(torch.empty(0, 3, dtype=torch.long), torch.rand(0, 4, 10), greedy=True)
+    assert out.shape == (0, 4) and n.shape == (0,) and out.dtype == n.dtype == torch.long
+    target = torch.zeros(1, 4, 5)
+    target[0, 0, 1] = target[0, 1, 2] = target[0, 2, 4] = 1.0
+    out, n = verify(torch.tensor([[1, 2, PAD]], dtype=torch.int32), target, greedy=True)
+    assert out.tolist() == [[1, 2, 4, PAD]] and n.tolist() == [2] and out.dtype == torch.long

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specflow.backends.lean.native import argmax
 from specflow.errors import ConfigError
 from specflow.plugins import hookimpl
 from specflow.stages.proposers.draft_tree import Calibration, DraftTree, draft_trees, keep_accepted_path, learn
@@ -58,7 +59,7 @@ def draft_steps(batch, ks: list[int], K: int, vocab_size: int, device, step):
         shaped = sub.shape(logits[:, None], drafts[idx, :i], first_draft_index=i,
                            source="draft")[:, 0]
         if batch.greedy:
-            x = shaped.argmax(-1)                                                   # [L]
+            x = argmax(shaped)                                                      # [L]
         else:
             q = shaped.softmax(-1)                                                  # [L, V]
             x = sub.sample(q, i)                                                    # [L]

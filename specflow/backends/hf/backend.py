@@ -58,6 +58,8 @@ class HFModelConfig:
                                       # holds max_batch_size x this many positions
     graphs: bool = False              # chain passes as static-shape steps per bucket, captured as
                                       # CUDA graphs on a GPU (backends/lean/graph_step.py)
+    huge_pages: bool = True           # the lean forward's CPU weights in 2 MB transparent huge
+                                      # pages where Linux offers them (backends/lean/huge_pages.py)
     # what tune() chooses (the root keys of the same names fill them: `threads=2` or
     # `model.threads=2`); auto: timed at start
     threads: Any = "auto"             # a target's CPU threads: auto (all cores or one) or a count
@@ -411,7 +413,8 @@ class HFBackend(Backend):
         # where each timed choice's times came from (backends/choice_cache.py): describe()'s
         # `choices`, "cache" or "timed"
         with choice_cache.recording() as self.choices:
-            self.lean = self._lean_forward(cfg.forward, role, cfg.device_map, quantize)
+            self.lean = self._lean_forward(cfg.forward, role, cfg.device_map, quantize,
+                                           cfg.huge_pages)
         if quantize is not None:
             self.weights = self._quantized(*quantize[:3], from_file=blocks is not None,
                                            head_from_file=blocks is not None
@@ -523,7 +526,7 @@ class HFBackend(Backend):
         return described
 
     def _lean_forward(self, choice: str, role: str, device_map: str | None,
-                      quantize: tuple | None = None):
+                      quantize: tuple | None = None, huge_pages: bool = False):
         from specflow.backends.lean.forward import LeanLlama, unsupported_reason
 
         if choice == "hf":
@@ -533,7 +536,7 @@ class HFBackend(Backend):
             reason = f"device_map={device_map} (layers on several devices)"
         if reason is None:
             self._bool_mask = True
-            return LeanLlama(self.model, quantize=quantize)
+            return LeanLlama(self.model, quantize=quantize, huge_pages=huge_pages)
         if choice == "lean":
             raise ConfigError(f"{role}.forward=lean does not support {self.path!r}: {reason}; "
                               f"use {role}.forward=hf")
@@ -591,7 +594,8 @@ class HFBackend(Backend):
         """forward (lean | hf), threads (tune's choice for the target; otherwise torch's CPU
         threads now), packed (tune's choice), kernels (the product forms the lean forward
         timed and chose; None without it), native_pass (the pass sizes that run all decoder
-        layers in one native call, backends/lean/native_pass.py; None where none do) and choices
+        layers in one native call, backends/lean/native_pass.py; None where none do),
+        huge_pages_mb (the lean forward's weights in 2 MB pages: model.huge_pages) and choices
         (each timed choice -> "cache" where its times were read back from an earlier run's,
         "timed" where they were measured now: backends/choice_cache.py)."""
         threads = self.threads if self.threads is not None else torch.get_num_threads()
@@ -602,6 +606,8 @@ class HFBackend(Backend):
             out["weights"] = self.weights
         if self.lean is not None:
             out["native_pass"] = self.lean.native_pass_rows()
+            # MB of weights copied into transparent huge pages (model.huge_pages)
+            out["huge_pages_mb"] = round(self.lean.huge_page_bytes / 2**20, 1)
         if self.lean is not None and self.lean.grouped_from is not None:
             out["attention"] = (f"one query: grouped products from {self.lean.grouped_from} "
                                 f"keys, rows x cached length (kernels.pick_one_query_attention)")
@@ -698,7 +704,10 @@ class HFBackend(Backend):
             out = self.lean(ids, positions, mask, self.cache, logits_to_keep=0 if logits else 1,
                             capture=layers, captured=captured, plan_mask=plan_mask)
             self.cache.commit(plan.slot_list, plan.lens)
-            out = out[:B, :T].float() if logits else None                            # [B, T, V]
+            if logits and (out.shape[:2] != (B, T) or out.dtype != torch.float32):
+                out = out[:B, :T].float()                                            # [B, T, V]
+            elif not logits:
+                out = None
             # the lean forward hands them out in layer order (the contract's ascending order)
             return (out, torch.cat(captured, -1)[:B, :T]) if layers else out         # [B, T, nE]
         extra = {self._cache_kw: self.cache}

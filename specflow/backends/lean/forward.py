@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 import dataclasses
 
-from specflow.backends.lean import bf16_weights, native
+from specflow.backends.lean import bf16_weights, huge_pages, native
 from specflow.backends.lean.kernels import Kernels, grouped_attention, pack, pick, \
     pick_one_query_attention
 from specflow.backends.lean.native_pass import NativePass
@@ -106,7 +106,7 @@ def _gqa_in_sdpa() -> bool:
 
 class LeanLlama:
     def __init__(self, model, kernels: Kernels | None = None,
-                 quantize: tuple | None = None):
+                 quantize: tuple | None = None, huge_pages: bool = False):
         cfg = model.config
         inner = model.model
         self.model = model
@@ -150,6 +150,8 @@ class LeanLlama:
         # the dense forms are timed (those left dense, a shape the layout cannot hold, are
         # listed here)
         self.quantized_left = self.quantize(*quantize) if quantize is not None else []
+        # bytes of weights moved into 2 MB pages (huge_pages.py), before the products are timed
+        self.huge_page_bytes = self._into_huge_pages() if huge_pages else 0
         # one-query passes attend with grouped products from this many keys (rows x cached
         # length; None: always the fused kernel); measured, CPU float16/bfloat16 only (kernels.py)
         self.grouped_from = pick_one_query_attention(self.num_heads, self.num_kv_heads,
@@ -178,6 +180,65 @@ class LeanLlama:
     def _dense_weights(self) -> list[torch.Tensor]:
         """The product weights neither packed nor quantized: those the product forms serve."""
         return [w for w in self._weights() if isinstance(w, torch.Tensor) and not w.is_mkldnn]
+
+    def _into_huge_pages(self) -> int:
+        """Copy the weights (the layers' products, dense or held in blocks, norms and
+        biases; the LM head, the embedding and the final norm) into one mapping of transparent
+        huge pages (huge_pages.py) and point everything that read each old one at its copy (the
+        layer tuples, held weights, the model's parameters, views into fused weights included)
+        before the next is copied, so that nothing holds the old ones once all are copied
+        (their memory goes back to the system) -> the bytes moved (0 where huge pages are not
+        available, the weights are not on a CPU, or they fill less than one huge page). The
+        values are the same, bit for bit."""
+        if self.embed.device.type != "cpu":
+            return 0
+        held: dict[int, list] = {}     # data_ptr -> the HeldWeights holding that tensor
+        old: dict[int, torch.Tensor] = {}    # tensors to copy, by their data_ptr
+        # every tensor of the layers (norms and biases too: a weight file mapped whole stays
+        # resident while any tensor of it lives), the head, the embedding, the final norm
+        every = [w for layer in self.layers for w in layer] + [self.lm_head, self.embed, self.norm]
+        for w in every:
+            if isinstance(w, native.HeldWeight):
+                held.setdefault(w.data.data_ptr(), []).append(w)
+                w = w.data
+            if isinstance(w, torch.Tensor) and not w.is_mkldnn and w.device.type == "cpu" \
+                    and w.is_contiguous() and not is_placeholder(w) and w.numel() > 1:
+                old.setdefault(w.data_ptr(), w)
+        del every, w
+        sizes = [t.numel() * t.element_size() for t in old.values()]
+        rooms = huge_pages.reserve(sizes)
+        if rooms is None:
+            return 0
+        for room, at in zip(rooms, list(old)):
+            t = old.pop(at)
+            copy = huge_pages.place(room, t)
+            self._point_at(t, copy, held.get(at, ()))
+            del t
+        huge_pages.return_freed()
+        return sum(sizes)
+
+    def _point_at(self, t: torch.Tensor, copy: torch.Tensor, held) -> None:
+        """Everything that reads weight t reads its copy instead: held weights over it, the
+        layer tuples, the head, the embedding, the final norm, and the model's parameters inside t's bytes (a
+        fused weight's views, a tied head: the same view of the copy)."""
+        at, end, size = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), t.element_size()
+
+        def moved(w):
+            return copy if isinstance(w, torch.Tensor) and w.data_ptr() == at \
+                and w.shape == t.shape and w.dtype == t.dtype else w
+
+        for w in held:
+            w.data = copy
+        self.layers[:] = [tuple(moved(w) for w in layer) for layer in self.layers]
+        self.lm_head, self.embed, self.norm = moved(self.lm_head), moved(self.embed), \
+            moved(self.norm)
+        with torch.no_grad():
+            for p in self.model.parameters():
+                if p.device.type == "cpu" and p.dtype == t.dtype and p.is_contiguous() \
+                        and not is_placeholder(p) and at <= p.data_ptr() \
+                        and p.data_ptr() + p.numel() * size <= end:
+                    first = (p.data_ptr() - at) // size
+                    p.data = copy.view(-1)[first:first + p.numel()].view(p.shape)
 
     def _owners(self, index: int, field: int) -> list:
         if index == self.HEAD:
@@ -230,7 +291,8 @@ class LeanLlama:
         the same values: quantize(share_embedding=True))."""
         if self.embed_held is not None:
             return self.embed_held.rows(ids).to(self.embed.dtype)
-        return F.embedding(ids, self.embed)
+        # F.embedding's rows, without its Python checks (~15 us of a decode step)
+        return self.embed.index_select(0, ids.reshape(-1)).view(*ids.shape, self.embed.shape[1])
 
     def quantize(self, bits: int, group_size: int = 32,
                  activations: torch.dtype | None = None, given: dict | None = None,
@@ -451,7 +513,8 @@ class LeanLlama:
     def _rope(self, positions: torch.Tensor, dtype, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, 1, T, D] at `positions` [B, T], from a table grown to `needed` rows."""
         cos, sin = self.rope_table(dtype, needed)                                     # [P, D]
-        return cos[positions][:, None], sin[positions][:, None]
+        at, shape = positions.reshape(-1), (positions.shape[0], 1, *positions.shape[1:], -1)
+        return cos.index_select(0, at).view(shape), sin.index_select(0, at).view(shape)
 
     def layer(self, i: int, weights: tuple, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               mask: torch.Tensor | None, attend) -> torch.Tensor:
@@ -543,12 +606,19 @@ class LeanLlama:
             layers = prefill
         whole = self._native_layers(queries) if plan_mask and not dual and prefill is None \
             else None
-        done = whole is not None and whole(x, cache, cos, sin, capture, captured) is not None
-        for i, weights in enumerate(() if done else layers):
+        final = len(layers) in capture
+        # every position's logits wanted: the LM head in the pass's own call, where its
+        # product is the native one (the same bits as _normed_mm's)
+        kind = whole.head_kind(head, self.norm, queries) \
+            if whole is not None and not logits_to_keep and not final else None
+        fused = None if kind is None else (self.norm, head, kind)
+        out = None if whole is None else whole(x, cache, cos, sin, capture, captured, fused)
+        if out is not None and out is not x:            # the logits [B, T, V], not the stream
+            return out
+        for i, weights in enumerate(() if out is not None else layers):
             if i in capture:
                 captured.append(x)                                                    # [B, T, E]
             x = self.layer(i, weights, x, cos, sin, mask, cache.update)
-        final = len(layers) in capture
         if logits_to_keep and not final:
             x = x[:, -logits_to_keep:]
         if not final:

@@ -944,6 +944,30 @@ int specflow_layers(float *x, int64_t R, int64_t E, int64_t H, int64_t Hkv, int6
                   see, S, cos, sin, capture, caps, NULL, NULL, threads);
 }
 
+/* specflow_layers, then the LM head over the R rows it leaves: logits [R, N] = RMSNorm(x) x G_out
+   (eps) times head^T, the head of `head_kind` as product() takes it (F32, BF16_WEIGHTS,
+   F16_WEIGHTS or BLOCK_*), by the operations specflow_gemv (float32) and specflow_held (the
+   others) use with their norm: a pass's logits in the same call as its layers. x is left as
+   the last layer leaves it. Returns specflow_layers' codes. */
+int specflow_layers_head(float *x, int64_t R, int64_t E, int64_t H, int64_t Hkv, int64_t D,
+                         int64_t I, int64_t L, const void *const *W, const int8_t *kinds,
+                         const float *const *G, float eps, float *const *keys,
+                         float *const *values, int64_t C, const int64_t *slot, const int64_t *col,
+                         const int64_t *below, const uint8_t *see, int64_t S, const float *cos,
+                         const float *sin, const int64_t *capture, float *caps,
+                         const float *G_out, const void *head, int head_kind, int64_t N,
+                         float *logits, int threads) {
+    int failed = layers(x, R, E, H, Hkv, D, I, L, W, kinds, G, eps, keys, values, C, slot, col,
+                        below, see, S, cos, sin, capture, caps, NULL, NULL, threads);
+    if (failed) return failed;
+    float *normed = malloc((size_t)(R * E) * sizeof(float));
+    if (!normed) return 1;
+    rms_rows(x, G_out, eps, R, E, normed);
+    failed = product(head, head_kind, normed, logits, N, E, R, threads);
+    free(normed);
+    return failed;
+}
+
 /* One EAGLE-3 head layer (layers() with L = 1 and its side input): x [R, E] the head states in
    and out, side [R, E] the tokens' embeddings, side_norm [E] its input_layernorm, G its
    hidden_norm and post_attention_layernorm. */

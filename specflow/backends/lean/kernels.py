@@ -174,9 +174,15 @@ class Kernels:
     def normed_matmul(self, x: torch.Tensor, norm: torch.Tensor, eps: float,
                       w: torch.Tensor) -> torch.Tensor | None:
         """RMSNorm(x) * norm times W [N, K]^T -> [..., N] in one call, where the product for x's
-        rows is the native one (which norms the rows as it reads them); None elsewhere: the
-        caller norms, then multiplies."""
+        rows is the native one (which norms the rows as it reads them), a held weight's among
+        them (float32 x on a CPU: the norm as the native pass's LM head takes it); None
+        elsewhere: the caller norms, then multiplies."""
         rows = x.numel() // x.shape[-1]
+        if isinstance(w, native.HeldWeight):    # its own product, normed in the same call
+            if x.dtype != torch.float32 or x.device.type != "cpu" or norm.dtype != torch.float32 \
+                    or torch.compiler.is_compiling():
+                return None
+            return native.held(w, x, norm.contiguous(), eps)
         if not isinstance(w, torch.Tensor) or w.is_mkldnn or self.form(rows) != "native":
             return None
         flat = x.reshape(rows, x.shape[-1])                                             # [M, K]

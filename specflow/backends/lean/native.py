@@ -96,6 +96,9 @@ def _library() -> ctypes.CDLL | None:
     lib.specflow_layers.argtypes = [P] + [I64] * 7 + [P, P, P, ctypes.c_float, P, P, I64, P, P,
                                                       P, P, I64, P, P, P, P, ctypes.c_int]
     lib.specflow_layers.restype = ctypes.c_int
+    lib.specflow_layers_head.argtypes = lib.specflow_layers.argtypes[:-1] + [
+        P, P, ctypes.c_int, I64, P, ctypes.c_int]
+    lib.specflow_layers_head.restype = ctypes.c_int
     lib.specflow_held.argtypes = [P, ctypes.c_int, P, P, I64, I64, I64, ctypes.c_int, P,
                                   ctypes.c_float]
     lib.specflow_held.restype = ctypes.c_int

@@ -158,11 +158,30 @@ class NativePass:
                 at[i] = j
         return at
 
+    def head_kind(self, head, norm: torch.Tensor, rows: int) -> int | None:
+        """The kind code (gemv.c's product()) under which specflow_layers_head computes this
+        LM head's logits for a pass of `rows` queries exactly as the lean forward's own head
+        product would (native.gemv's float32 rows, native.held's held weights, each with its
+        norm), or None: that product is not the native one, and the pass hands back its
+        residual stream for it."""
+        if norm.dtype != torch.float32 or not norm.is_contiguous() or norm.device.type != "cpu":
+            return None
+        if isinstance(head, native.HeldWeight):
+            return head.kind_code
+        if isinstance(head, torch.Tensor) and not head.is_mkldnn and head.device.type == "cpu" \
+                and head.dtype == torch.float32 and head.is_contiguous() \
+                and self.lean.kernels.form(rows) == "native":
+            return 0
+        return None
+
     def __call__(self, x: torch.Tensor, cache, cos: torch.Tensor, sin: torch.Tensor,
-                 capture: tuple[int, ...], captured: list | None) -> torch.Tensor | None:
+                 capture: tuple[int, ...], captured: list | None,
+                 head: tuple | None = None) -> torch.Tensor | None:
         """x [B, T, E] float32 (the embedded inputs, overwritten) -> the residual stream after
         the last layer [B, T, E]; None where the cache cannot be read this way (the eager
-        layers run instead). cos, sin [B, 1, T, D]: the queries' rotary rows."""
+        layers run instead). cos, sin [B, 1, T, D]: the queries' rotary rows. head (the final
+        norm [E], the LM head [V, E], its head_kind()): the logits [B, T, V] instead, computed
+        in the same call, where every query is real (a ragged batch hands back its stream)."""
         tables = cache_tables(cache, self.lean.num_kv_heads, self.lean.head_dim)
         if tables is None:
             return None
@@ -180,12 +199,20 @@ class NativePass:
         at = self._capture_slots(L, tuple(wanted))                                   # [L]
         caps = torch.empty(len(wanted), R, E) if wanted else None                    # [n, R, E]
         intermediate = lean.layers[0][7].shape[1]                           # down [E, I]
-        failed = native._library().specflow_layers(
-            x.data_ptr(), R, E, lean.num_heads, lean.num_kv_heads, D, intermediate, L,
-            self.weights, self.kinds.data_ptr(), self.norms, lean.eps, tables[0], tables[1], cache.max_capacity,
-            slots.data_ptr(), columns.data_ptr(), below.data_ptr(),
-            None if see is None else see.data_ptr(), width, cos.data_ptr(), sin.data_ptr(),
-            at.data_ptr(), None if caps is None else caps.data_ptr(), torch.get_num_threads())
+        args = (x.data_ptr(), R, E, lean.num_heads, lean.num_kv_heads, D, intermediate, L,
+                self.weights, self.kinds.data_ptr(), self.norms, lean.eps, tables[0], tables[1],
+                cache.max_capacity, slots.data_ptr(), columns.data_ptr(), below.data_ptr(),
+                None if see is None else see.data_ptr(), width, cos.data_ptr(), sin.data_ptr(),
+                at.data_ptr(), None if caps is None else caps.data_ptr())
+        logits = None
+        if head is not None and real is None:
+            norm, w, kind = head
+            logits = torch.empty(R, w.shape[0])                                       # [R, V]
+            failed = native._library().specflow_layers_head(
+                *args, norm.data_ptr(), w.data_ptr(), kind, w.shape[0], logits.data_ptr(),
+                torch.get_num_threads())
+        else:
+            failed = native._library().specflow_layers(*args, torch.get_num_threads())
         raise_failed(failed, "specflow's native pass", R, columns, cache.max_capacity)
         if real is not None:                     # back in place; padding keeps its input
             whole.view(B * T, E).index_copy_(0, real, x)
@@ -193,4 +220,4 @@ class NativePass:
                 caps = caps.new_zeros(len(wanted), B * T, E).index_copy_(1, real, caps)
         if caps is not None:
             captured.extend(caps.view(len(wanted), B, T, E).unbind(0))              # [B, T, E] each
-        return whole
+        return whole if logits is None else logits.view(B, T, -1)

@@ -323,3 +323,29 @@ def test_metrics_say_which_passes_run_natively():
     assert backend.describe()["native_pass"] == "1 query"
     backend.lean.native_layers = False
     assert backend.describe()["native_pass"] is None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int4"])
+@pytest.mark.parametrize("rows,width", [(1, 1), (1, 5), (3, 2)])
+def test_the_lm_head_in_the_pass_call_is_the_heads_own_product(monkeypatch, dtype, rows, width):
+    # the logits of a pass come out of its one native call (specflow_layers_head) with the
+    # bits the head's own product gives after the pass: dense float32 rows, held blocks
+    backend = HFBackend(HFModelConfig(path=str(DEMO_DIR / "target"), dtype=dtype),
+                        torch.device("cpu"), slots=3)
+    if dtype == "float32":
+        backend.lean.kernels = Kernels("native", "native", "linear")
+        backend.lean.mm = backend.lean.kernels.matmul
+    fed = torch.randint(1, 8000, (rows, width), generator=torch.Generator().manual_seed(2))
+    kinds = []
+    real = NativePass.head_kind
+
+    def spied(pass_, *args):
+        kinds.append(real(pass_, *args))
+        return kinds[-1]
+
+    monkeypatch.setattr(NativePass, "head_kind", spied)
+    fused, _ = run(backend, [30, 7, 64][:rows], fed, True)
+    assert kinds[-1] is not None                    # the pass computed the logits itself
+    monkeypatch.setattr(NativePass, "head_kind", lambda *args: None)
+    apart, _ = run(backend, [30, 7, 64][:rows], fed, True)
+    assert torch.equal(fused, apart)

@@ -12,6 +12,7 @@ from specflow import ConfigError, Pipeline
 from specflow.backends.hf.backend import DEMO_DIR, HFBackend, HFModelConfig
 from specflow.backends.lean import blocks
 from specflow.backends.lean.blocks import BlockWeight
+from specflow.backends.lean.forward import is_placeholder
 from specflow.backends.lean.quantized import (QuantizedWeight, available, from_int4_blocks,
                                               quantize_int4, quantize_int8, quantize_weight)
 
@@ -97,14 +98,13 @@ def test_a_quantized_backend_says_what_it_holds_and_frees_the_dense_weights():
     assert held.lean.quantized == (4, 32)
 
     def resident(backend) -> int:
-        seen, total = set(), 0
-        for p in backend.model.parameters():
-            if p.untyped_storage().data_ptr() not in seen:
-                seen.add(p.untyped_storage().data_ptr())
-                total += p.untyped_storage().nbytes()
+        # each parameter's own bytes once (fused weights' views add up to the fused one; weights
+        # in huge pages, model.huge_pages, share one storage with the blocks), placeholders none
+        own = {p.data_ptr(): p.numel() * p.element_size()
+               for p in backend.model.parameters() if not is_placeholder(p)}
         layers = [w for layer in backend.lean.layers for w in layer
                   if isinstance(w, (QuantizedWeight, BlockWeight))]
-        return total + sum(w.nbytes() for w in layers) + backend.lean.extra_bytes()
+        return sum(own.values()) + sum(w.nbytes() for w in layers) + backend.lean.extra_bytes()
 
     # the embedding table stays in the activations' dtype for its lookup (float32 beside blocks)
     assert resident(held) < (0.45 if blocks.available() else 0.4) * resident(dense)

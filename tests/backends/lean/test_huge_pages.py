@@ -1,0 +1,78 @@
+"""Weights in transparent huge pages (backends/lean/huge_pages.py, `model.huge_pages`): the same
+bits, every reader pointed at the copies, nothing held twice."""
+from __future__ import annotations
+
+import torch
+import pytest
+
+from specflow.backends.hf.backend import DEMO_DIR, HFBackend, HFModelConfig
+from specflow.backends.lean import huge_pages, native
+
+needs_huge_pages = pytest.mark.skipif(not huge_pages.available(),
+                                      reason="no transparent huge pages on this kernel")
+
+
+@needs_huge_pages
+def test_copies_hold_the_same_bits_aligned():
+    tensors = [torch.randn(700, 1000), torch.randint(0, 255, (3001,), dtype=torch.uint8),
+               torch.randn(33, 17).to(torch.bfloat16)]
+    copies = huge_pages.copy_into_huge_pages(tensors)
+    assert copies is not None
+    assert copies[0].data_ptr() % huge_pages.PAGE == 0
+    for t, c in zip(tensors, copies):
+        assert c.data_ptr() % huge_pages.ALIGN == 0 and c.dtype == t.dtype
+        assert c.shape == t.shape and c.is_contiguous() and torch.equal(c, t)
+        assert c.data_ptr() != t.data_ptr()
+
+
+def test_less_than_a_huge_page_or_none_available_is_not_copied(monkeypatch):
+    assert huge_pages.copy_into_huge_pages([torch.randn(100, 100)]) is None      # 40 KB
+    monkeypatch.setattr(huge_pages, "available", lambda: False)
+    assert huge_pages.copy_into_huge_pages([torch.randn(1024, 1024)]) is None
+
+
+def backend(huge: bool, dtype: str = "float32") -> HFBackend:
+    cfg = HFModelConfig(path=str(DEMO_DIR / "target"), dtype=dtype, huge_pages=huge)
+    return HFBackend(cfg, torch.device("cpu"), slots=1)
+
+
+def logits(b: HFBackend, forward: str = "lean") -> torch.Tensor:
+    ids = torch.tensor([[5, 90, 313, 7, 1200, 44]])
+    b.reset(0)
+    if forward == "hf":          # transformers' own forward over the model's parameters
+        return b.model(input_ids=ids).logits
+    b.forward(torch.tensor([0]), ids[:, :5], torch.tensor([5]), logits=False)
+    return b.forward(torch.tensor([0]), ids[:, 5:], torch.tensor([1]))
+
+
+@needs_huge_pages
+@pytest.mark.parametrize("dtype", ["float32", "int4"])
+def test_a_model_in_huge_pages_computes_the_same_bits(dtype):
+    if dtype == "int4" and not native.available():
+        pytest.skip("no native kernel here: int4 takes ATen's layout")
+    plain, huge = backend(False, dtype), backend(True, dtype)
+    assert plain.lean.huge_page_bytes == 0 and huge.lean.huge_page_bytes > 2 ** 20
+    assert huge.describe()["huge_pages_mb"] > 1
+    assert torch.equal(logits(plain), logits(huge))
+    if dtype == "float32":       # the model's own forward reads the moved parameters
+        assert torch.equal(logits(plain, "hf"), logits(huge, "hf"))
+
+
+@needs_huge_pages
+def test_every_reader_points_at_the_copies():
+    b = backend(True)
+    lean, model = b.lean, b.model
+    start = lean.layers[0][1].untyped_storage().data_ptr()
+    moved = {w.untyped_storage().data_ptr() for layer in lean.layers for w in layer[1::2]
+             if w is not None and w.numel() > lean.embed.shape[1]}
+    assert moved == {start}                       # every product: one mapping
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    fused = lean.layers[0][1]
+    for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+        assert proj.weight.untyped_storage().data_ptr() == start       # a view of the copy
+    assert attn.q_proj.weight.data_ptr() == fused.data_ptr()
+    assert mlp.down_proj.weight.data_ptr() == lean.layers[0][7].data_ptr()
+    # the tied head and embedding stay one tensor
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr() \
+        == lean.lm_head.data_ptr() == lean.embed.data_ptr()
+    assert model.lm_head.weight.untyped_storage().data_ptr() == start

@@ -683,7 +683,8 @@ class Pipeline:
         outputs = [verified.out_token_ids, verified.num_accepted, verified.accepted_nodes]
         device = verified.out_token_ids.device
         if device.type == "cpu" and not self.copy_outputs_to_host:   # cpu only: host already
-            host = [None if p is None else p.long().cpu() for p in outputs]     # cpu only
+            host = [p if p is None or p.dtype == torch.long else p.long()       # cpu only
+                    for p in outputs]
             for call in calls:
                 call.unusable = call.unusable.bool().cpu()                      # cpu only
             flagged = None if checks is None else checks.bool().cpu().tolist()  # cpu only

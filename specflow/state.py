@@ -154,6 +154,8 @@ class Proposal:
         drafts (the host copy the round's check already made)."""
         if self.draft_counts is not None:
             return list(self.draft_counts)
+        if not self.draft_token_ids.shape[-1]:           # no drafts at all: nothing to read
+            return [0] * self.draft_token_ids.shape[0]
         return (self.host_draft_token_ids() != PAD).sum(-1).tolist()
 
     def round_drafts(self) -> torch.Tensor:

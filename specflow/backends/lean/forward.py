@@ -150,7 +150,9 @@ class LeanLlama:
         # the dense forms are timed (those left dense, a shape the layout cannot hold, are
         # listed here)
         self.quantized_left = self.quantize(*quantize) if quantize is not None else []
-        # bytes of weights moved into 2 MB pages (huge_pages.py), before the products are timed
+        # bytes of weights moved into 2 MB pages (huge_pages.py), before the products are timed;
+        # kept there across pack() and unpack() (_keep_in_huge_pages)
+        self._huge = huge_pages
         self.huge_page_bytes = self._into_huge_pages() if huge_pages else 0
         # one-query passes attend with grouped products from this many keys (rows x cached
         # length; None: always the fused kernel); measured, CPU float16/bfloat16 only (kernels.py)
@@ -208,7 +210,11 @@ class LeanLlama:
         sizes = [t.numel() * t.element_size() for t in old.values()]
         rooms = huge_pages.reserve(sizes)
         if rooms is None:
-            return 0
+            if not self.huge_page_bytes:
+                return 0
+            # what is left of a mapping (less than a huge page: norms, say) into ordinary
+            # memory, so that the mapping and the weights it held go
+            rooms, sizes = [torch.empty(size, dtype=torch.uint8) for size in sizes], []
         for room, at in zip(rooms, list(old)):
             t = old.pop(at)
             copy = huge_pages.place(room, t)
@@ -217,15 +223,22 @@ class LeanLlama:
         huge_pages.return_freed()
         return sum(sizes)
 
+    def _keep_in_huge_pages(self) -> None:
+        """After a re-layout (pack(), unpack()): the dense weights left, or back, into a fresh
+        mapping, so that the old one (whose pages still held the replaced weights) is freed and
+        a dense weight unpacked into ordinary pages is in huge ones again."""
+        if self._huge:
+            self.huge_page_bytes = self._into_huge_pages()
+
     def _point_at(self, t: torch.Tensor, copy: torch.Tensor, held) -> None:
         """Everything that reads weight t reads its copy instead: held weights over it, the
-        layer tuples, the head, the embedding, the final norm, and the model's parameters inside t's bytes (a
-        fused weight's views, a tied head: the same view of the copy)."""
+        layer tuples, the head, the embedding, the final norm, and the model's parameters
+        inside t's bytes (a fused weight's views, a tied head: the same view of the copy)."""
         at, end, size = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), t.element_size()
 
         def moved(w):
-            return copy if isinstance(w, torch.Tensor) and w.data_ptr() == at \
-                and w.shape == t.shape and w.dtype == t.dtype else w
+            return copy if isinstance(w, torch.Tensor) and not w.is_mkldnn \
+                and w.data_ptr() == at and w.shape == t.shape and w.dtype == t.dtype else w
 
         for w in held:
             w.data = copy
@@ -285,14 +298,14 @@ class LeanLlama:
         self._hook_unpack()
         self.kernels = dataclasses.replace(self.kernels, pack=True)
         self.mm = self.kernels.matmul
+        self._keep_in_huge_pages()
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [...] -> [..., E]: the embedding table's rows (or the held head's, which are
         the same values: quantize(share_embedding=True))."""
         if self.embed_held is not None:
             return self.embed_held.rows(ids).to(self.embed.dtype)
-        # F.embedding's rows, without its Python checks (~15 us of a decode step)
-        return self.embed.index_select(0, ids.reshape(-1)).view(*ids.shape, self.embed.shape[1])
+        return F.embedding(ids, self.embed)
 
     def quantize(self, bits: int, group_size: int = 32,
                  activations: torch.dtype | None = None, given: dict | None = None,
@@ -448,6 +461,7 @@ class LeanLlama:
         self.quantized = None
         self.kernels = dataclasses.replace(self.kernels, pack=False)
         self.mm = self.kernels.matmul
+        self._keep_in_huge_pages()
 
     def repick(self) -> None:
         """Pick the product forms again (the thread count changed; cached per thread count).

@@ -76,3 +76,27 @@ def test_every_reader_points_at_the_copies():
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr() \
         == lean.lm_head.data_ptr() == lean.embed.data_ptr()
     assert model.lm_head.weight.untyped_storage().data_ptr() == start
+
+
+@needs_huge_pages
+def test_packing_and_unpacking_keep_the_weights_in_huge_pages():
+    from specflow.backends.lean.kernels import can_pack
+
+    if not can_pack(torch.float32):
+        pytest.skip("no oneDNN packing here")
+    plain, huge = backend(False), backend(True)
+    arena = huge.lean.embed.untyped_storage().data_ptr()
+    for b in (plain, huge):
+        b.lean.pack()
+    # the products packed; what stays dense (the embedding, the norms) in a fresh mapping
+    assert huge.lean.layers[0][1].is_mkldnn and huge.lean.huge_page_bytes > 2 ** 20
+    assert huge.lean.embed.untyped_storage().data_ptr() != arena
+    assert torch.equal(logits(plain), logits(huge))
+    for b in (plain, huge):
+        b.lean.unpack()
+    assert not huge.lean.layers[0][1].is_mkldnn
+    start = huge.lean.layers[0][1].untyped_storage().data_ptr()
+    assert huge.lean.layers[3][7].untyped_storage().data_ptr() == start    # one mapping again
+    assert huge.model.model.layers[0].mlp.down_proj.weight.untyped_storage().data_ptr() == start
+    assert torch.equal(logits(plain), logits(huge))
+    assert torch.equal(logits(plain, "hf"), logits(huge, "hf"))

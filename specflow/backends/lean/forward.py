@@ -152,8 +152,9 @@ class LeanLlama:
         self.quantized_left = self.quantize(*quantize) if quantize is not None else []
         # bytes of weights moved into 2 MB pages (huge_pages.py), before the products are timed;
         # kept there across pack() and unpack() (_keep_in_huge_pages)
-        self._huge = huge_pages
-        self.huge_page_bytes = self._into_huge_pages() if huge_pages else 0
+        self._huge, self.huge_page_bytes = huge_pages, 0
+        if huge_pages:
+            self.huge_page_bytes = self._into_huge_pages()
         # one-query passes attend with grouped products from this many keys (rows x cached
         # length; None: always the fused kernel); measured, CPU float16/bfloat16 only (kernels.py)
         self.grouped_from = pick_one_query_attention(self.num_heads, self.num_kv_heads,

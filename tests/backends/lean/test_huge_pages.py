@@ -100,3 +100,22 @@ def test_packing_and_unpacking_keep_the_weights_in_huge_pages():
     assert huge.model.model.layers[0].mlp.down_proj.weight.untyped_storage().data_ptr() == start
     assert torch.equal(logits(plain), logits(huge))
     assert torch.equal(logits(plain, "hf"), logits(huge, "hf"))
+
+
+def test_weights_under_a_huge_page_stay_where_they_are(tmp_path):
+    # a model smaller than one huge page (~1 MB): nothing to gain, nothing moved, and it runs
+    import shutil
+
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=8192, hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=64)
+    path = tmp_path / "tiny"
+    tf.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEMO_DIR / "target" / f, path / f)
+    b = HFBackend(HFModelConfig(path=str(path), huge_pages=True), torch.device("cpu"), slots=1)
+    assert b.lean.huge_page_bytes == 0 and b.describe()["huge_pages_mb"] == 0
+    b.forward(torch.tensor([0]), torch.tensor([[5, 6, 7]]), torch.tensor([3]))

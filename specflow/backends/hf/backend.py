@@ -702,7 +702,8 @@ class HFBackend(Backend):
             # the mask is the plan's own (causal, or its tree's): no window, no bucket padding
             plan_mask = plan.shape == (B, T) and not self._windowed(plan)
             out = self.lean(ids, positions, mask, self.cache, logits_to_keep=0 if logits else 1,
-                            capture=layers, captured=captured, plan_mask=plan_mask)
+                            capture=layers, captured=captured, plan_mask=plan_mask,
+                            logits=logits)                 # a prefill computes no LM head
             self.cache.commit(plan.slot_list, plan.lens)
             if logits and (out.shape[:2] != (B, T) or out.dtype != torch.float32):
                 out = out[:B, :T].float()                                            # [B, T, V]

@@ -597,14 +597,16 @@ class LeanLlama:
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
                  cache, logits_to_keep: int = 0, capture: tuple[int, ...] = (),
-                 captured: list | None = None, plan_mask: bool = False) -> torch.Tensor:
+                 captured: list | None = None, plan_mask: bool = False,
+                 logits: bool = True) -> torch.Tensor | None:
         """Logits [B, T or logits_to_keep, V]. `capture`: layer indices whose *input* (the
         residual stream entering layer i, as transformers' hidden_states[i]) is appended to
         `captured` [B, T, E] each, for draft heads that read the target's hidden states; index
         num_layers: the final normed state (transformers' last hidden_states entry).
         `plan_mask`: the mask is the one `cache.plan` describes (causal by position, or its
         token tree's; no sliding window past its width, no bucket padding), so a pass of a few
-        queries (a ragged batch's real ones) may run as one native call (backends/lean/native_pass.py)."""
+        queries (a ragged batch's real ones) may run as one native call (backends/lean/native_pass.py).
+        `logits=False`: no LM head (a prefill, which only caches): None, after any captures."""
         B, T = input_ids.shape
         x = self.embedding(input_ids)                                                 # [B, T, E]
         # a row fed nothing sits at its length, which may equal kv_len: one row more
@@ -625,7 +627,7 @@ class LeanLlama:
         # every position's logits wanted: the LM head in the pass's own call, where its
         # product is the native one (the same bits as _normed_mm's)
         kind = whole.head_kind(head, self.norm, queries) \
-            if whole is not None and not logits_to_keep and not final else None
+            if whole is not None and logits and not logits_to_keep and not final else None
         fused = None if kind is None else (self.norm, head, kind)
         out = None if whole is None else whole(x, cache, cos, sin, capture, captured, fused)
         if out is not None and out is not x:            # the logits [B, T, V], not the stream
@@ -634,11 +636,15 @@ class LeanLlama:
             if i in capture:
                 captured.append(x)                                                    # [B, T, E]
             x = self.layer(i, weights, x, cos, sin, mask, cache.update)
+        if not final and not logits:
+            return None
         if logits_to_keep and not final:
             x = x[:, -logits_to_keep:]
         if not final:
             return self._normed_mm(x, self.norm, head)                                # [B, T, V]
         x = self._rms(x, self.norm)                                                   # [B, T, E]
         captured.append(x)                                                            # [B, T, E]
+        if not logits:
+            return None
         x = x[:, -logits_to_keep:] if logits_to_keep else x
         return self.mm(x, head)                                                       # [B, T, V]

@@ -349,3 +349,25 @@ def test_the_lm_head_in_the_pass_call_is_the_heads_own_product(monkeypatch, dtyp
     monkeypatch.setattr(NativePass, "head_kind", lambda *args: None)
     apart, _ = run(backend, [30, 7, 64][:rows], fed, True)
     assert torch.equal(fused, apart)
+
+
+def test_a_prefill_computes_no_lm_head(monkeypatch):
+    # a prefill only caches: its last row's logits were computed and thrown away
+    from specflow.backends.lean.forward import LeanLlama
+
+    backend = HFBackend(HFModelConfig(path=str(DEMO_DIR / "target")), torch.device("cpu"), 1)
+    heads = []
+    real = LeanLlama._normed_mm
+    monkeypatch.setattr(LeanLlama, "_normed_mm", lambda *a: heads.append(1) or real(*a))
+    kinds = []
+    monkeypatch.setattr(NativePass, "head_kind", lambda *a: kinds.append(1))
+    lean, mm = backend.lean, backend.lean.mm
+    lean.mm = lambda x, w: heads.append(1) if w is lean.lm_head else mm(x, w)
+    layers = len(backend.lean.layers)
+    for hidden in ((), (0, layers)):                  # the final state handed out too
+        backend.reset(0)
+        out = backend.forward(torch.tensor([0]), torch.tensor([[5, 90, 313, 7]]),
+                              torch.tensor([4]), hidden_layers=hidden, logits=False)
+        assert (out if not hidden else out[0]) is None
+        assert heads == [] and kinds == []
+    assert backend.cache.lengths[0] == 4

@@ -216,10 +216,13 @@ class LeanLlama:
             # what is left of a mapping (less than a huge page: norms, say) into ordinary
             # memory, so that the mapping and the weights it held go
             rooms, sizes = [torch.empty(size, dtype=torch.uint8) for size in sizes], []
+        # the model's parameters that may view a weight (walked once: a model has hundreds)
+        params = [p for p in self.model.parameters() if p.device.type == "cpu"
+                  and p.is_contiguous() and not is_placeholder(p)]
         for room, at in zip(rooms, list(old)):
             t = old.pop(at)
             copy = huge_pages.place(room, t)
-            self._point_at(t, copy, held.get(at, ()))
+            self._point_at(t, copy, held.get(at, ()), params)
             del t
         huge_pages.return_freed()
         return sum(sizes)
@@ -231,10 +234,11 @@ class LeanLlama:
         if self._huge:
             self.huge_page_bytes = self._into_huge_pages()
 
-    def _point_at(self, t: torch.Tensor, copy: torch.Tensor, held) -> None:
+    def _point_at(self, t: torch.Tensor, copy: torch.Tensor, held, params: list) -> None:
         """Everything that reads weight t reads its copy instead: held weights over it, the
-        layer tuples, the head, the embedding, the final norm, and the model's parameters
-        inside t's bytes (a fused weight's views, a tied head: the same view of the copy)."""
+        layer tuples, the head, the embedding, the final norm, and those of the model's
+        `params` inside t's bytes (a fused weight's views, a tied head: the same view of the
+        copy)."""
         at, end, size = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), t.element_size()
 
         def moved(w):
@@ -247,9 +251,8 @@ class LeanLlama:
         self.lm_head, self.embed, self.norm = moved(self.lm_head), moved(self.embed), \
             moved(self.norm)
         with torch.no_grad():
-            for p in self.model.parameters():
-                if p.device.type == "cpu" and p.dtype == t.dtype and p.is_contiguous() \
-                        and not is_placeholder(p) and at <= p.data_ptr() \
+            for p in params:
+                if p.dtype == t.dtype and at <= p.data_ptr() \
                         and p.data_ptr() + p.numel() * size <= end:
                     first = (p.data_ptr() - at) // size
                     p.data = copy.view(-1)[first:first + p.numel()].view(p.shape)

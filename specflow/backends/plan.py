@@ -80,37 +80,30 @@ def make_plan(slots: list[int], starts: list[int], input_ids: torch.Tensor, lens
         numbers += [[slots[b] for b, _ in real], [write[b * Tp + j] for b, j in real],
                     [b * Tp + j for b, j in real]]
     flat = [v for part in numbers for v in part]
+    sizes = [len(part) for part in numbers]
     if on_host and tree is None and torch.device(device).type == "cpu":
-        # a CPU pass (every decode step on a CPU): the numbers and the ids as one host tensor
-        # and views of it, without the copy, the clamp and the split (~20 us of a 2 ms step)
+        # a CPU pass (every decode step on a CPU): the numbers and the ids as one host tensor,
+        # without the copy and the clamp (~20 us of a 2 ms step)
         ids = input_ids.flatten().tolist()                                       # cpu only
-        return _plan(torch.tensor(flat + [max(t, 0) for t in ids], dtype=torch.long),
-                     [len(part) for part in numbers], slots, starts, lens, B, T, Bp, Tp)
-    ids = input_ids.clamp(min=0)                                                    # [Bp, Tp]
-    parts = [torch.tensor(flat, dtype=torch.long)]
-    if tree is not None:   # tree queries sit at their depth's position, not where they are cached
-        rotary = tree.positions.new_zeros(Bp, Tp)
-        rotary[:B, :T] = tree.positions
-        parts.append(rotary.flatten())
-    if on_host:
-        parts.append(ids.flatten())
-    sent = torch.cat(parts).to(device).split([len(part) for part in numbers] +
-                                             [p.numel() for p in parts[1:]])
-    n = len(numbers)
-    rotary = sent[n].view(Bp, Tp) if tree is not None else None
-    ids = sent[-1].view(Bp, Tp) if on_host else ids
-    return _plan_of(sent[:n], ids, rotary, slots, starts, lens, B, T, Bp, Tp, tree)
-
-
-def _plan(sent: torch.Tensor, sizes: list[int], slots: list[int], starts: list[int],
-          lens: list[int], B: int, T: int, Bp: int, Tp: int) -> ForwardPlan:
-    """The plan of a CPU pass without a tree from one host tensor: the numbers (`sizes`, as
-    make_plan lists them), then the ids [Bp x Tp]."""
-    parts, at = [], 0
-    for size in sizes:
-        parts.append(sent[at:at + size])
+        sent = torch.tensor(flat + [max(t, 0) for t in ids], dtype=torch.long)
+    else:
+        parts = [torch.tensor(flat, dtype=torch.long)]
+        if tree is not None:   # tree queries sit at their depth's position, not where cached
+            rotary = tree.positions.new_zeros(Bp, Tp)
+            rotary[:B, :T] = tree.positions
+            parts.append(rotary.flatten())
+        if on_host:
+            parts.append(input_ids.clamp(min=0).flatten())
+        sent = torch.cat(parts).to(device)
+    # the pieces, as views: the numbers, a tree's rotary positions, the ids where they were sent
+    pieces, at = [], 0
+    for size in sizes + [Bp * Tp] * ((tree is not None) + on_host):
+        pieces.append(sent[at:at + size])
         at += size
-    return _plan_of(parts, sent[at:].view(Bp, Tp), None, slots, starts, lens, B, T, Bp, Tp, None)
+    n = len(numbers)
+    rotary = pieces[n].view(Bp, Tp) if tree is not None else None
+    ids = pieces[-1].view(Bp, Tp) if on_host else input_ids.clamp(min=0)          # [Bp, Tp]
+    return _plan_of(pieces[:n], ids, rotary, slots, starts, lens, B, T, Bp, Tp, tree)
 
 
 def _plan_of(sent, ids: torch.Tensor, rotary: torch.Tensor | None, slots: list[int],

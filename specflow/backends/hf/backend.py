@@ -701,14 +701,11 @@ class HFBackend(Backend):
             captured: list[torch.Tensor] = []
             # the mask is the plan's own (causal, or its tree's): no window, no bucket padding
             plan_mask = plan.shape == (B, T) and not self._windowed(plan)
-            out = self.lean(ids, positions, mask, self.cache, logits_to_keep=0 if logits else 1,
-                            capture=layers, captured=captured, plan_mask=plan_mask,
-                            logits=logits)                 # a prefill computes no LM head
+            out = self.lean(ids, positions, mask, self.cache, capture=layers, captured=captured,
+                            plan_mask=plan_mask, logits=logits)   # a prefill: no LM head, None
             self.cache.commit(plan.slot_list, plan.lens)
-            if logits and (out.shape[:2] != (B, T) or out.dtype != torch.float32):
+            if out is not None and (out.shape[:2] != (B, T) or out.dtype != torch.float32):
                 out = out[:B, :T].float()                                            # [B, T, V]
-            elif not logits:
-                out = None
             # the lean forward hands them out in layer order (the contract's ascending order)
             return (out, torch.cat(captured, -1)[:B, :T]) if layers else out         # [B, T, nE]
         extra = {self._cache_kw: self.cache}

@@ -209,13 +209,13 @@ class LeanLlama:
                 old.setdefault(w.data_ptr(), w)
         del every, w
         sizes = [t.numel() * t.element_size() for t in old.values()]
-        rooms = huge_pages.reserve(sizes)
+        rooms, moved = huge_pages.reserve(sizes), sum(sizes)
         if rooms is None:
             if not self.huge_page_bytes:
                 return 0
             # what is left of a mapping (less than a huge page: norms, say) into ordinary
             # memory, so that the mapping and the weights it held go
-            rooms, sizes = [torch.empty(size, dtype=torch.uint8) for size in sizes], []
+            rooms, moved = [torch.empty(size, dtype=torch.uint8) for size in sizes], 0
         # the model's parameters that may view a weight (walked once: a model has hundreds)
         params = [p for p in self.model.parameters() if p.device.type == "cpu"
                   and p.is_contiguous() and not is_placeholder(p)]
@@ -225,7 +225,7 @@ class LeanLlama:
             self._point_at(t, copy, held.get(at, ()), params)
             del t
         huge_pages.return_freed()
-        return sum(sizes)
+        return moved
 
     def _keep_in_huge_pages(self) -> None:
         """After a re-layout (pack(), unpack()): the dense weights left, or back, into a fresh
@@ -621,7 +621,8 @@ class LeanLlama:
         # a prefill (only its last row's logits wanted) of bfloat16 weights on a CPU that
         # multiplies bfloat16 itself: the eager layers, with oneDNN's bfloat16 products
         prefill = bf16_weights.prefill_layers(layers) \
-            if logits_to_keep == 1 and queries >= bf16_weights.LIBRARY_ROWS else None
+            if (logits_to_keep == 1 or not logits) and queries >= bf16_weights.LIBRARY_ROWS \
+            else None
         if prefill is not None:
             layers = prefill
         whole = self._native_layers(queries) if plan_mask and not dual and prefill is None \
@@ -629,7 +630,7 @@ class LeanLlama:
         final = len(layers) in capture
         # every position's logits wanted: the LM head in the pass's own call, where its
         # product is the native one (the same bits as _normed_mm's)
-        kind = whole.head_kind(head, self.norm, queries) \
+        kind = self.kernels.fused_kind(head, self.norm, queries) \
             if whole is not None and logits and not logits_to_keep and not final else None
         fused = None if kind is None else (self.norm, head, kind)
         out = None if whole is None else whole(x, cache, cos, sin, capture, captured, fused)

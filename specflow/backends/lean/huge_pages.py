@@ -14,7 +14,7 @@ Q4_1 blocks 0.88-0.98x the time, of its float32 weights 0.94x, of the demo targe
 one thread reading 68 MB, 0.70x.
 
 Where the kernel cannot find free 2 MB pages it falls back to 4 KB ones silently: the copy is
-then only a copy. `resident_huge_bytes()` says how much of the mapping is in huge pages.
+then only a copy (/proc/self/smaps_rollup's AnonHugePages says how much is in huge pages).
 """
 from __future__ import annotations
 
@@ -72,13 +72,6 @@ def place(room: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return copy
 
 
-def copy_into_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
-    """Copies of `tensors` (contiguous CPU tensors) in one mapping of huge pages (reserve()),
-    or None where reserve() gives no room."""
-    rooms = reserve([t.numel() * t.element_size() for t in tensors])
-    return None if rooms is None else [place(r, t) for r, t in zip(rooms, tensors)]
-
-
 def return_freed() -> None:
     """Hand the memory the old copies held back to the system: glibc keeps freed heap memory
     for reuse (malloc_trim releases it); elsewhere nothing to do."""
@@ -88,16 +81,3 @@ def return_freed() -> None:
         return
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     trim(0)
-
-
-def resident_huge_bytes() -> int:
-    """This process's anonymous memory in transparent huge pages (/proc/self/smaps_rollup's
-    AnonHugePages), 0 where the kernel does not say."""
-    try:
-        with open("/proc/self/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("AnonHugePages:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0

@@ -179,8 +179,7 @@ class Kernels:
         elsewhere: the caller norms, then multiplies."""
         rows = x.numel() // x.shape[-1]
         if isinstance(w, native.HeldWeight):    # its own product, normed in the same call
-            if x.dtype != torch.float32 or x.device.type != "cpu" or norm.dtype != torch.float32 \
-                    or torch.compiler.is_compiling():
+            if x.device.type != "cpu" or self.fused_kind(w, norm, rows, x.dtype) is None:
                 return None
             return native.held(w, x, norm.contiguous(), eps)
         if not isinstance(w, torch.Tensor) or w.is_mkldnn or self.form(rows) != "native":
@@ -195,6 +194,21 @@ class Kernels:
         else:
             return None                        # the caller's own norm (LeanLlama._rms), then F.linear
         return out.reshape(*x.shape[:-1], w.shape[0])
+
+    def fused_kind(self, w, norm: torch.Tensor, rows: int,
+                   dtype: torch.dtype = torch.float32) -> int | None:
+        """The kind (gemv.c's product()) by which normed_matmul multiplies `rows` CPU rows of
+        `dtype` by w natively, norming them in the same call: a held weight's own kind, 0 for
+        a dense float32 w where the native form serves those rows; None elsewhere. The native
+        pass's LM head (specflow_layers_head) asks here too, so both compute the same bits."""
+        if dtype != torch.float32 or norm.dtype != torch.float32 or norm.device.type != "cpu" \
+                or torch.compiler.is_compiling():
+            return None
+        from specflow.backends.lean.native_chain import head_kind    # the layouts it reads
+
+        kind = head_kind(w)
+        # a dense float32 w goes the native way only where the pick chose it for these rows
+        return kind if kind != 0 or self.form(rows) == "native" else None
 
     def describe(self) -> str:
         dense = f"1 row: {self.one_row}, 2-{self.few_upto} rows: {self.few_rows}"

@@ -158,29 +158,13 @@ class NativePass:
                 at[i] = j
         return at
 
-    def head_kind(self, head, norm: torch.Tensor, rows: int) -> int | None:
-        """The kind code (gemv.c's product()) under which specflow_layers_head computes this
-        LM head's logits for a pass of `rows` queries exactly as the lean forward's own head
-        product would (native.gemv's float32 rows, native.held's held weights, each with its
-        norm), or None: that product is not the native one, and the pass hands back its
-        residual stream for it."""
-        if norm.dtype != torch.float32 or not norm.is_contiguous() or norm.device.type != "cpu":
-            return None
-        if isinstance(head, native.HeldWeight):
-            return head.kind_code
-        if isinstance(head, torch.Tensor) and not head.is_mkldnn and head.device.type == "cpu" \
-                and head.dtype == torch.float32 and head.is_contiguous() \
-                and self.lean.kernels.form(rows) == "native":
-            return 0
-        return None
-
     def __call__(self, x: torch.Tensor, cache, cos: torch.Tensor, sin: torch.Tensor,
                  capture: tuple[int, ...], captured: list | None,
                  head: tuple | None = None) -> torch.Tensor | None:
         """x [B, T, E] float32 (the embedded inputs, overwritten) -> the residual stream after
         the last layer [B, T, E]; None where the cache cannot be read this way (the eager
         layers run instead). cos, sin [B, 1, T, D]: the queries' rotary rows. head (the final
-        norm [E], the LM head [V, E], its head_kind()): the logits [B, T, V] instead, computed
+        norm [E], the LM head [V, E], its Kernels.fused_kind()): the logits [B, T, V] instead, computed
         in the same call, where every query is real (a ragged batch hands back its stream)."""
         tables = cache_tables(cache, self.lean.num_kv_heads, self.lean.head_dim)
         if tables is None:

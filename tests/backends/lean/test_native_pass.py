@@ -337,16 +337,18 @@ def test_the_lm_head_in_the_pass_call_is_the_heads_own_product(monkeypatch, dtyp
         backend.lean.mm = backend.lean.kernels.matmul
     fed = torch.randint(1, 8000, (rows, width), generator=torch.Generator().manual_seed(2))
     kinds = []
-    real = NativePass.head_kind
+    real = Kernels.fused_kind
 
-    def spied(pass_, *args):
-        kinds.append(real(pass_, *args))
+    def spied(kernels, *args):
+        kinds.append(real(kernels, *args))
         return kinds[-1]
 
-    monkeypatch.setattr(NativePass, "head_kind", spied)
+    monkeypatch.setattr(Kernels, "fused_kind", spied)
     fused, _ = run(backend, [30, 7, 64][:rows], fed, True)
     assert kinds[-1] is not None                    # the pass computed the logits itself
-    monkeypatch.setattr(NativePass, "head_kind", lambda *args: None)
+    monkeypatch.setattr(Kernels, "fused_kind", real)
+    call = NativePass.__call__                       # the pass without the head: a second call
+    monkeypatch.setattr(NativePass, "__call__", lambda pass_, *args: call(pass_, *args[:6]))
     apart, _ = run(backend, [30, 7, 64][:rows], fed, True)
     assert torch.equal(fused, apart)
 
@@ -360,7 +362,7 @@ def test_a_prefill_computes_no_lm_head(monkeypatch):
     real = LeanLlama._normed_mm
     monkeypatch.setattr(LeanLlama, "_normed_mm", lambda *a: heads.append(1) or real(*a))
     kinds = []
-    monkeypatch.setattr(NativePass, "head_kind", lambda *a: kinds.append(1))
+    monkeypatch.setattr(Kernels, "fused_kind", lambda *a: kinds.append(1))
     lean, mm = backend.lean, backend.lean.mm
     lean.mm = lambda x, w: heads.append(1) if w is lean.lm_head else mm(x, w)
     layers = len(backend.lean.layers)

@@ -86,6 +86,9 @@ static inline float fmadd(float a, float b, float c) {
 
 typedef int32_t i8v __attribute__((vector_size(32)));
 
+/* x in every lane (one broadcast; `(v8){0} + x` is an add first, as 0 + -0 is +0) */
+static inline v8 splat(float x) { return (v8){x, x, x, x, x, x, x, x}; }
+
 /* each lane of `yes` where the lane of `mask` (a comparison's) is set, else of `no` */
 static inline v8 pick(i8v mask, v8 yes, v8 no) {
     i8v y, o; memcpy(&y, &yes, sizeof y); memcpy(&o, &no, sizeof o);
@@ -678,7 +681,7 @@ static inline __attribute__((always_inline)) void attend_d(
         for (j = 0; j < n; j++) {
             if (j >= below && !see[j - below]) continue;
             const float *v = V + j * D;
-            v8 p = (v8){0} + scores[j];
+            v8 p = splat(scores[j]);           /* e^s: never -0 */
             for (int64_t i = 0; i < D / 8; i++) o[i] = madd(o[i], p, load_f32(v + 8 * i));
         }
         for (int64_t i = 0; i < D / 8; i++) {
@@ -713,16 +716,17 @@ static inline __attribute__((always_inline)) void value_sums(
         const int NH, const int NV, const float *V, int64_t n, int64_t below, const uint8_t *see,
         const int64_t D, const float *scores, const float *inv, float *out) {
     for (int64_t c = 0; c < D; c += 8 * NV) {
-        v8 o[GH][NV];
+        v8 o[GH][8];            /* sized by constants: [NV] would be a variable-length array,
+                                   kept on the stack (every sum through memory) */
         for (int h = 0; h < NH; h++)
             for (int i = 0; i < NV; i++) o[h][i] = (v8){0};
         for (int64_t j = 0; j < n; j++) {
             if (j >= below && !see[j - below]) continue;
             const float *v = V + j * D + c;
-            v8 vv[NV];
+            v8 vv[8];
             for (int i = 0; i < NV; i++) vv[i] = load_f32(v + 8 * i);
             for (int h = 0; h < NH; h++) {
-                v8 p = (v8){0} + scores[h * n + j];
+                v8 p = splat(scores[h * n + j]);     /* e^s: never -0 */
                 for (int i = 0; i < NV; i++) o[h][i] = madd(o[h][i], p, vv[i]);
             }
         }
@@ -734,28 +738,51 @@ static inline __attribute__((always_inline)) void value_sums(
     }
 }
 
+/* Four keys' scores of one head (hsum4's sums of acc[0..4) x scale) into s[0..4), and the
+   largest kept lane by lane in top: `if (s > top) top = s` four at a time (a NaN passed over), so
+   the row's largest is the same value whichever lanes its scores went through. */
+typedef float v4 __attribute__((vector_size(16)));
+typedef int32_t i4v __attribute__((vector_size(16)));
+static inline __attribute__((always_inline)) v4 scores4(const v8 *acc, float scale, float *s,
+                                                        v4 top) {
+    float h[4];
+    hsum4(acc, h);
+    v4 x, out;
+    memcpy(&x, h, sizeof x);
+    x = x * scale;
+    memcpy(s, &x, sizeof x);
+    i4v more = x > top, a, b;
+    memcpy(&a, &x, sizeof a);
+    memcpy(&b, &top, sizeof b);
+    a = (a & more) | (b & ~more);
+    memcpy(&out, &a, sizeof out);
+    return out;
+}
+
 static inline __attribute__((always_inline)) void attend_heads(
         const float *q, const int NH, const float *K, const float *V, int64_t n, int64_t below,
         const uint8_t *see, const int64_t D, float scale, float *scores, float *out) {
     float top[GH], total[GH], inv[GH];
-    for (int h = 0; h < NH; h++) top[h] = -INFINITY;
+    v4 top4[GH];
+    for (int h = 0; h < NH; h++) {
+        top[h] = -INFINITY;
+        top4[h] = (v4){-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    }
     int64_t b4 = below - below % 4, j = 0;
-    if (NH == 1)                          /* alone: eight keys a block, eight chains in flight */
-        for (; j + 8 <= b4; j += 8) {
-            const float *k = K + j * D;
+    for (; j + 8 <= b4; j += 8) {         /* eight keys a block: eight chains in flight a head */
+        const float *k = K + j * D;
+        for (int h = 0; h < NH; h++) {
+            const float *qh = q + h * D;
             v8 acc[8] = {(v8){0}, (v8){0}, (v8){0}, (v8){0}, (v8){0}, (v8){0}, (v8){0}, (v8){0}};
             for (int64_t d = 0; d < D; d += 8) {
-                v8 x = load_f32(q + d);
+                v8 x = load_f32(qh + d);
                 for (int i = 0; i < 8; i++) acc[i] = madd(acc[i], x, load_f32(k + i * D + d));
             }
-            float s[8];
-            hsum4(acc, s);
-            hsum4(acc + 4, s + 4);
-            for (int i = 0; i < 8; i++) {
-                scores[j + i] = s[i] * scale;
-                if (scores[j + i] > top[0]) top[0] = scores[j + i];
-            }
+            float *sh = scores + h * n + j;
+            top4[h] = scores4(acc, scale, sh, top4[h]);
+            top4[h] = scores4(acc + 4, scale, sh + 4, top4[h]);
         }
+    }
     for (; j < b4; j += 4) {
         const float *k = K + j * D;
         for (int h = 0; h < NH; h++) {
@@ -765,15 +792,12 @@ static inline __attribute__((always_inline)) void attend_heads(
                 v8 x = load_f32(qh + d);
                 for (int i = 0; i < 4; i++) acc[i] = madd(acc[i], x, load_f32(k + i * D + d));
             }
-            float s[4];
-            hsum4(acc, s);
-            float *sh = scores + h * n + j;
-            for (int i = 0; i < 4; i++) {
-                sh[i] = s[i] * scale;
-                if (sh[i] > top[h]) top[h] = sh[i];
-            }
+            top4[h] = scores4(acc, scale, scores + h * n + j, top4[h]);
         }
     }
+    for (int h = 0; h < NH; h++)
+        for (int i = 0; i < 4; i++)
+            if (top4[h][i] > top[h]) top[h] = top4[h][i];
     for (; j < n; j++) {
         if (j >= below && !see[j - below]) continue;
         for (int h = 0; h < NH; h++) {
@@ -886,7 +910,9 @@ static int layers(float *x, int64_t R, int64_t E, int64_t H, int64_t Hkv, int64_
     int64_t group = H / Hkv;
     /* attention units: a query's key/value head with up to GH of its query heads, the groups
        split further while there are fewer units than twice the threads (one query of 3 key heads
-       on 2 threads: 6 units of 1-2 heads, not 3 of 3) */
+       on 2 threads: 6 units of 1-2 heads, not 3 of 3), a key/value head's units one after
+       another (the rows of a slot read its keys from this core's cache, not memory, after the
+       first) */
     int64_t parts = (group + GH - 1) / GH;
     while (parts < group && R * Hkv * parts < 2 * nt) parts++;
     for (int64_t l = 0; l < L && !failed; l++) {
@@ -914,7 +940,7 @@ static int layers(float *x, int64_t R, int64_t E, int64_t H, int64_t Hkv, int64_
         }
         _Pragma("omp parallel for num_threads(threads) schedule(static)")
         for (int64_t u = 0; u < R * Hkv * parts; u++) {
-            int64_t r = u / (Hkv * parts), g = u / parts % Hkv, part = u % parts;
+            int64_t g = u / (R * parts), r = u / parts % R, part = u % parts;
             int64_t h0 = g * group + part * group / parts, h1 = g * group + (part + 1) * group / parts;
             int64_t base = (slot[r] * Hkv + g) * C * D;
             attend_group(wide + r * QKV + h0 * D, (int)(h1 - h0), kc + base, vc + base,

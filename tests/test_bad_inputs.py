@@ -188,6 +188,9 @@ ROWS = [
     ("an unknown draft-head dtype", ["proposer=eagle", "proposer.dtype=fp8"], "compose",
      "proposer.dtype='fp8'; use auto (the head as saved, or the target's 16-bit dtype), float32, bfloat16, "
      "float16, int8 or int4", None),
+    ("a draft head's confidence outside 0-1", ["proposer=eagle", "proposer.min_confidence=1.5"],
+     "compose", "proposer.min_confidence=1.5 must lie between 0 and 1 (e.g. 0.4), or be null for k "
+     "drafts a row", None),
     ("tree width < 1", [*SYN, "proposer=ngram", "proposer.topk=0"], "compose",
      "proposer.topk=0 must be >= 1 (1 = a chain, more = a tree)", None),
     ("node budget under the tree depth", [*SYN, "proposer=draft", "proposer.topk=4",

@@ -107,7 +107,8 @@ def test_a_seeded_request_on_the_demo_pair_under_goodput():
     prompts = ["def fib(n):", "import os\n"]
     plain = Pipeline.from_config(overrides=["proposer=none", *sampling]).generate(
         prompts, max_new_tokens=24, seed=3)
-    for arm in (["proposer=draft", "policy=goodput"], ["proposer=eagle", "proposer.k=6"]):
+    for arm in (["proposer=draft", "policy=goodput"], ["proposer=eagle", "proposer.k=6"],
+                ["proposer=eagle", "proposer.k=6", "proposer.min_confidence=0.5"]):
         spec = Pipeline.from_config(overrides=[*arm, *sampling]).generate(prompts, max_new_tokens=24, seed=3)
         assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
 

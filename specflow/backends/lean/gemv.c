@@ -1025,16 +1025,20 @@ int specflow_side_layer(float *x, const float *side, const float *side_norm, int
    same products. The embedding embed [V_in, E] is a
    float32 table (embed_kind -1) or held in blocks of embed_kind (embed_row). Returns 0, 1 out of
    memory, 3 a column or position outside the cache or the tables, 4 a token outside the
-   embedding's V_in rows. */
+   embedding's V_in rows. min_p > 0: a row stops after the first draft whose probability under
+   its step's softmax (over the first V logits) is below min_p (that draft kept), as
+   transformers' assistant_confidence_threshold stops an assistant model. */
 /* The draft of each of n states [n, E]: the final RMSNorm (G_out), the LM head (head, of `kind`
    as product() takes it, N rows) and the first largest of the first `top` logits, or 0 where the
    largest is not finite (a NaN, an infinity, or every logit -inf: the shaping call's mark_empty
    zeroes such a row before torch's argmax), mapped through ids [N] unless NULL, into
-   out[live[i] * S + s]. normed [n, E] and logits [n, N] are scratch. 0, or 1 out of memory. */
+   out[live[i] * S + s]. normed [n, E] and logits [n, N] are scratch. conf [n] (NULL: not
+   wanted): each draft's probability under the softmax of those `top` logits, 1 / sum e^(l -
+   largest) (0 where the largest is not finite). 0, or 1 out of memory. */
 static int draft_tokens(const float *states, const float *G_out, float eps, const void *head,
                         int kind, int64_t N, int64_t top, const int64_t *ids, int64_t n,
                         int64_t E, float *normed, float *logits, const int64_t *live, int64_t S,
-                        int64_t s, int64_t *out, int threads) {
+                        int64_t s, int64_t *out, float *conf, int threads) {
     rms_rows(states, G_out, eps, n, E, normed);
     if (product(head, kind, normed, logits, N, E, n, threads)) return 1;
     for (int64_t i = 0; i < n; i++) {
@@ -1042,7 +1046,17 @@ static int draft_tokens(const float *states, const float *G_out, float eps, cons
         int64_t best = 0;
         for (int64_t v = 1; v < top && row[best] == row[best]; v++)
             if (row[v] > row[best] || row[v] != row[v]) best = v;
-        out[live[i] * S + s] = !isfinite(row[best]) ? 0 : ids ? ids[best] : best;
+        int finite = isfinite(row[best]);
+        out[live[i] * S + s] = !finite ? 0 : ids ? ids[best] : best;
+        if (!conf) continue;
+        conf[i] = 0.0f;
+        if (!finite) continue;
+        v8 m = splat(row[best]), sum = (v8){0};
+        int64_t v = 0;
+        for (; v + 8 <= top; v += 8) sum += exp8(load_f32(row + v) - m);
+        float total = hsum(sum);
+        for (; v < top; v++) total += exp1(row[v] - row[best]);
+        conf[i] = 1.0f / total;
     }
     return 0;
 }
@@ -1067,7 +1081,7 @@ int specflow_chain(const void *embed, int embed_kind, int64_t V_in, int64_t R, c
                    float *const *values, int64_t C, const int64_t *slot, const int64_t *col0,
                    const float *cos, const float *sin, int64_t P, const float *G_out,
                    const void *head, int head_kind, int64_t N, int64_t V, int64_t *out,
-                   int threads) {
+                   float min_p, int threads) {
     int64_t top = V < N ? V : N, Q = 0;           /* Q: the most queries of a step (step 0's) */
     for (int64_t r = 0; r < R; r++) {
         if (steps[r] < 0 || steps[r] > S || fed_len[r] < 1) return 3;
@@ -1081,17 +1095,21 @@ int specflow_chain(const void *embed, int embed_kind, int64_t V_in, int64_t R, c
     if (Q < R) Q = R;
     int64_t *live = malloc((size_t)(Q > 0 ? Q : 1) * 5 * sizeof(int64_t));
     int64_t *capture = malloc((size_t)(L > 0 ? L : 1) * sizeof(int64_t));
+    int64_t *until = malloc((size_t)(R > 0 ? R : 1) * sizeof(int64_t));   /* steps, or fewer */
     float *x = malloc((size_t)(Q * E) * sizeof(float));
     float *xn = malloc((size_t)(R * E) * sizeof(float));
     float *rot = malloc((size_t)(Q * 2 * D) * sizeof(float));
     float *logits = malloc((size_t)(R * N) * sizeof(float));
-    int failed = !live || !capture || !x || !xn || !rot || !logits;
+    float *conf = min_p > 0.0f ? malloc((size_t)(R > 0 ? R : 1) * sizeof(float)) : NULL;
+    int failed = !live || !capture || !until || !x || !xn || !rot || !logits
+                 || (min_p > 0.0f && !conf);
+    for (int64_t r = 0; r < R && !failed; r++) until[r] = steps[r];
     for (int64_t l = 0; l < L && !failed; l++) capture[l] = -1;
     int64_t *lslot = live + Q, *lcol = live + 2 * Q, *lbelow = live + 3 * Q, *last = live + 4 * Q;
     for (int64_t s = 0; s < S && !failed; s++) {
         int64_t n = 0, rows = 0;       /* n queries; rows: the live rows, live[i] their index */
         for (int64_t r = 0, at = 0; r < R; at += fed_len[r], r++) {
-            if (steps[r] <= s) continue;
+            if (until[r] <= s) continue;
             int64_t count = s ? 1 : fed_len[r];
             for (int64_t j = 0; j < count; j++, n++) {
                 int64_t token = s ? out[r * S + s - 1] : fed[at + j];
@@ -1115,9 +1133,11 @@ int specflow_chain(const void *embed, int embed_kind, int64_t V_in, int64_t R, c
         for (int64_t i = 0; i < rows; i++)                /* each live row's last query */
             memcpy(xn + i * E, x + last[i] * E, (size_t)E * sizeof(float));
         if (draft_tokens(xn, G_out, eps, head, head_kind, N, top, NULL, rows, E, x, logits,
-                         live, S, s, out, threads)) { failed = 1; break; }
+                         live, S, s, out, conf, threads)) { failed = 1; break; }
+        for (int64_t i = 0; conf && i < rows; i++)
+            if (conf[i] < min_p) until[live[i]] = s + 1;
     }
-    free(live); free(capture); free(x); free(xn); free(rot); free(logits);
+    free(live); free(capture); free(until); free(x); free(xn); free(rot); free(logits); free(conf);
     return failed;
 }
 
@@ -1133,6 +1153,8 @@ int specflow_chain(const void *embed, int embed_kind, int64_t V_in, int64_t R, c
    r takes steps[r] steps (0 to S); out[r, s] = the target token step s found (-1 where the row
    took no step s; token 0 where the largest logit is not finite, as the shaping call leaves
    such a row). Each step computes what the head's two native calls compute for it.
+   min_p > 0: a row stops after the first draft whose probability under its step's softmax (over
+   the N draft logits) is below min_p, as specflow_chain's.
    Returns 0, 1 out of memory, 3 a column or position outside the cache or the tables, 4 a
    drafted token outside embed's rows. */
 int specflow_head_chain(float *x, const float *embed, int64_t V_in, const float *side_norm,
@@ -1143,7 +1165,7 @@ int specflow_head_chain(float *x, const float *embed, int64_t V_in, const float 
                         const int64_t *slot, const int64_t *col0, const float *cos,
                         const float *sin, int64_t P, const float *G_out, const void *head,
                         int head_kind, int64_t N, const int64_t *ids, int64_t *out,
-                        int threads) {
+                        float min_p, int threads) {
     for (int64_t r = 0; r < R; r++) {
         if (steps[r] < 0 || steps[r] > S) return 3;
         if (steps[r] > 1 && (col0[r] < 0 || col0[r] + steps[r] - 1 > C
@@ -1156,12 +1178,16 @@ int specflow_head_chain(float *x, const float *embed, int64_t V_in, const float 
     float *xn = malloc((size_t)(R * E) * sizeof(float));
     float *rot = malloc((size_t)(R * 2 * D) * sizeof(float));
     float *logits = malloc((size_t)(R * N) * sizeof(float));
-    int failed = !live || !h || !side || !xn || !rot || !logits;
+    int64_t *until = malloc((size_t)(R > 0 ? R : 1) * sizeof(int64_t));   /* steps, or fewer */
+    float *conf = min_p > 0.0f ? malloc((size_t)(R > 0 ? R : 1) * sizeof(float)) : NULL;
+    int failed = !live || !h || !side || !xn || !rot || !logits || !until
+                 || (min_p > 0.0f && !conf);
+    for (int64_t r = 0; r < R && !failed; r++) until[r] = steps[r];
     int64_t *lslot = live + R, *lcol = live + 2 * R, *lbelow = live + 3 * R;
     for (int64_t s = 0; s < S && !failed; s++) {
         int64_t n = 0;
         for (int64_t r = 0; r < R; r++) {
-            if (steps[r] <= s) continue;
+            if (until[r] <= s) continue;
             if (s) {
                 int64_t token = out[r * S + s - 1], column = col0[r] + s - 1;
                 if (token < 0 || token >= V_in) { failed = 4; break; }
@@ -1186,8 +1212,10 @@ int specflow_head_chain(float *x, const float *embed, int64_t V_in, const float 
                 memcpy(x + live[i] * E, h + i * E, (size_t)E * sizeof(float));
         }
         if (draft_tokens(h, G_out, eps, head, head_kind, N, N, ids, n, E, xn, logits, live, S,
-                         s, out, threads)) { failed = 1; break; }
+                         s, out, conf, threads)) { failed = 1; break; }
+        for (int64_t i = 0; conf && i < n; i++)
+            if (conf[i] < min_p) until[live[i]] = s + 1;
     }
-    free(live); free(h); free(side); free(xn); free(rot); free(logits);
+    free(live); free(h); free(side); free(xn); free(rot); free(logits); free(until); free(conf);
     return failed;
 }

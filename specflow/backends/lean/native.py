@@ -109,11 +109,11 @@ def _library() -> ctypes.CDLL | None:
     lib.specflow_chain.argtypes = [P, ctypes.c_int, I64, I64, P, P, P] + [I64] * 7 + [P, P, P, ctypes.c_float,
                                                                     P, P, I64, P, P, P, P, I64,
                                                                     P, P, ctypes.c_int, I64, I64,
-                                                                    P, ctypes.c_int]
+                                                                    P, ctypes.c_float, ctypes.c_int]
     lib.specflow_chain.restype = ctypes.c_int
     lib.specflow_head_chain.argtypes = [P, P, I64, P, I64, P] + [I64] * 6 + [
         P, P, P, ctypes.c_float, P, P, I64, P, P, P, P, I64, P, P, ctypes.c_int, I64, P, P,
-        ctypes.c_int]
+        ctypes.c_float, ctypes.c_int]
     lib.specflow_head_chain.restype = ctypes.c_int
     lib.specflow_block_rows.argtypes = [P, ctypes.c_int, P, I64, I64, I64, P]
     lib.specflow_block_rows.restype = ctypes.c_int

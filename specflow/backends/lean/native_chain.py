@@ -97,7 +97,7 @@ def chain(lean, cache, slots: list[int], fed: list[list[int]], steps: list[int],
         lean.layers[0][7].shape[1], len(lean.layers), whole.weights, whole.kinds.data_ptr(),
         whole.norms, lean.eps, keys, values, cache.max_capacity, slot_t.data_ptr(),
         start_t.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0], lean.norm.data_ptr(),
-        head.data_ptr(), head_kind(head), head.shape[0], vocab_size, out.data_ptr(),
+        head.data_ptr(), head_kind(head), head.shape[0], vocab_size, out.data_ptr(), 0.0,
         torch.get_num_threads())
     if failed == 4:
         raise ValueError(f"a token fed to specflow's native draft steps lies outside the "

@@ -35,7 +35,8 @@ class DraftProposerConfig:
         self.nodes = tree_budget(self.k, self.topk, self.num_draft_tokens)
 
 
-def draft_steps(batch, ks: list[int], K: int, vocab_size: int, device, step):
+def draft_steps(batch, ks: list[int], K: int, vocab_size: int, device, step,
+                min_confidence: float | None = None):
     """K autoregressive draft steps, shared by the proposers that run a model: a row stops being
     computed once it has its own ks[b] drafts (the cost follows sum(k), not rows x max(k)).
 
@@ -43,14 +44,19 @@ def draft_steps(batch, ks: list[int], K: int, vocab_size: int, device, step):
     sub = the rows still drafting, still_live = their indices among the previous step's live rows (to
     cut a proposer's own per-row state), previous [L] = the tokens they drafted at step i - 1
     (None at i = 0). Each step's logits go through the pipeline's shape() and the draft is
-    sampled from that very q. -> (drafts [B, K] long, q [B, K, V] or None under greedy)."""
+    sampled from that very q. `min_confidence`: a row also stops after its first draft whose
+    probability under q is below it (that draft kept; PAD after it).
+    -> (drafts [B, K] long, q [B, K, V] or None under greedy)."""
     B = batch.size
+    ks = list(ks)                            # a row that stops early gets a smaller k here
     drafts = torch.full((B, K), PAD, dtype=torch.long, device=device)              # [B, K]
     probs = None if batch.greedy else torch.zeros(B, K, vocab_size, device=device)
     live = list(range(B))                    # rows still drafting, as indices into batch
     sub = batch
     for i in range(K):
         still_live = [j for j, b in enumerate(live) if ks[b] > i]
+        if not still_live:                         # every row stopped early (min_confidence)
+            break
         if len(still_live) < len(live):            # some rows are done: drop them from the step
             live = [live[j] for j in still_live]
             sub = batch.select(live)
@@ -65,6 +71,11 @@ def draft_steps(batch, ks: list[int], K: int, vocab_size: int, device, step):
             x = sub.sample(q, i)                                                    # [L]
             probs[idx, i] = q
         drafts[idx, i] = x
+        if min_confidence is not None and i + 1 < K:
+            p = (shaped.softmax(-1) if batch.greedy else q).gather(1, x[:, None])[:, 0]  # [L]
+            for b, low in zip(live, (p < min_confidence).tolist()):       # the round's read
+                if low:
+                    ks[b] = i + 1
     return drafts, probs
 
 

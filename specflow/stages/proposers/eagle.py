@@ -67,10 +67,19 @@ class EagleProposerConfig:
     dtype: str = "auto"          # the head's weights: auto (a 16-bit target's dtype; else int8
                                  # blocks where the native step runs, else as saved) | float32 |
                                  # bfloat16 | float16 | int8 | int4
+    min_confidence: float | None = None   # a chain row stops after its first draft the head
+                                 # gives less than this probability (kept); null: k drafts
 
     def __post_init__(self) -> None:
         if self.k < 0:
             raise ConfigError(f"proposer.k={self.k} must be >= 0 (0 = no drafting)")
+        if self.min_confidence is not None and not 0 < self.min_confidence < 1:
+            raise ConfigError(f"proposer.min_confidence={self.min_confidence} must lie between 0 "
+                              f"and 1 (e.g. 0.4), or be null for k drafts a row")
+        if self.min_confidence is not None and self.topk > 1:
+            raise ConfigError(f"proposer.min_confidence={self.min_confidence} stops a chain; with "
+                              f"topk={self.topk} the tree keeps its likeliest nodes already: set "
+                              f"one of them")
         if self.dtype not in HEAD_DTYPES:
             raise ConfigError(f"proposer.dtype={self.dtype!r}; use auto (the head as saved, or the target's "
                               f"16-bit dtype), float32, bfloat16, float16, int8 or int4")
@@ -225,7 +234,8 @@ class EagleProposer:
             return Proposal.for_rows(batch.size, rows, tokens, None, reasons, parents)
         drafts, probs = self._draft(sub, sub_ks, K)
         proposal = Proposal.for_rows(batch.size, rows, drafts, probs, reasons)
-        proposal.draft_counts = ks       # each row drafted its k: the round reads no drafts
+        if self.cfg.min_confidence is None:
+            proposal.draft_counts = ks   # each row drafted its k: the round reads no drafts
         return proposal
 
     @hookimpl
@@ -339,7 +349,8 @@ class EagleProposer:
         g, read = self._read(batch)         # read: pairs resting on the target's states
         if self.native is not None and self.chain_ids is not None \
                 and batch.shaping_keeps_argmax():     # every step in one native call
-            drafts = self.native.chain(self.head, g[:, 0], self.cache, slots, ks, self.chain_ids)
+            drafts = self.native.chain(self.head, g[:, 0], self.cache, slots, ks, self.chain_ids,
+                                       self.cfg.min_confidence or 0.0)
             if drafts is not None:
                 return drafts.to(self.device), None
 
@@ -350,7 +361,8 @@ class EagleProposer:
             if i > 0:   # the head's own state and the token it just drafted, one position on
                 g = self._forward(sub.slots.tolist(), g, previous[:, None], [1] * len(still_live))
             return self._on_target_vocab(self._logits(g[:, 0]).float())                # [L, V]
-        drafts, probs = draft_steps(batch, ks, K, self.vocab_size, self.device, step)
+        drafts, probs = draft_steps(batch, ks, K, self.vocab_size, self.device, step,
+                                    self.cfg.min_confidence)
         self.cache.truncate(slots, read)      # draft steps rest on the head's states: drop them
         return drafts, probs
 

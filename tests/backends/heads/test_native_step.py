@@ -143,3 +143,60 @@ def test_the_greedy_steps_as_one_call_draft_what_the_steps_do(hf_models, tiny_he
     assert len(chained) < len(drafted["chain"])          # the one call ran
     assert "chain" not in drafted["steps"]
     assert chained == drafted["steps"]
+
+
+@pytest.mark.parametrize("way", ["chain", "steps"])
+def test_min_confidence_stops_a_row_at_its_first_unsure_draft(hf_models, tiny_head, way):  # noqa: F811
+    """proposer.min_confidence: a chain row stops after its first draft the head gives less
+    than that probability (the draft kept), in the one native call and in the step-by-step
+    drafting alike; output stays plain decoding's."""
+    plain = pipeline(hf_models, "proposer=none")
+    want = [r.token_ids for r in plain.generate(PROMPTS, max_new_tokens=24)]
+    drafted = {}
+    for setting in ("0.05", "0.999999", "1e-9"):      # the tiny head is rarely sure
+        pipe, prop = proposer(hf_models, tiny_head, f"proposer.min_confidence={setting}")
+        if way == "steps":
+            prop.chain_ids = None
+        rounds = drafted[setting] = []
+        draft = prop._draft
+
+        def recorded(batch, ks, K, _draft=draft, _rounds=rounds):
+            drafts, probs = _draft(batch, ks, K)
+            _rounds.append((ks, (drafts >= 0).sum(1).tolist()))
+            return drafts, probs
+        prop._draft = recorded
+        got = pipe.generate(PROMPTS, max_new_tokens=24, max_batch_size=3)
+        assert [r.token_ids for r in got] == want
+        assert rounds and all(n <= k for ks, ns in rounds for k, n in zip(ks, ns))
+    # nearly every draft is unsure: one a row; none is: k a row; 0.05 stops some rows early
+    assert all(n == min(k, 1) for ks, ns in drafted["0.999999"] for k, n in zip(ks, ns))
+    assert all(n == k for ks, ns in drafted["1e-9"] for k, n in zip(ks, ns))
+    counts = [(k, n) for ks, ns in drafted["0.05"] for k, n in zip(ks, ns)]
+    assert any(n < k for k, n in counts) and any(n > 1 for k, n in counts)
+
+
+def test_min_confidence_drafts_the_same_in_one_call_as_step_by_step(hf_models, tiny_head):  # noqa: F811
+    drafted = {}
+    for way in ("chain", "steps"):
+        pipe, prop = proposer(hf_models, tiny_head, "proposer.min_confidence=0.05")
+        if way == "steps":
+            prop.chain_ids = None
+        rounds = drafted[way] = []
+        draft = prop._draft
+
+        def recorded(batch, ks, K, _draft=draft, _rounds=rounds):
+            drafts, probs = _draft(batch, ks, K)
+            _rounds.append(drafts.tolist())
+            return drafts, probs
+        prop._draft = recorded
+        pipe.generate(PROMPTS, max_new_tokens=24, max_batch_size=3)
+    assert drafted["chain"] == drafted["steps"]
+
+
+def test_min_confidence_outside_0_1_or_with_a_tree_is_one_line(hf_models, tiny_head):  # noqa: F811
+    from specflow.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"proposer.min_confidence=1.5 must lie between 0 and 1"):
+        proposer(hf_models, tiny_head, "proposer.min_confidence=1.5")
+    with pytest.raises(ConfigError, match=r"min_confidence=0.4 stops a chain; with topk=2"):
+        proposer(hf_models, tiny_head, "proposer.min_confidence=0.4", "proposer.topk=2")

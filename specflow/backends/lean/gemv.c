@@ -284,7 +284,11 @@ __attribute__((noinline)) static void NAME##_single(const WT *W, const float *x,
    again from L1. 5 or 6 rows are thus one walk, about one row's time (the weight read), not a
    walk of 4 and a second, latency-bound walk of 1 or 2 (1.4-1.5x a row's time before; 1.1x).
 
-   More rows of X than L1 holds (compute-bound): the weight rows go in blocks of NB. The first
+   More rows of X than L1 holds (compute-bound): the weight rows go in blocks of NB (float32
+   weights: 5 or 6 rows in two groups, not one: one walk of 5 rows of 1536 columns (30 KB of X
+   beside the weight's row) reloaded X from L2 at every step, SmolLM2's down products 1.4-1.6x a
+   one-row product's time, 1.23-1.28x in two groups, 30 layers' worth streamed, 2-core Zen 4;
+   16-bit weights stay one group: widening each weight twice cost more, 1.5x -> 1.7-2x). The first
    group's walks stream a block from memory; each other group then walks the block again from
    L2, in column chunks of KC, so that its rows of X (at most MC x KC floats) stay in L1 through
    the block, each sum carried between chunks in acc. Walking every group along each weight row
@@ -306,7 +310,9 @@ PAIR(NAME, WT, LOADW, WIDEN, STORE, 6)                                          
 static void NAME(const WT *W, const float *X, void *Y, int64_t n0, int64_t n1, int64_t N,          \
                  int64_t K, int64_t M) {                                                         \
     int64_t k16 = K - K % 16;                                                                    \
-    int64_t groups = (M + MC - 1) / MC, size = M / groups, larger = M % groups;                  \
+    int64_t groups = (M + MC - 1) / MC;                                                          \
+    if (groups == 1 && M > 4 && M * K > X_IN_L1 && sizeof(WT) == 4) groups = 2;   /* see above */ \
+    int64_t size = M / groups, larger = M % groups;                                              \
     v8 acc[NB][2 * MC];                                                                          \
     if (groups == 1 || M * K <= X_IN_L1) {                                                       \
         int64_t n = n0;                                                                          \

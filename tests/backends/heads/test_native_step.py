@@ -114,30 +114,38 @@ def test_a_head_in_blocks_without_the_native_step_is_one_line(hf_models, tiny_he
         proposer(hf_models, tiny_head, "proposer.dtype=int8")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "int8"])
-def test_the_greedy_steps_as_one_call_draft_what_the_steps_do(hf_models, tiny_head, dtype):  # noqa: F811
+def record_rounds(prop, keep) -> list:
+    """Each round's keep(ks, drafts) as the proposer drafts it (its _draft patched)."""
+    rounds, draft = [], prop._draft
+
+    def recorded(batch, ks, K):
+        drafts, probs = draft(batch, ks, K)
+        rounds.append(keep(ks, drafts))
+        return drafts, probs
+    prop._draft = recorded
+    return rounds
+
+
+@pytest.mark.parametrize("dtype,extra", [("float32", ()), ("int8", ()),
+                                         ("float32", ("proposer.min_confidence=0.05",))])
+def test_the_greedy_steps_as_one_call_draft_what_the_steps_do(hf_models, tiny_head, dtype,  # noqa: F811
+                                                              extra):
     """Where shaping keeps the argmax, every draft step of a round is one native call
-    (specflow_head_chain): the drafts of every round equal the step-by-step native calls'."""
+    (specflow_head_chain): the drafts of every round equal the step-by-step native calls'
+    (proposer.min_confidence stopping rows alike in both)."""
     drafted = {}
     for way in ("chain", "steps"):
-        pipe, prop = proposer(hf_models, tiny_head, f"proposer.dtype={dtype}")
+        pipe, prop = proposer(hf_models, tiny_head, f"proposer.dtype={dtype}", *extra)
         assert prop.chain_ids is not None
         if way == "steps":
             prop.chain_ids = None
-        calls = drafted[way] = []
+        calls = drafted[way] = record_rounds(prop, lambda ks, drafts: drafts.tolist())
         real = prop.native.chain
 
         def counted(*args, _real=real, _calls=calls, **kwargs):
             _calls.append("chain")
             return _real(*args, **kwargs)
         prop.native.chain = counted
-        draft = prop._draft
-
-        def recorded(batch, ks, K, _draft=draft, _calls=calls):
-            drafts, probs = _draft(batch, ks, K)
-            _calls.append(drafts.tolist())
-            return drafts, probs
-        prop._draft = recorded
         pipe.generate(PROMPTS, max_new_tokens=24, max_batch_size=3)
     chained = [d for d in drafted["chain"] if d != "chain"]
     assert len(chained) < len(drafted["chain"])          # the one call ran
@@ -157,14 +165,8 @@ def test_min_confidence_stops_a_row_at_its_first_unsure_draft(hf_models, tiny_he
         pipe, prop = proposer(hf_models, tiny_head, f"proposer.min_confidence={setting}")
         if way == "steps":
             prop.chain_ids = None
-        rounds = drafted[setting] = []
-        draft = prop._draft
-
-        def recorded(batch, ks, K, _draft=draft, _rounds=rounds):
-            drafts, probs = _draft(batch, ks, K)
-            _rounds.append((ks, (drafts >= 0).sum(1).tolist()))
-            return drafts, probs
-        prop._draft = recorded
+        rounds = drafted[setting] = record_rounds(
+            prop, lambda ks, drafts: (ks, (drafts >= 0).sum(1).tolist()))
         got = pipe.generate(PROMPTS, max_new_tokens=24, max_batch_size=3)
         assert [r.token_ids for r in got] == want
         assert rounds and all(n <= k for ks, ns in rounds for k, n in zip(ks, ns))
@@ -173,24 +175,6 @@ def test_min_confidence_stops_a_row_at_its_first_unsure_draft(hf_models, tiny_he
     assert all(n == k for ks, ns in drafted["1e-9"] for k, n in zip(ks, ns))
     counts = [(k, n) for ks, ns in drafted["0.05"] for k, n in zip(ks, ns)]
     assert any(n < k for k, n in counts) and any(n > 1 for k, n in counts)
-
-
-def test_min_confidence_drafts_the_same_in_one_call_as_step_by_step(hf_models, tiny_head):  # noqa: F811
-    drafted = {}
-    for way in ("chain", "steps"):
-        pipe, prop = proposer(hf_models, tiny_head, "proposer.min_confidence=0.05")
-        if way == "steps":
-            prop.chain_ids = None
-        rounds = drafted[way] = []
-        draft = prop._draft
-
-        def recorded(batch, ks, K, _draft=draft, _rounds=rounds):
-            drafts, probs = _draft(batch, ks, K)
-            _rounds.append(drafts.tolist())
-            return drafts, probs
-        prop._draft = recorded
-        pipe.generate(PROMPTS, max_new_tokens=24, max_batch_size=3)
-    assert drafted["chain"] == drafted["steps"]
 
 
 def test_min_confidence_outside_0_1_or_with_a_tree_is_one_line(hf_models, tiny_head):  # noqa: F811

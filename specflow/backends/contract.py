@@ -263,12 +263,15 @@ class Backend(abc.ABC):
         """Roll each slot's cache back to its first `lengths[b]` tokens."""
 
     def greedy_steps(self, slots: list[int], fed: list[list[int]], steps: list[int],
-                     vocab_size: int) -> torch.Tensor | None:
+                     vocab_size: int, min_confidence: float | None = None
+                     ) -> torch.Tensor | None:
         """Optional: greedy draft steps in one call. Row r (cache slot slots[r]) feeds fed[r]
         (the committed tokens its cache lacks, at least one) and then, steps[r] - 1 more times,
         the token its last step found; each step's token is the argmax of the row's last logits'
         first `vocab_size` entries -> [R, max(steps)] long (-1 past a row's steps), the fed
-        tokens cached. None (this default): the caller steps through forward()."""
+        tokens cached. `min_confidence` (proposer.min_confidence): a row also stops after its
+        first token whose probability under the softmax of those logits is below it (that token
+        kept). None (this default): the caller steps through forward()."""
         return None
 
     # --- token trees (optional) -------------------------------------------------------------

@@ -789,11 +789,13 @@ class HFBackend(Backend):
 
     @torch.inference_mode()
     def greedy_steps(self, slots: list[int], fed: list[list[int]], steps: list[int],
-                     vocab_size: int) -> torch.Tensor | None:
+                     vocab_size: int, min_confidence: float | None = None
+                     ) -> torch.Tensor | None:
         """Greedy draft steps as one native call (backends/lean/native_chain.py): row r feeds
         fed[r], then steps[r] - 1 times the token it found -> [R, max(steps)] long (-1 past a
-        row's steps), each step's argmax over the first `vocab_size` logits, the fed tokens
-        cached; None where the native steps do not run (the caller steps through forward())."""
+        row's steps, or past its first token under `min_confidence`), each step's argmax over
+        the first `vocab_size` logits, the fed tokens cached; None where the native steps do not
+        run (the caller steps through forward())."""
         if self.lean is None or self.graphs is not None or self.device.type != "cpu" \
                 or self.window is not None and max(
                     self.cache.lengths[s] + len(f) + n for s, f, n in zip(slots, fed, steps)
@@ -801,9 +803,10 @@ class HFBackend(Backend):
             return None
         from specflow.backends.lean.native_chain import chain
 
-        out = chain(self.lean, self.cache, slots, fed, steps, vocab_size)
+        out = chain(self.lean, self.cache, slots, fed, steps, vocab_size, min_confidence or 0.0)
         if out is not None:     # the fed tokens, and each step's token but the last
-            self.cache.commit(slots, [len(f) + n - 1 if n else 0 for f, n in zip(fed, steps)])
+            taken = (out >= 0).sum(1).tolist() if min_confidence else steps   # cpu only
+            self.cache.commit(slots, [len(f) + n - 1 if n else 0 for f, n in zip(fed, taken)])
         return out
 
     def can_adopt_cache(self, source: "HFBackend") -> str | None:

@@ -9,6 +9,7 @@ verifier. The draft cache is rolled back to the committed length in specflow_syn
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -22,16 +23,29 @@ from specflow.stages.tree import no_branch_pays, tree_budget
 from specflow.state import PAD, Proposal
 
 
+def check_min_confidence(value: float | None, topk: int) -> None:
+    """proposer.min_confidence: null, or a probability strictly between 0 and 1, for a chain."""
+    if value is not None and not 0 < value < 1:
+        raise ConfigError(f"proposer.min_confidence={value} must lie between 0 and 1 (e.g. 0.4), "
+                          f"or be null for k drafts a row")
+    if value is not None and topk > 1:
+        raise ConfigError(f"proposer.min_confidence={value} stops a chain; with topk={topk} the "
+                          f"tree keeps its likeliest nodes already: set one of them")
+
+
 @dataclass
 class DraftProposerConfig:
     name: str = "draft"
     k: int = 4                 # most tokens drafted per round (a tree's depth)
     topk: int = 1              # > 1: an EAGLE-2 tree, each node's topk likeliest children
     num_draft_tokens: int | None = None   # nodes per row in a tree (default k)
+    min_confidence: float | None = None   # a chain row stops after its first draft the draft
+                               # model gives less than this probability (kept); null: k drafts
 
     def __post_init__(self) -> None:
         if self.k < 0:
             raise ConfigError(f"proposer.k={self.k} must be >= 0 (0 = no drafting)")
+        check_min_confidence(self.min_confidence, self.topk)
         self.nodes = tree_budget(self.k, self.topk, self.num_draft_tokens)
 
 
@@ -104,6 +118,9 @@ class DraftModelProposer:
             raise ConfigError(f"proposer.topk={cfg.topk}: the draft backend "
                               f"{type(self.model).__name__} cannot score trees; use topk=1")
         self.trees: dict[int, DraftTree] = {}       # by slot, this round's tree rows
+        # a backend's one-call steps that take min_confidence (a plugin's older greedy_steps
+        # may not: its rounds then step through forward())
+        self.steps_stop = "min_confidence" in inspect.signature(self.model.greedy_steps).parameters
         self.calibration = Calibration(cfg.topk)    # draft q -> acceptance, learned online
 
     @hookimpl
@@ -153,7 +170,8 @@ class DraftModelProposer:
         else:
             drafts, probs = self._draft(sub, sub_ks, K)
             proposal = Proposal.for_rows(batch.size, rows, drafts, probs, full_context)
-            proposal.draft_counts = ks   # each row drafted its k: the round reads no drafts
+            if self.cfg.min_confidence is None:
+                proposal.draft_counts = ks   # each row drafted its k: the round reads no drafts
         proposal.catch_up_seconds = caught_up
         return proposal
 
@@ -181,11 +199,13 @@ class DraftModelProposer:
         Where shape() leaves every row's argmax alone (a greedy round with no bias, penalty or
         grammar on its rows), every step runs in one call of the backend's greedy_steps where
         it has one (the same tokens, without Python between the steps)."""
-        if batch.shaping_keeps_argmax():
+        stop = self.cfg.min_confidence
+        if batch.shaping_keeps_argmax() and (stop is None or self.steps_stop):
             cached = [self.model.cache_length(s) for s in batch.slots.tolist()]
+            extra = {} if stop is None else {"min_confidence": stop}
             drafts = self.model.greedy_steps(batch.slots.tolist(),
                                              uncached_tokens(batch.token_ids, cached), ks,
-                                             self.vocab_size)                      # [B, K]
+                                             self.vocab_size, **extra)             # [B, K]
             if drafts is not None:
                 return drafts.to(self.model.device), None
 
@@ -196,7 +216,7 @@ class DraftModelProposer:
             logits = self.model.forward(sub.slots, previous[:, None],
                                         torch.ones(len(still_live), dtype=torch.long))  # [L, 1, V_d]
             return align_vocab(logits[:, 0], self.vocab_size)              # [L, V]
-        return draft_steps(batch, ks, K, self.vocab_size, self.model.device, step)
+        return draft_steps(batch, ks, K, self.vocab_size, self.model.device, step, stop)
 
     @hookimpl
     def specflow_sync_cache(self, batch, result):

@@ -30,7 +30,7 @@ from specflow.errors import ConfigError
 from specflow.backends.plan import make_plan
 from specflow.backends.slot_cache import SlotKVCache
 from specflow.plugins import hookimpl
-from specflow.stages.proposers.draft import draft_steps
+from specflow.stages.proposers.draft import check_min_confidence, draft_steps
 from specflow.stages.proposers.draft_tree import Calibration, DraftTree, draft_trees, learn
 from specflow.stages.tree import no_branch_pays, tree_budget
 from specflow.state import Proposal
@@ -73,13 +73,7 @@ class EagleProposerConfig:
     def __post_init__(self) -> None:
         if self.k < 0:
             raise ConfigError(f"proposer.k={self.k} must be >= 0 (0 = no drafting)")
-        if self.min_confidence is not None and not 0 < self.min_confidence < 1:
-            raise ConfigError(f"proposer.min_confidence={self.min_confidence} must lie between 0 "
-                              f"and 1 (e.g. 0.4), or be null for k drafts a row")
-        if self.min_confidence is not None and self.topk > 1:
-            raise ConfigError(f"proposer.min_confidence={self.min_confidence} stops a chain; with "
-                              f"topk={self.topk} the tree keeps its likeliest nodes already: set "
-                              f"one of them")
+        check_min_confidence(self.min_confidence, self.topk)
         if self.dtype not in HEAD_DTYPES:
             raise ConfigError(f"proposer.dtype={self.dtype!r}; use auto (the head as saved, or the target's "
                               f"16-bit dtype), float32, bfloat16, float16, int8 or int4")

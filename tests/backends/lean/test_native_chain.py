@@ -16,9 +16,11 @@ pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler wi
 LENGTHS = [37, 5, 120]
 
 
-def torch_steps(backend, fed: list[list[int]], steps: list[int]) -> list[list[int]]:
+def torch_steps(backend, fed: list[list[int]], steps: list[int],
+                min_confidence: float = 0.0) -> list[list[int]]:
     """Each row's greedy steps one forward() at a time (the proposer's torch path): its tokens
-    `fed` first, then the token each step found."""
+    `fed` first, then the token each step found; a row stops after a token whose softmax
+    probability is below min_confidence."""
     out = []
     for slot, (tokens, n) in enumerate(zip(fed, steps)):
         row = []
@@ -27,7 +29,9 @@ def torch_steps(backend, fed: list[list[int]], steps: list[int]) -> list[list[in
                                      torch.tensor([len(tokens)]))                     # [1, T, V]
             tokens = [int(logits[0, -1].argmax())]
             row.append(tokens[0])
-        out.append(row + [-1] * (max(steps) - n))
+            if logits[0, -1].softmax(-1)[tokens[0]] < min_confidence:
+                break
+        out.append(row + [-1] * (max(steps) - len(row)))
     return out
 
 
@@ -56,6 +60,28 @@ def test_the_chain_finds_the_torch_steps_tokens_and_leaves_their_cache(tmp_path,
     # the keys and values the chain cached are the torch steps': the next pass scores the same
     after = backend.forward(torch.arange(3), torch.tensor([[5], [6], [7]]), torch.tensor([1] * 3))
     torch.testing.assert_close(after, nxt, atol=1e-5, rtol=1e-5)
+
+
+def test_min_confidence_stops_the_chain_where_the_torch_steps_stop(tmp_path):
+    backend = backend_for(DEMO_DIR / "draft")
+    fed, steps = [[11], [700], [4000, 12, 13]], [6, 6, 6]
+    prefill(backend, LENGTHS)
+    free = torch_steps(backend, fed, steps)
+    for t in (0.5, 0.9):
+        prefill(backend, LENGTHS)
+        want = torch_steps(backend, fed, steps, t)
+        want_lengths = backend.cache.lengths[:3]
+        nxt = backend.forward(torch.arange(3), torch.tensor([[5], [6], [7]]), torch.tensor([1] * 3))
+        prefill(backend, LENGTHS)
+        got = backend.greedy_steps([0, 1, 2], fed, steps, backend.vocab_size, min_confidence=t)
+        assert got is not None and got.tolist() == want
+        assert backend.cache.lengths[:3] == want_lengths
+        after = backend.forward(torch.arange(3), torch.tensor([[5], [6], [7]]), torch.tensor([1] * 3))
+        torch.testing.assert_close(after, nxt, atol=1e-5, rtol=1e-5)
+    # each stopped row is a prefix of its free run; 0.9 stops a row early that 0.5 does not
+    assert all(w[:len([x for x in w if x >= 0])] == f[:len([x for x in w if x >= 0])]
+               for w, f in zip(want, free))
+    assert want != free
 
 
 def test_the_argmax_stays_inside_the_vocabulary_asked_for(tmp_path):
@@ -92,13 +118,15 @@ class ChainSpy:
 
 @pytest.mark.parametrize("extra,chained", [
     ((), True),
+    (("proposer.min_confidence=0.6",), True),
     (("logits=[repetition_penalty]", "logits.repetition_penalty.penalty=1.3"), False),
     (("constraint=regex", "constraint.pattern='(def|class) [a-z_]{1,12}\\(\\):'"), False),
 ])
 def test_proposer_draft_chains_only_where_shaping_keeps_the_argmax(make_pipeline, monkeypatch,
                                                                    extra, chained):
     prompts = ["def fib(n):", "class Stack:", "import os"]
-    plain = make_pipeline("model=demo", "draft=demo", "proposer=none", "max_batch_size=3", *extra)
+    shaping = [e for e in extra if not e.startswith("proposer.")]
+    plain = make_pipeline("model=demo", "draft=demo", "proposer=none", "max_batch_size=3", *shaping)
     want = [r.token_ids for r in plain.generate(prompts, max_new_tokens=24)]
     spy = ChainSpy(monkeypatch)
     pipe = make_pipeline("model=demo", "draft=demo", "proposer=draft", "max_batch_size=3", *extra)

@@ -109,16 +109,16 @@ class NativeHead:
         return native.held(self.lm_head, h.float(), self.final_norm, self.eps)
 
     def chain(self, head, states: torch.Tensor, cache, slots: list[int], steps: list[int],
-              ids: torch.Tensor | None, min_confidence: float = 0.0) -> torch.Tensor | None:
+              ids: torch.Tensor | None, min_confidence: float | None = None
+              ) -> torch.Tensor | None:
         """Greedy steps as one native call (gemv.c's specflow_head_chain): states [R, E] each
         row's head state after its committed pairs; row r takes steps[r] drafts, each the argmax
         of the head's logits (on the target's vocabulary through `ids` [Vd] increasing, or None
         for the identity), each after the first fed back with the state before it -> [R,
-        max(steps)] long (-1 past a row's steps; min_confidence > 0: a row also stops after its
+        max(steps)] long (-1 past a row's steps; min_confidence: a row also stops after its
         first draft whose probability under its step's softmax is below it, that draft kept). The
-        steps' keys and values are written past
-        the cache's lengths, which stay as they are. None where the cache is not the native
-        one's."""
+        steps' keys and values are written past the cache's lengths, which stay as they are.
+        None where the cache is not the native one's."""
         tables = cache_tables(cache, self.shape.num_key_value_heads, self.shape.dim)
         if tables is None:
             return None
@@ -139,7 +139,7 @@ class NativeHead:
             tables[0], tables[1], cache.max_capacity, slot_t.data_ptr(), start_t.data_ptr(),
             cos.data_ptr(), sin.data_ptr(), cos.shape[0], self.final_norm.data_ptr(),
             self.lm_head.data_ptr(), self.lm_head.kind_code, self.lm_head.shape[0],
-            None if ids is None else ids.data_ptr(), out.data_ptr(), float(min_confidence),
+            None if ids is None else ids.data_ptr(), out.data_ptr(), float(min_confidence or 0.0),
             torch.get_num_threads())
         if failed == 4:
             raise ValueError(f"a token the head drafted lies outside the embedding's "

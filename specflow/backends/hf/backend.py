@@ -803,7 +803,7 @@ class HFBackend(Backend):
             return None
         from specflow.backends.lean.native_chain import chain
 
-        out = chain(self.lean, self.cache, slots, fed, steps, vocab_size, min_confidence or 0.0)
+        out = chain(self.lean, self.cache, slots, fed, steps, vocab_size, min_confidence)
         if out is not None:     # the fed tokens, and each step's token but the last
             taken = (out >= 0).sum(1).tolist() if min_confidence else steps   # cpu only
             self.cache.commit(slots, [len(f) + n - 1 if n else 0 for f, n in zip(fed, taken)])

@@ -916,9 +916,7 @@ static int layers(float *x, int64_t R, int64_t E, int64_t H, int64_t Hkv, int64_
     int64_t group = H / Hkv;
     /* attention units: a query's key/value head with up to GH of its query heads, the groups
        split further while there are fewer units than twice the threads (one query of 3 key heads
-       on 2 threads: 6 units of 1-2 heads, not 3 of 3), a key/value head's units one after
-       another (the rows of a slot read its keys from this core's cache, not memory, after the
-       first) */
+       on 2 threads: 6 units of 1-2 heads, not 3 of 3) */
     int64_t parts = (group + GH - 1) / GH;
     while (parts < group && R * Hkv * parts < 2 * nt) parts++;
     for (int64_t l = 0; l < L && !failed; l++) {
@@ -946,7 +944,7 @@ static int layers(float *x, int64_t R, int64_t E, int64_t H, int64_t Hkv, int64_
         }
         _Pragma("omp parallel for num_threads(threads) schedule(static)")
         for (int64_t u = 0; u < R * Hkv * parts; u++) {
-            int64_t g = u / (R * parts), r = u / parts % R, part = u % parts;
+            int64_t r = u / (Hkv * parts), g = u / parts % Hkv, part = u % parts;
             int64_t h0 = g * group + part * group / parts, h1 = g * group + (part + 1) * group / parts;
             int64_t base = (slot[r] * Hkv + g) * C * D;
             attend_group(wide + r * QKV + h0 * D, (int)(h1 - h0), kc + base, vc + base,
@@ -1038,13 +1036,14 @@ int specflow_side_layer(float *x, const float *side, const float *side_norm, int
    as product() takes it, N rows) and the first largest of the first `top` logits, or 0 where the
    largest is not finite (a NaN, an infinity, or every logit -inf: the shaping call's mark_empty
    zeroes such a row before torch's argmax), mapped through ids [N] unless NULL, into
-   out[live[i] * S + s]. normed [n, E] and logits [n, N] are scratch. conf [n] (NULL: not
-   wanted): each draft's probability under the softmax of those `top` logits, 1 / sum e^(l -
-   largest) (0 where the largest is not finite). 0, or 1 out of memory. */
+   out[live[i] * S + s]. normed [n, E] and logits [n, N] are scratch. min_p > 0: where a draft's
+   probability under the softmax of those `top` logits, 1 / sum e^(l - largest) (0 where the
+   largest is not finite), is below min_p, its row takes no step after s (until[live[i]] = s +
+   1). 0, or 1 out of memory. */
 static int draft_tokens(const float *states, const float *G_out, float eps, const void *head,
                         int kind, int64_t N, int64_t top, const int64_t *ids, int64_t n,
                         int64_t E, float *normed, float *logits, const int64_t *live, int64_t S,
-                        int64_t s, int64_t *out, float *conf, int threads) {
+                        int64_t s, int64_t *out, float min_p, int64_t *until, int threads) {
     rms_rows(states, G_out, eps, n, E, normed);
     if (product(head, kind, normed, logits, N, E, n, threads)) return 1;
     for (int64_t i = 0; i < n; i++) {
@@ -1054,15 +1053,17 @@ static int draft_tokens(const float *states, const float *G_out, float eps, cons
             if (row[v] > row[best] || row[v] != row[v]) best = v;
         int finite = isfinite(row[best]);
         out[live[i] * S + s] = !finite ? 0 : ids ? ids[best] : best;
-        if (!conf) continue;
-        conf[i] = 0.0f;
-        if (!finite) continue;
-        v8 m = splat(row[best]), sum = (v8){0};
-        int64_t v = 0;
-        for (; v + 8 <= top; v += 8) sum += exp8(load_f32(row + v) - m);
-        float total = hsum(sum);
-        for (; v < top; v++) total += exp1(row[v] - row[best]);
-        conf[i] = 1.0f / total;
+        if (min_p <= 0.0f) continue;
+        float p = 0.0f;
+        if (finite) {
+            v8 m = splat(row[best]), sum = (v8){0};
+            int64_t v = 0;
+            for (; v + 8 <= top; v += 8) sum += exp8(load_f32(row + v) - m);
+            float total = hsum(sum);
+            for (; v < top; v++) total += exp1(row[v] - row[best]);
+            p = 1.0f / total;
+        }
+        if (p < min_p) until[live[i]] = s + 1;
     }
     return 0;
 }
@@ -1106,9 +1107,7 @@ int specflow_chain(const void *embed, int embed_kind, int64_t V_in, int64_t R, c
     float *xn = malloc((size_t)(R * E) * sizeof(float));
     float *rot = malloc((size_t)(Q * 2 * D) * sizeof(float));
     float *logits = malloc((size_t)(R * N) * sizeof(float));
-    float *conf = min_p > 0.0f ? malloc((size_t)(R > 0 ? R : 1) * sizeof(float)) : NULL;
-    int failed = !live || !capture || !until || !x || !xn || !rot || !logits
-                 || (min_p > 0.0f && !conf);
+    int failed = !live || !capture || !until || !x || !xn || !rot || !logits;
     for (int64_t r = 0; r < R && !failed; r++) until[r] = steps[r];
     for (int64_t l = 0; l < L && !failed; l++) capture[l] = -1;
     int64_t *lslot = live + Q, *lcol = live + 2 * Q, *lbelow = live + 3 * Q, *last = live + 4 * Q;
@@ -1139,11 +1138,9 @@ int specflow_chain(const void *embed, int embed_kind, int64_t V_in, int64_t R, c
         for (int64_t i = 0; i < rows; i++)                /* each live row's last query */
             memcpy(xn + i * E, x + last[i] * E, (size_t)E * sizeof(float));
         if (draft_tokens(xn, G_out, eps, head, head_kind, N, top, NULL, rows, E, x, logits,
-                         live, S, s, out, conf, threads)) { failed = 1; break; }
-        for (int64_t i = 0; conf && i < rows; i++)
-            if (conf[i] < min_p) until[live[i]] = s + 1;
+                         live, S, s, out, min_p, until, threads)) { failed = 1; break; }
     }
-    free(live); free(capture); free(until); free(x); free(xn); free(rot); free(logits); free(conf);
+    free(live); free(capture); free(until); free(x); free(xn); free(rot); free(logits);
     return failed;
 }
 
@@ -1185,9 +1182,7 @@ int specflow_head_chain(float *x, const float *embed, int64_t V_in, const float 
     float *rot = malloc((size_t)(R * 2 * D) * sizeof(float));
     float *logits = malloc((size_t)(R * N) * sizeof(float));
     int64_t *until = malloc((size_t)(R > 0 ? R : 1) * sizeof(int64_t));   /* steps, or fewer */
-    float *conf = min_p > 0.0f ? malloc((size_t)(R > 0 ? R : 1) * sizeof(float)) : NULL;
-    int failed = !live || !h || !side || !xn || !rot || !logits || !until
-                 || (min_p > 0.0f && !conf);
+    int failed = !live || !h || !side || !xn || !rot || !logits || !until;
     for (int64_t r = 0; r < R && !failed; r++) until[r] = steps[r];
     int64_t *lslot = live + R, *lcol = live + 2 * R, *lbelow = live + 3 * R;
     for (int64_t s = 0; s < S && !failed; s++) {
@@ -1218,10 +1213,8 @@ int specflow_head_chain(float *x, const float *embed, int64_t V_in, const float 
                 memcpy(x + live[i] * E, h + i * E, (size_t)E * sizeof(float));
         }
         if (draft_tokens(h, G_out, eps, head, head_kind, N, N, ids, n, E, xn, logits, live, S,
-                         s, out, conf, threads)) { failed = 1; break; }
-        for (int64_t i = 0; conf && i < n; i++)
-            if (conf[i] < min_p) until[live[i]] = s + 1;
+                         s, out, min_p, until, threads)) { failed = 1; break; }
     }
-    free(live); free(h); free(side); free(xn); free(rot); free(logits); free(until); free(conf);
+    free(live); free(h); free(side); free(xn); free(rot); free(logits); free(until);
     return failed;
 }

@@ -69,12 +69,12 @@ def runs(lean, cache) -> bool:
 
 
 def chain(lean, cache, slots: list[int], fed: list[list[int]], steps: list[int],
-          vocab_size: int, min_confidence: float = 0.0) -> torch.Tensor | None:
+          vocab_size: int, min_confidence: float | None = None) -> torch.Tensor | None:
     """Greedy steps of rows `slots` (cache rows of lengths cache.lengths): row r feeds its tokens
     fed[r] (at least one: the committed ones its cache lacks) at its cache length and takes
     steps[r] steps, each after the first feeding the token the last one found -> [R, max(steps)]
     long, each row's tokens (-1 past its steps), the argmax of each step's logits over the first
-    `vocab_size` entries (min_confidence > 0: a row also stops after its first token whose
+    `vocab_size` entries (min_confidence: a row also stops after its first token whose
     probability under their softmax is below it, that token kept); None where the chain does
     not run here. The cache holds the fed tokens
     afterwards (their lengths are the caller's to commit)."""
@@ -100,7 +100,7 @@ def chain(lean, cache, slots: list[int], fed: list[list[int]], steps: list[int],
         whole.norms, lean.eps, keys, values, cache.max_capacity, slot_t.data_ptr(),
         start_t.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0], lean.norm.data_ptr(),
         head.data_ptr(), head_kind(head), head.shape[0], vocab_size, out.data_ptr(),
-        float(min_confidence), torch.get_num_threads())
+        float(min_confidence or 0.0), torch.get_num_threads())
     if failed == 4:
         raise ValueError(f"a token fed to specflow's native draft steps lies outside the "
                          f"embedding's {V_in} rows: {fed}")

@@ -344,7 +344,7 @@ class EagleProposer:
         if self.native is not None and self.chain_ids is not None \
                 and batch.shaping_keeps_argmax():     # every step in one native call
             drafts = self.native.chain(self.head, g[:, 0], self.cache, slots, ks, self.chain_ids,
-                                       self.cfg.min_confidence or 0.0)
+                                       self.cfg.min_confidence)
             if drafts is not None:
                 return drafts.to(self.device), None
 

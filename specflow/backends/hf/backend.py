@@ -399,7 +399,10 @@ class HFBackend(Backend):
         activations = activation_dtype(cfg.activations)
         quantize = None if bits is None else (bits, cfg.group_size, activations)
         if bf16_weight_only(cfg.dtype, cfg.activations, self.device, cfg.device_map):
-            quantize = (16, cfg.group_size, torch.float32)     # bf16_weights.py
+            # bf16_weights.py: the CPU's bfloat16 products unless activations=float32 asks
+            # for float32 arithmetic
+            quantize = (16, cfg.group_size, torch.float32, None, None, False,
+                        cfg.activations == "auto")
         blocks = self._file_blocks(cfg) if cfg.dtype == "auto" else None
         if blocks is not None:               # the blocks' loading left freed temporaries
             file_products.release_freed()

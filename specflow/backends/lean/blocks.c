@@ -12,6 +12,10 @@
    - U8: 8-bit unsigned q with a float32 scale s and minimum m per 16 weights; weight = q x s +
      m: Q5_1, Q5_K and Q6_K blocks (Q6_K: q x s - 32 s), and any two of the kinds above fused
      into one product (q, k, v of two types).
+   - BF16: 32 bfloat16 weights, no scale (`dtype=bfloat16` where the CPU has AVX512-BF16): the
+     activations rounded to bfloat16 (to nearest even) and each pair of products summed in
+     float32 by `vdpbf16ps`, llama.cpp's arithmetic for a bf16 file. The widening product
+     (gemv.c's BF16_WEIGHTS: float32 activations, float32 arithmetic) runs elsewhere.
 
    The activations are quantized to int8 per block of 32 (scale s = max |x| / 127, as
    llama.cpp's Q8 blocks), so a block's product is an integer sum, d s sum(q xq) (+ m s sum(xq)
@@ -31,7 +35,9 @@
    signed, so the activations go in as xq + 128 and this corrects the sum). Of a Q4_K block
    (384 bytes): Q4_1's 256 bytes of nibbles, then the 16 rows' d and m as float32. Of a U8 block
    (768 bytes): 8 chunks of 64 bytes as Q8_0's (q unsigned), then float32 s of the 16 rows'
-   first 16 weights, of their second 16, then m likewise. Rows past N are zero. The same scales, minimums and quantized weights as the file's blocks, moved.
+   first 16 weights, of their second 16, then m likewise. Of a BF16 block (1024 bytes): 16 chunks
+   of 64 bytes, bytes 4i..4i+3 of chunk c row i's weights 2c and 2c + 1 (one `vdpbf16ps` lane's
+   pair), so that one multiplies 2 weights of each of the 16 rows by the same 2 activations. Rows past N are zero. The same scales, minimums and quantized weights as the file's blocks, moved.
 
    Every row of Y is computed by the same operations whatever M and the thread count are (its
    lane's sums in block order; a Q4_1 row's scaled sums and its minimums' term apart, added
@@ -329,6 +335,76 @@ Q4K_GROUP(1) Q4K_GROUP(2) Q4K_GROUP(3) Q4K_GROUP(4) Q4K_GROUP(5) Q4K_GROUP(6) Q4
 Q4K_GROUP(8)
 U8_GROUP(1) U8_GROUP(2) U8_GROUP(3) U8_GROUP(4) U8_GROUP(5) U8_GROUP(6) U8_GROUP(7) U8_GROUP(8)
 
+/* A BF16 tile against MR rows of X rounded to bfloat16 (xb [MR, K]): each row's sums in two
+   chains (even chunks, odd chunks; one chain of 18 dependent `vdpbf16ps` a 576-wide row held a
+   one-row product to half the memory's speed), added last, the same for every MR. No software
+   prefetch for one row: the hardware's keeps one stream busy (as gemv.c's one-row walk). */
+#define BF16_TILE 1024
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define BF16_GROUP(MR)                                                                           \
+__attribute__((noinline)) static void bf16_tile_##MR(const uint8_t *tile, const uint16_t *xb,     \
+        float *y, int64_t N, int64_t K, int64_t G, uint16_t valid) {                            \
+    __m512 acc[MR][2];                                                                           \
+    for (int j = 0; j < MR; j++) acc[j][0] = acc[j][1] = _mm512_setzero_ps();                    \
+    for (int64_t b = 0; b < G; b++) {                                                            \
+        const uint8_t *blk = tile + b * BF16_TILE;                                               \
+        if (MR > 1) for (int c = 0; c < BF16_TILE; c += 64) PREFETCH(blk + c);                   \
+        _Pragma("GCC unroll 8") for (int c = 0; c < 16; c += 2) {                                \
+            __m512bh w0 = (__m512bh)_mm512_loadu_si512(blk + 64 * c);                            \
+            __m512bh w1 = (__m512bh)_mm512_loadu_si512(blk + 64 * c + 64);                       \
+            _Pragma("GCC unroll 8") for (int j = 0; j < MR; j++) {                               \
+                const uint16_t *x = xb + j * K + b * QK + 2 * c;                                 \
+                int32_t x0, x1;                                                                  \
+                memcpy(&x0, x, 4); memcpy(&x1, x + 2, 4);                                        \
+                acc[j][0] = _mm512_dpbf16_ps(acc[j][0], w0, (__m512bh)_mm512_set1_epi32(x0));     \
+                acc[j][1] = _mm512_dpbf16_ps(acc[j][1], w1, (__m512bh)_mm512_set1_epi32(x1));     \
+            }                                                                                    \
+        }                                                                                        \
+    }                                                                                            \
+    for (int j = 0; j < MR; j++)                                                                 \
+        _mm512_mask_storeu_ps(y + j * N, valid, _mm512_add_ps(acc[j][0], acc[j][1]));            \
+}
+#define BF16_DOT 1
+#else
+/* Portable, never chosen (Python holds bfloat16 weights this way only where the build has
+   `vdpbf16ps`): the same sums in the same order, each pair as two multiply-adds. */
+#define BF16_GROUP(MR)                                                                           \
+static void bf16_tile_##MR(const uint8_t *tile, const uint16_t *xb, float *y, int64_t N,         \
+        int64_t K, int64_t G, uint16_t valid) {                                                  \
+    for (int j = 0; j < MR; j++)                                                                 \
+        for (int i = 0; i < TR; i++) {                                                           \
+            if (!(valid >> i & 1)) continue;                                                     \
+            float acc[2] = {0.0f, 0.0f};                                                         \
+            for (int64_t b = 0; b < G; b++)                                                      \
+                for (int c = 0; c < 16; c++) {                                                   \
+                    const uint8_t *p = tile + b * BF16_TILE + 64 * c + 4 * i;                    \
+                    const uint16_t *x = xb + j * K + b * QK + 2 * c;                             \
+                    uint16_t w0, w1;                                                             \
+                    memcpy(&w0, p, 2); memcpy(&w1, p + 2, 2);                                    \
+                    acc[c & 1] = fmadd(fmadd(acc[c & 1], bf16_to_f32(w1), bf16_to_f32(x[1])),    \
+                                       bf16_to_f32(w0), bf16_to_f32(x[0]));                      \
+                }                                                                                \
+            y[j * N + i] = acc[0] + acc[1];                                                      \
+        }                                                                                        \
+}
+#define BF16_DOT 0
+#endif
+BF16_GROUP(1) BF16_GROUP(2) BF16_GROUP(3) BF16_GROUP(4) BF16_GROUP(5) BF16_GROUP(6)
+BF16_GROUP(7) BF16_GROUP(8)
+
+/* n floats of X (a multiple of 8) rounded to bfloat16 as f32_to_bf16 rounds each. */
+static void round_to_bf16(const float *x, uint16_t *out, int64_t n) {
+    for (int64_t i = 0; i < n; i += 8) {
+        u32x8 u, r, nan;
+        memcpy(&u, x + i, sizeof u);
+        nan = (u32x8)((u & 0x7fffffffu) > 0x7f800000u);                 /* each lane 0 or ~0 */
+        r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+        r = (r & ~nan) | (((u >> 16) | 0x40u) & nan);
+        u16x8 h = __builtin_convertvector(r, u16x8);
+        memcpy(out + i, &h, sizeof h);
+    }
+}
+
 /* X quantized once for every weight a pass multiplies it by. */
 typedef struct {
     const float *X;      /* [M, K]: the rows quantized */
@@ -337,18 +413,25 @@ typedef struct {
     uint8_t *xu;         /* [M, K] xq + 128 (Q8_0 products; NULL until wanted) */
     float *sx, *xs;      /* [M, G] */
     float *xs16;         /* [M, 2G] */
+    uint16_t *xb;        /* [M, K] X rounded to bfloat16 (BF16 products: then nothing else) */
 } quantized_x;
 
 static void free_quantized(quantized_x *q) {
-    free(q->xq); free(q->xu); free(q->sx); free(q->xs); free(q->xs16);
+    free(q->xq); free(q->xu); free(q->sx); free(q->xs); free(q->xs16); free(q->xb);
     memset(q, 0, sizeof *q);
 }
 
-/* Room for X [M, K] quantized (block_product fills it): 0, or 1 out of memory. */
-static int room_for_x(const float *X, int64_t M, int64_t K, int want_u8, quantized_x *q) {
+/* Room for X [M, K] quantized (block_product fills it): 0, or 1 out of memory. want_bf16: X in
+   bfloat16 only (a BF16 product). */
+static int room_for_x(const float *X, int64_t M, int64_t K, int want_u8, int want_bf16,
+                      quantized_x *q) {
     memset(q, 0, sizeof *q);
     q->X = X;
     q->M = M; q->K = K; q->G = K / QK;
+    if (want_bf16) {
+        q->xb = malloc((size_t)(M * K) * sizeof(uint16_t));
+        return q->xb == NULL;
+    }
     q->xq = malloc((size_t)(M * K));
     q->sx = malloc((size_t)(M * q->G) * sizeof(float));
     q->xs = malloc((size_t)(M * q->G) * sizeof(float));
@@ -363,6 +446,10 @@ static int room_for_x(const float *X, int64_t M, int64_t K, int want_u8, quantiz
 
 /* Blocks b0..b1 of q->X quantized into q (and xu, xq + 128, where a Q8_0 product wants it). */
 static void quantize_part(quantized_x *q, int64_t b0, int64_t b1) {
+    if (q->xb) {
+        round_to_bf16(q->X + b0 * QK, q->xb + b0 * QK, (b1 - b0) * QK);
+        return;
+    }
     quantize_blocks(q->X, b0, b1, q->xq, q->sx, q->xs, q->xs16);
     if (q->xu)
         for (int64_t i = b0 * QK; i < b1 * QK; i++) q->xu[i] = (uint8_t)((int)q->xq[i] + 128);
@@ -371,11 +458,11 @@ static void quantize_part(quantized_x *q, int64_t b0, int64_t b1) {
 /* the weight kinds after gemv.c's F32/BF16/F16; BF16_WEIGHTS, F16_WEIGHTS: bfloat16 or float16 W
    read against float32 X (gemv.c's product()) */
 enum { BLOCK_Q4_1 = 3, BLOCK_Q8_0 = 4, BF16_WEIGHTS = 5, BLOCK_Q4_K = 6, BLOCK_U8 = 7,
-       F16_WEIGHTS = 8 };
+       F16_WEIGHTS = 8, BLOCK_BF16 = 9 };
 
 static int64_t tile_bytes(int kind) {
     return kind == BLOCK_Q4_1 ? Q4_TILE : kind == BLOCK_Q4_K ? Q4K_TILE :
-           kind == BLOCK_U8 ? U8_TILE : Q8_TILE;
+           kind == BLOCK_U8 ? U8_TILE : kind == BLOCK_BF16 ? BF16_TILE : Q8_TILE;
 }
 
 /* Tiles t0..t1 of a block weight W (N rows, tiled) against every row of x. */
@@ -389,19 +476,22 @@ static void block_rows(const void *W, int kind, const quantized_x *x, float *Y, 
         for (int64_t m0 = 0; m0 < x->M; m0 += MRB) {
             int64_t mr = x->M - m0 < MRB ? x->M - m0 : MRB;
             float *y = Y + m0 * N + t * TR;
-            const float *sx = x->sx + m0 * G, *xs = x->xs + m0 * G;
+            const float *sx = x->sx ? x->sx + m0 * G : NULL, *xs = x->xs ? x->xs + m0 * G : NULL;
 #define Q4CALL(R) q4_tile_##R(tile, x->xq + m0 * K, sx, xs, y, N, K, G, valid)
 #define Q8CALL(R) q8_tile_##R(tile, x->xu + m0 * K, sx, y, N, K, G, valid)
 #define Q4KCALL(R) q4k_tile_##R(tile, x->xq + m0 * K, sx, xs, y, N, K, G, valid)
 #define U8CALL(R) u8_tile_##R(tile, x->xq + m0 * K, sx, x->xs16 + 2 * m0 * G, y, N, K, G, valid)
+#define BF16CALL(R) bf16_tile_##R(tile, x->xb + m0 * K, y, N, K, G, valid)
 #define BY_ROWS(CALL) switch (mr) { case 1: CALL(1); break; case 2: CALL(2); break;               \
                 case 3: CALL(3); break; case 4: CALL(4); break; case 5: CALL(5); break;          \
                 case 6: CALL(6); break; case 7: CALL(7); break; default: CALL(8); break; }
             if (kind == BLOCK_Q4_1) { BY_ROWS(Q4CALL) }
             else if (kind == BLOCK_Q4_K) { BY_ROWS(Q4KCALL) }
             else if (kind == BLOCK_U8) { BY_ROWS(U8CALL) }
+            else if (kind == BLOCK_BF16) { BY_ROWS(BF16CALL) }
             else { BY_ROWS(Q8CALL) }
 #undef BY_ROWS
+#undef BF16CALL
 #undef Q4KCALL
 #undef U8CALL
 #undef Q4CALL
@@ -430,6 +520,7 @@ static void block_product(const void *W, int kind, quantized_x *x, float *Y, int
 }
 
 int specflow_blocks_vnni(void) { return BLOCKS_VNNI; }
+int specflow_bf16_dot(void) { return BF16_DOT; }
 
 /* out [n, K] float32 = rows ids[0..n) of a block weight W [N, K] of `kind`, as its values (q x d
    (+ m), each a float32 product then a sum: what BlockWeight.dequantize computes): an embedding
@@ -455,6 +546,12 @@ int specflow_block_rows(const void *W, int kind, const int64_t *ids, int64_t n, 
                         o[4 * c + u] = (float)(v & 0x0F) * d + m;
                         o[16 + 4 * c + u] = (float)(v >> 4) * d + m;
                     }
+            } else if (kind == BLOCK_BF16) {
+                for (int j = 0; j < QK; j++) {
+                    uint16_t h;
+                    memcpy(&h, blk + 64 * (j / 2) + 4 * i + 2 * (j % 2), 2);
+                    o[j] = bf16_to_f32(h);
+                }
             } else if (kind == BLOCK_U8) {
                 for (int j = 0; j < QK; j++) {
                     int h = j >= QK / 2;

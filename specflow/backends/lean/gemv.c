@@ -628,7 +628,7 @@ static int product(const void *W, int kind, const float *X, float *Y, int64_t N,
         return 0;
     }
     quantized_x q;
-    if (room_for_x(X, M, K, kind == BLOCK_Q8_0, &q)) return 1;
+    if (room_for_x(X, M, K, kind == BLOCK_Q8_0, kind == BLOCK_BF16, &q)) return 1;
     block_product(W, kind, &q, Y, N, threads);
     free_quantized(&q);
     return 0;

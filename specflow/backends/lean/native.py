@@ -123,6 +123,7 @@ def _library() -> ctypes.CDLL | None:
     lib.specflow_row_max.restype = ctypes.c_int
     lib.has_f16 = bool(lib.specflow_has_f16())
     lib.vnni = bool(lib.specflow_blocks_vnni())
+    lib.bf16_dot = bool(lib.specflow_bf16_dot())
     return lib
 
 

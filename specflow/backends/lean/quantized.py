@@ -131,17 +131,18 @@ def from_int4_blocks(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
     return QuantizedWeight(4, (N, K), packed, scales, group_size)
 
 
-def quantize_weight(w: torch.Tensor, bits: int, group_size: int):
+def quantize_weight(w: torch.Tensor, bits: int, group_size: int, bf16_dot: bool = False):
     """W in `bits` bits, or None where no layout can hold its shape: GGUF blocks multiplied by
     specflow's native kernel where it builds (backends/lean/blocks.py: Q8_0 for int8, Q4_1 for
     int4; a width that is a multiple of 32), else ATen's layouts; 16: bfloat16 weights for the
-    native kernel (bf16_weights.py), None without it."""
+    native kernel (bf16_weights.py: with `bf16_dot`, the CPU's bfloat16 products where it has
+    them), None without it."""
     from specflow.backends.lean import blocks
 
-    if bits == 16:                    # bfloat16 weights, float32 activations (native only)
-        from specflow.backends.lean.bf16_weights import Bf16Weight
+    if bits == 16:                    # bfloat16 weights (native only)
+        from specflow.backends.lean.bf16_weights import hold_bf16
 
-        return Bf16Weight(w) if blocks.available() else None
+        return hold_bf16(w, bf16_dot) if blocks.available() else None
     if blocks.available() and blocks.fits(w.shape) and group_size % blocks.QK == 0 \
             and w.shape[1] % group_size == 0:
         return blocks.quantize_q8(w) if bits == 8 else blocks.quantize_q4(w, group_size)

@@ -413,6 +413,10 @@ class HFBackend(Backend):
             bits = max(w.bits for (layer, _), w in blocks[0].items() if layer >= 0)
             # a tied embedding looked up in the file's head blocks (LeanLlama.quantize)
             quantize = (bits, 32, activations, *blocks, True)
+        bf16_file = blocks is None and cfg.dtype == "auto" and self._file_is_bf16(cfg)
+        if bf16_file:                         # a bf16 file's weights: bfloat16, as dtype=bfloat16
+            quantize = (16, cfg.group_size, torch.float32, None, None, False,
+                        cfg.activations == "auto")
         # where each timed choice's times came from (backends/choice_cache.py): describe()'s
         # `choices`, "cache" or "timed"
         with choice_cache.recording() as self.choices:
@@ -422,6 +426,8 @@ class HFBackend(Backend):
             self.weights = self._quantized(*quantize[:3], from_file=blocks is not None,
                                            head_from_file=blocks is not None
                                            and (-1, 0) in blocks[0])
+            if bf16_file:
+                self.weights = f"the file's bfloat16 weights as they are: {self.weights}"
         self.num_layers = num_layers
         self.hidden_size = config.hidden_size
         self.graphs = None                  # a GraphRunner once tune() knows the fullest pass
@@ -438,6 +444,24 @@ class HFBackend(Backend):
 
         source = pathlib.Path(self.model.name_or_path) / SOURCE        # a converted folder
         return source.read_text().strip() if source.is_file() else None
+
+    def _file_is_bf16(self, cfg) -> bool:
+        """dtype=auto on a GGUF file whose layers' products are all BF16, on a CPU where the
+        native kernel holds bfloat16 weights (quantized.bf16_weight_only): the file's precision
+        is bfloat16's, held as dtype=bfloat16 holds it (the values exactly; no float32 copy
+        kept), not widened to float32."""
+        from specflow.backends.lean.forward import unsupported_reason
+        from specflow.backends.lean.gguf_blocks import file_types, other_layer_types
+
+        file = self.gguf_file()
+        if cfg.forward == "hf" or file is None or unsupported_reason(self.model.config) \
+                is not None or not bf16_weight_only("bfloat16", cfg.activations, self.device,
+                                                    cfg.device_map):
+            return False
+        try:
+            return other_layer_types(file_types(file)) == ["BF16"]
+        except (OSError, ValueError):
+            return False
 
     def _file_blocks(self, cfg) -> tuple[dict, int] | None:
         """dtype=auto on a GGUF file whose layers are all of held_types(), on a CPU, with the

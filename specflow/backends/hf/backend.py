@@ -413,10 +413,10 @@ class HFBackend(Backend):
             bits = max(w.bits for (layer, _), w in blocks[0].items() if layer >= 0)
             # a tied embedding looked up in the file's head blocks (LeanLlama.quantize)
             quantize = (bits, 32, activations, *blocks, True)
-        bf16_file = blocks is None and cfg.dtype == "auto" and self._file_is_bf16(cfg)
-        if bf16_file:                         # a bf16 file's weights: bfloat16, as dtype=bfloat16
+        half_file = self._file_half(cfg) if blocks is None and cfg.dtype == "auto" else None
+        if half_file is not None:             # a bf16 / f16 file's weights in their 16 bits
             quantize = (16, cfg.group_size, torch.float32, None, None, False,
-                        cfg.activations == "auto")
+                        cfg.activations == "auto", half_file)
         # where each timed choice's times came from (backends/choice_cache.py): describe()'s
         # `choices`, "cache" or "timed"
         with choice_cache.recording() as self.choices:
@@ -426,8 +426,9 @@ class HFBackend(Backend):
             self.weights = self._quantized(*quantize[:3], from_file=blocks is not None,
                                            head_from_file=blocks is not None
                                            and (-1, 0) in blocks[0])
-            if bf16_file:
-                self.weights = f"the file's bfloat16 weights as they are: {self.weights}"
+            if half_file is not None:
+                self.weights = (f"the file's {str(half_file)[6:]} weights as they are: "
+                                f"{self.weights}")
         self.num_layers = num_layers
         self.hidden_size = config.hidden_size
         self.graphs = None                  # a GraphRunner once tune() knows the fullest pass
@@ -445,11 +446,13 @@ class HFBackend(Backend):
         source = pathlib.Path(self.model.name_or_path) / SOURCE        # a converted folder
         return source.read_text().strip() if source.is_file() else None
 
-    def _file_is_bf16(self, cfg) -> bool:
-        """dtype=auto on a GGUF file whose layers' products are all BF16, on a CPU where the
-        native kernel holds bfloat16 weights (quantized.bf16_weight_only): the file's precision
-        is bfloat16's, held as dtype=bfloat16 holds it (the values exactly; no float32 copy
-        kept), not widened to float32."""
+    def _file_half(self, cfg) -> torch.dtype | None:
+        """dtype=auto on a GGUF file whose layers' products are all BF16 (or all F16), on a CPU
+        where the native kernel holds 16-bit weights (quantized.bf16_weight_only): the file's
+        precision is that 16-bit type's, held in it (bfloat16 as dtype=bfloat16 holds it, float16
+        read against float32 inputs: the values exactly, no float32 copy kept), not widened to
+        float32; None elsewhere."""
+        from specflow.backends.lean import native
         from specflow.backends.lean.forward import unsupported_reason
         from specflow.backends.lean.gguf_blocks import file_types, other_layer_types
 
@@ -457,11 +460,14 @@ class HFBackend(Backend):
         if cfg.forward == "hf" or file is None or unsupported_reason(self.model.config) \
                 is not None or not bf16_weight_only("bfloat16", cfg.activations, self.device,
                                                     cfg.device_map):
-            return False
+            return None
         try:
-            return other_layer_types(file_types(file)) == ["BF16"]
+            types = other_layer_types(file_types(file))
         except (OSError, ValueError):
-            return False
+            return None
+        if types == ["BF16"]:
+            return torch.bfloat16
+        return torch.float16 if types == ["F16"] and native.available(torch.float16) else None
 
     def _file_blocks(self, cfg) -> tuple[dict, int] | None:
         """dtype=auto on a GGUF file whose layers are all of held_types(), on a CPU, with the

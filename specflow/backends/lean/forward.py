@@ -314,7 +314,7 @@ class LeanLlama:
     def quantize(self, bits: int, group_size: int = 32,
                  activations: torch.dtype | None = None, given: dict | None = None,
                  head_bits: int | None = None, share_embedding: bool = False,
-                 bf16_dot: bool = False) -> list[str]:
+                 bf16_dot: bool = False, half: torch.dtype = torch.bfloat16) -> list[str]:
         """Hold every product weight (the layers' and the LM head) in `bits` bits (GGUF blocks where the
         native kernel builds, backends/lean/blocks.py; else ATen's layouts,
         backends/lean/quantized.py) and free the dense ones, as pack() does: the owning modules
@@ -330,9 +330,9 @@ class LeanLlama:
         bits where they differ. `share_embedding`: a tied embedding whose values are the given
         head's (a GGUF file's tied table: its own blocks) is looked up in the head's blocks and
         its dense table freed (checked on rows across the vocabulary first, bit for bit; else
-        kept). `bf16_dot`: 16 bits as the CPU's bfloat16 products where it has them
-        (bf16_weights.Bf16Tiles), not read against float32 inputs. CPU only; before any
-        pack()."""
+        kept). 16 bits: `half` weights, bfloat16 or float16 (bf16_weights.py); `bf16_dot`:
+        bfloat16 by the CPU's bfloat16 products where it has them (Bf16Tiles), not read
+        against float32 inputs. CPU only; before any pack()."""
         from specflow.backends.lean.quantized import quantize_weight
 
         if self._packs or self._dual is not None:
@@ -343,7 +343,8 @@ class LeanLlama:
                 fields = list(layer)
                 for f in self._PRODUCTS:
                     held = (given or {}).get((i, f)) or quantize_weight(fields[f], bits,
-                                                                        group_size, bf16_dot)
+                                                                        group_size, bf16_dot,
+                                                                        half)
                     if held is None:
                         left.append(f"layer {i} {'/'.join(self._PRODUCTS[f][1])}")
                         continue
@@ -352,7 +353,7 @@ class LeanLlama:
                     self._packs.append((i, f, self._owners(i, f)))
                 self.layers[i] = tuple(fields)
             held = (given or {}).get((self.HEAD, 0)) or \
-                quantize_weight(self.lm_head, head_bits or bits, group_size, bf16_dot)
+                quantize_weight(self.lm_head, head_bits or bits, group_size, bf16_dot, half)
             if held is None:
                 left.append("lm_head")
             elif self.lm_head.data_ptr() != self.embed.data_ptr():

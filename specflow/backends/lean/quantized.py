@@ -131,18 +131,22 @@ def from_int4_blocks(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
     return QuantizedWeight(4, (N, K), packed, scales, group_size)
 
 
-def quantize_weight(w: torch.Tensor, bits: int, group_size: int, bf16_dot: bool = False):
+def quantize_weight(w: torch.Tensor, bits: int, group_size: int, bf16_dot: bool = False,
+                    half: torch.dtype = torch.bfloat16):
     """W in `bits` bits, or None where no layout can hold its shape: GGUF blocks multiplied by
     specflow's native kernel where it builds (backends/lean/blocks.py: Q8_0 for int8, Q4_1 for
-    int4; a width that is a multiple of 32), else ATen's layouts; 16: bfloat16 weights for the
-    native kernel (bf16_weights.py: with `bf16_dot`, the CPU's bfloat16 products where it has
-    them), None without it."""
+    int4; a width that is a multiple of 32), else ATen's layouts; 16: `half` (bfloat16 or
+    float16) weights for the native kernel (bf16_weights.py: bfloat16 with `bf16_dot`, the
+    CPU's bfloat16 products where it has them; float16 read against float32 inputs), None
+    without it."""
     from specflow.backends.lean import blocks
 
-    if bits == 16:                    # bfloat16 weights (native only)
-        from specflow.backends.lean.bf16_weights import hold_bf16
+    if bits == 16:                    # 16-bit weights (native only)
+        from specflow.backends.lean.bf16_weights import hold, hold_bf16
 
-        return hold_bf16(w, bf16_dot) if blocks.available() else None
+        if not blocks.available():
+            return None
+        return hold(w.to(torch.float16)) if half == torch.float16 else hold_bf16(w, bf16_dot)
     if blocks.available() and blocks.fits(w.shape) and group_size % blocks.QK == 0 \
             and w.shape[1] % group_size == 0:
         return blocks.quantize_q8(w) if bits == 8 else blocks.quantize_q4(w, group_size)

@@ -238,31 +238,37 @@ def test_dtype_auto_holds_a_files_blocks_and_speculates_exactly(hf_models, tmp_p
     assert run(path, "proposer=ngram", *auto) == run(path, "proposer=none", *auto)
 
 
-@pytest.mark.parametrize("activations", ["auto", "float32"])
-def test_dtype_auto_keeps_a_bf16_files_weights_in_bfloat16(hf_models, tmp_path, activations):
-    """A file whose layers are BF16: dtype=auto holds them in bfloat16 as dtype=bfloat16 does
-    (the CPU's bfloat16 products where it has them, or widened to float32 arithmetic), not
-    widened to a float32 copy; the values are the file's, and greedy speculation equals plain
-    decoding at batch 1 and 3."""
-    from specflow.backends.lean import blocks
+@pytest.mark.parametrize("quant, activations", [("BF16", "auto"), ("BF16", "float32"),
+                                                ("F16", "auto")])
+def test_dtype_auto_keeps_a_16_bit_files_weights_in_16_bits(hf_models, tmp_path, quant,
+                                                           activations):
+    """A file whose layers are BF16 (or F16): dtype=auto holds them in bfloat16 as
+    dtype=bfloat16 does (the CPU's bfloat16 products where it has them, or widened to float32
+    arithmetic), float16 read against float32 inputs, not widened to a float32 copy; the
+    values are the file's, and greedy speculation equals plain decoding at batch 1 and 3."""
+    from specflow.backends.lean import blocks, native
 
-    if not blocks.available():
-        pytest.skip("bfloat16 weights are held by specflow's native kernel, not built here")
-    path = write_gguf(hf_models["llama"], tmp_path / "tiny-BF16.gguf", quant="BF16")
+    half = {"BF16": torch.bfloat16, "F16": torch.float16}[quant]
+    if not blocks.available() or not native.available(half):
+        pytest.skip(f"{half} weights are held by specflow's native kernel, not built here")
+    path = write_gguf(hf_models["llama"], tmp_path / f"tiny-{quant}.gguf", quant=quant)
     auto = ["dtype=auto", f"model.activations={activations}", "threads=1"]
     pipe = Pipeline.from_config([f"model.path={path}", "model=hf", "draft=none",
                                  "show_progress=false", "proposer=none", *auto])
+    name = str(half)[6:]
     described = pipe.target.describe()["weights"]
-    assert described.startswith("the file's bfloat16 weights as they are: bfloat16 weights")
+    assert described.startswith(f"the file's {name} weights as they are: {name} weights")
     assert ("bfloat16-rounded inputs" in described) == (
         activations == "auto" and pipe.target.lean.layers[1][7].kind_code == 9)
+    assert pipe.target.lean.layers[1][7].data.element_size() == 2
     reader = gguf.GGUFReader(str(path))
     tensor = next(t for t in reader.tensors if t.name == "blk.1.ffn_down.weight")
     want = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type)).float()
     assert torch.equal(pipe.target.lean.layers[1][7].dequantize(), want)
     plain = run(path, "proposer=none", *auto)
-    assert plain == run(path, "proposer=none", "dtype=bfloat16",
-                        f"model.activations={activations}", "threads=1")
+    if half == torch.bfloat16:       # the same values: what dtype=bfloat16 makes of them
+        assert plain == run(path, "proposer=none", "dtype=bfloat16",
+                            f"model.activations={activations}", "threads=1")
     assert run(path, "proposer=ngram", *auto) == plain
     assert run(path, "proposer=ngram", "proposer.k=3", *auto, batch=3) == plain
 

@@ -59,6 +59,10 @@ SMOLLM2_ARMS = {
     "self float32": ["proposer=self", "dtype=float32"],
     "self bfloat16": ["proposer=self", "dtype=bfloat16"],
     "self bfloat16 widening": ["proposer=self", "dtype=bfloat16", "model.activations=float32"],
+    # the draft's LM head whole (proposer.draft_vocab=auto cuts SmolLM2's to its first half)
+    "self float32 whole vocabulary": ["proposer=self", "dtype=float32", "proposer.draft_vocab=null"],
+    "self bfloat16 whole vocabulary": ["proposer=self", "dtype=bfloat16",
+                                       "proposer.draft_vocab=null"],
     # the draft prefilling the prompt itself, as before it took the target's cache
     "self float32 own prefill": ["proposer=self", "dtype=float32", "proposer.prefill=own"],
 }
@@ -197,9 +201,13 @@ def main() -> None:
     for name, rs in runs.items():
         row = summary(rs)
         if name.startswith("specflow"):
-            same = " ".join(name.split()[2:])    # compare with none at the same precision
-            twin = f"specflow none {same}" if f"specflow none {same}" in runs \
-                else "specflow none float32"
+            # compare with none at the same precision: the longest of the arm's words after
+            # its proposer that names a none arm ("self bfloat16 whole vocabulary" -> "none
+            # bfloat16")
+            words = name.split()[2:]
+            twin = next((f"specflow none {' '.join(words[:i])}" for i in range(len(words), 0, -1)
+                         if f"specflow none {' '.join(words[:i])}" in runs),
+                        "specflow none float32")
             row["same_as_none_same_dtype"] = sum(
                 a.ids == b.ids for a, b in zip(rs, runs[twin])) / len(rs)
             row["same_as_none_float32"] = sum(a.ids == b for a, b in zip(rs, ref)) / len(rs)

@@ -279,6 +279,9 @@ ROWS = [
     ("an unknown prefill for proposer=self", ["proposer=self", "proposer.prefill=mine"],
      "compose", "proposer.prefill='mine'; use target (copy the target's cached prompt) or own "
      "(the draft's own prefill)", None),
+    ("a draft vocabulary of no tokens", ["proposer=self", "proposer.draft_vocab=0"],
+     "compose", "proposer.draft_vocab=0; use auto, null (every token) or a count (>= 1) of the "
+     "vocabulary's first token ids", None),
 ]
 
 

@@ -104,6 +104,30 @@ def _gqa_in_sdpa() -> bool:
         return False
 
 
+def first_rows(w, n: int):
+    """The first n rows of a weight W [N, K] as its layout holds them, sharing its memory: a
+    dense tensor's rows, a block weight's first n / 16 tiles, a 16-bit held weight's rows; None
+    where the layout cannot be cut so (oneDNN's packed rows, ATen's packed int4, n not a
+    multiple of a tiled layout's 16 rows)."""
+    from specflow.backends.lean import bf16_weights, blocks
+
+    if isinstance(w, torch.Tensor):
+        return None if w.is_mkldnn or w.dim() != 2 else w[:n]
+    if isinstance(w, blocks.BlockWeight) and n % blocks.TR == 0:
+        tiles = w.data.numpy().reshape(-(-w.shape[0] // blocks.TR), w.shape[1] // blocks.QK, -1)
+        return blocks.BlockWeight.from_tiles(w.kind_code, tiles[:n // blocks.TR], n,
+                                             w.group_size, w.source)
+    if type(w) in (bf16_weights.Bf16Weight, bf16_weights.F16Weight, bf16_weights.F32Weight):
+        cut = type(w).__new__(type(w))
+        cut.data, cut.shape = w.data[:n], torch.Size((n, w.shape[1]))
+        return cut
+    if isinstance(w, bf16_weights.Bf16Tiles) and n % bf16_weights.TILE_ROWS == 0:
+        cut = bf16_weights.Bf16Tiles.__new__(bf16_weights.Bf16Tiles)
+        cut.data, cut.shape = w.data[:n * w.shape[1]], torch.Size((n, w.shape[1]))
+        return cut
+    return None
+
+
 class LeanLlama:
     def __init__(self, model, kernels: Kernels | None = None,
                  quantize: tuple | None = None, huge_pages: bool = False):
@@ -141,6 +165,7 @@ class LeanLlama:
                 ))
         self.norm = inner.norm.weight
         self.lm_head = model.lm_head.weight
+        self._whole_head = None            # the LM head before first_tokens() cut it
         self.fused_norm = hasattr(F, "rms_norm")
         self._packs: list[tuple[int, int, list]] = []     # (layer, field, modules sharing it)
         self._hooks: list = []
@@ -433,10 +458,29 @@ class LeanLlama:
         """The head is a packed copy of the embedding table (a pack entry with no owners)."""
         return any(not modules for _, _, modules in self._packs)
 
+    def first_tokens(self, n: int) -> bool:
+        """Score only the first n token ids from now on: the LM head's first n rows (n rounded
+        up to a multiple of 16, the block layouts' tiles), as its layout holds them, sharing its
+        memory. For a draft that proposes among the vocabulary's first n ids only (proposer=self's
+        draft_vocab): its logits [..., n]. False where the layout cannot be cut so (ATen's
+        packed int4, oneDNN's packed rows, a separate layout for many rows), the head unchanged.
+        unpack() restores the whole head."""
+        n = -(-n // 16) * 16
+        head = self._whole_head if self._whole_head is not None else self.lm_head
+        if n >= head.shape[0]:
+            return True
+        cut = None if self._dual is not None else first_rows(head, n)
+        if cut is None:
+            return False
+        self._whole_head, self.lm_head = head, cut
+        return True
+
     def unpack(self) -> None:
         """Dense weights back in the modules (views into the fused tensors, as before packing),
         the packed copies dropped, and dense product forms picked: transformers' forward runs
         on this model again. Idempotent."""
+        if self._whole_head is not None:           # first_tokens()' cut undone
+            self.lm_head, self._whole_head = self._whole_head, None
         self._dual = None
         if not self._packs:
             return

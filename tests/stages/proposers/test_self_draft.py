@@ -25,7 +25,9 @@ def plain_ids():
 
 
 @pytest.mark.parametrize("extra", [[], ["proposer.topk=3", "proposer.num_draft_tokens=8"],
-                                   ["proposer.dtype=int8"]])
+                                   ["proposer.dtype=int8"], ["proposer.draft_vocab=2040"],
+                                   ["proposer.draft_vocab=2040", "proposer.topk=3",
+                                    "proposer.num_draft_tokens=8", "max_batch_size=3"]])
 def test_greedy_self_drafting_equals_plain_decoding(plain_ids, extra):
     pipe = Pipeline.from_config([*COMMON, "proposer=self", *extra])
     got = [r.token_ids for r in pipe.generate(PROMPTS)]
@@ -36,6 +38,21 @@ def test_greedy_self_drafting_equals_plain_decoding(plain_ids, extra):
     bits = 8 if "proposer.dtype=int8" in extra else 4
     assert draft.lean.quantized == (bits, 32) and draft.path == pipe.target.path
     assert pipe.target.lean.quantized is None                     # the target keeps its weights
+    cut = next((int(e.split("=")[1]) for e in extra if e.startswith("proposer.draft_vocab")),
+               None)
+    # the demo's 8192 tokens stay whole under auto; a count is rounded up to the tiles' 16
+    rows = pipe.target.vocab_size if cut is None else -(-cut // 16) * 16
+    assert draft.lean.lm_head.shape[0] == rows
+    assert ("drafting among the first" in draft.describe()["weights"]) == (cut is not None)
+
+
+def test_draft_vocab_auto_halves_large_vocabularies_only():
+    from specflow.stages.proposers.self_draft import draft_rows
+
+    assert draft_rows("auto", 49152) == 24576 and draft_rows("auto", 32768) == 16384
+    assert draft_rows("auto", 128256) == 64128                    # half, up to the tiles' 16
+    assert draft_rows("auto", 8192) is None and draft_rows(None, 49152) is None
+    assert draft_rows(1000, 49152) == 1000 and draft_rows(50000, 49152) is None
 
 
 def _draft(pipe):
@@ -87,7 +104,10 @@ def test_a_target_it_cannot_copy_and_a_bad_dtype_are_one_line():
 
 
 @pytest.mark.slow
-def test_sampled_self_drafting_keeps_the_first_two_tokens_distributions():
+@pytest.mark.parametrize("cut", [[], ["proposer.draft_vocab=256"]])
+def test_sampled_self_drafting_keeps_the_first_two_tokens_distributions(cut):
+    """With draft_vocab, tokens past the first ids have q = 0: their mass reaches the output
+    through the verifier's residual only."""
     from specflow.experiments.chi_square import independence
 
     common = ["model=demo", "threads=2", "logits=[temperature,top_p]",
@@ -98,13 +118,15 @@ def test_sampled_self_drafting_keeps_the_first_two_tokens_distributions():
     out = {}
     for name in ("plain", "self"):
         # seeds from disjoint ranges: the two arms' samples are independent
-        arm = ["proposer=self", "proposer.k=3", f"seed={n}"] if name == "self" \
+        arm = ["proposer=self", "proposer.k=3", f"seed={n}", *cut] if name == "self" \
             else ["proposer=none", "draft=none", "seed=0"]
         pipe = Pipeline.from_config([*arm, *common])
         res = pipe.generate([prompt] * n, max_new_tokens=3)
         out[name] = np.array([(r.token_ids + [-1, -1])[:2] for r in res])   # -1: ended early
-        if name == "self":
+        if name == "self" and not cut:
             assert pipe.last_stats["num_accepted_tokens"] > n / 2
+        if name == "self" and cut:        # tokens the draft could not propose, drawn all the same
+            assert (out["self"] >= 256).any() and pipe.last_stats["num_draft_tokens"] > n
     for pos in (0, 1):
         values = np.unique(np.concatenate([out["plain"][:, pos], out["self"][:, pos]]))
         table = np.stack([[np.sum(out[a][:, pos] == v) for v in values] for a in ("plain", "self")])

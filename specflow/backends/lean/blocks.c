@@ -348,7 +348,9 @@ __attribute__((noinline)) static void bf16_tile_##MR(const uint8_t *tile, const 
     for (int j = 0; j < MR; j++) acc[j][0] = acc[j][1] = _mm512_setzero_ps();                    \
     for (int64_t b = 0; b < G; b++) {                                                            \
         const uint8_t *blk = tile + b * BF16_TILE;                                               \
-        if (MR > 1) for (int c = 0; c < BF16_TILE; c += 64) PREFETCH(blk + c);                   \
+        if (MR > 1)                        /* as the VNNI tiles' PREFETCH, 2560 bytes on */      \
+            for (int c = 0; c < BF16_TILE; c += 64) _mm_prefetch((const char *)blk + c + 2560,   \
+                                                                 _MM_HINT_T0);                   \
         _Pragma("GCC unroll 8") for (int c = 0; c < 16; c += 2) {                                \
             __m512bh w0 = (__m512bh)_mm512_loadu_si512(blk + 64 * c);                            \
             __m512bh w1 = (__m512bh)_mm512_loadu_si512(blk + 64 * c + 64);                       \
@@ -546,12 +548,6 @@ int specflow_block_rows(const void *W, int kind, const int64_t *ids, int64_t n, 
                         o[4 * c + u] = (float)(v & 0x0F) * d + m;
                         o[16 + 4 * c + u] = (float)(v >> 4) * d + m;
                     }
-            } else if (kind == BLOCK_BF16) {
-                for (int j = 0; j < QK; j++) {
-                    uint16_t h;
-                    memcpy(&h, blk + 64 * (j / 2) + 4 * i + 2 * (j % 2), 2);
-                    o[j] = bf16_to_f32(h);
-                }
             } else if (kind == BLOCK_U8) {
                 for (int j = 0; j < QK; j++) {
                     int h = j >= QK / 2;

@@ -33,6 +33,21 @@ def check_min_confidence(value: float | None, topk: int) -> None:
                           f"tree keeps its likeliest nodes already: set one of them")
 
 
+AUTO_VOCAB_FROM = 32768        # draft_vocab=auto cuts vocabularies from this size to their half
+
+
+def draft_rows(setting, vocab: int) -> int | None:
+    """proposer.draft_vocab as the count of first token ids the draft proposes among, or None
+    for every token: auto halves a vocabulary of AUTO_VOCAB_FROM or more (there the LM head is
+    a large share of a small draft's bytes; SmolLM2's 49,152-row head is 34 MB of the ~100
+    its Q4_1 draft reads a step), keeps a smaller one whole."""
+    if setting is None:
+        return None
+    if setting == "auto":
+        return -(-vocab // 32) * 16 if vocab >= AUTO_VOCAB_FROM else None
+    return setting if setting < vocab else None
+
+
 @dataclass
 class DraftProposerConfig:
     name: str = "draft"
@@ -41,11 +56,19 @@ class DraftProposerConfig:
     num_draft_tokens: int | None = None   # nodes per row in a tree (default k)
     min_confidence: float | None = None   # a chain row stops after its first draft the draft
                                # model gives less than this probability (kept); null: k drafts
+    draft_vocab: str | int | None = "auto"   # the draft proposes among the vocabulary's first
+                               # this many token ids (its LM head reads those rows): auto (half
+                               # a vocabulary of 32768 or more) | null (every token)
 
     def __post_init__(self) -> None:
         if self.k < 0:
             raise ConfigError(f"proposer.k={self.k} must be >= 0 (0 = no drafting)")
         check_min_confidence(self.min_confidence, self.topk)
+        if self.draft_vocab != "auto" and self.draft_vocab is not None and (
+                isinstance(self.draft_vocab, bool) or not isinstance(self.draft_vocab, int)
+                or self.draft_vocab < 1):
+            raise ConfigError(f"proposer.draft_vocab={self.draft_vocab!r}; use auto, null (every "
+                              f"token) or a count (>= 1) of the vocabulary's first token ids")
         self.nodes = tree_budget(self.k, self.topk, self.num_draft_tokens)
 
 
@@ -122,6 +145,30 @@ class DraftModelProposer:
         # may not: its rounds then step through forward())
         self.steps_stop = "min_confidence" in inspect.signature(self.model.greedy_steps).parameters
         self.calibration = Calibration(cfg.topk)    # draft q -> acceptance, learned online
+        self._cut_head(cfg.draft_vocab, ctx.target.vocab_size)
+
+    def _cut_head(self, setting, V: int) -> None:
+        """The draft's LM head cut to the vocabulary's first token ids (draft_vocab; V the
+        target's vocabulary): a draft step reads those rows only. Byte-level BPE vocabularies
+        list their tokens in merge order, the most frequent pieces first, so the first half
+        holds nearly every token text needs (SmolLM2's own Q4_1 draft, 24,576 of 49,152:
+        acceptance 0.978 -> 0.955, a draft step 17% fewer bytes). A draft can never propose a
+        token past them; the verifier decides as always, so the output is unchanged (each
+        draft is sampled from the q it is scored by: zero past the first ids)."""
+        n = draft_rows(setting, V)
+        if n is None:
+            return
+        lean = getattr(self.model, "lean", None)
+        if lean is None or not lean.first_tokens(n):
+            if setting == "auto":
+                return
+            raise ConfigError(f"proposer.draft_vocab={setting}: the draft's LM head is held in a "
+                              f"layout it cannot be cut from (ATen's packed int4, oneDNN's packed "
+                              f"rows, or no lean forward); use proposer.draft_vocab=null")
+        note = f"drafting among the first {lean.lm_head.shape[0]} of {V} tokens " \
+               f"(proposer.draft_vocab)"
+        self.model.weights = note if self.model.weights is None else \
+            f"{self.model.weights}; {note}"
 
     @hookimpl
     def specflow_draft_step_seconds(self, rows, positions):

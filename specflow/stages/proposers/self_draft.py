@@ -33,21 +33,6 @@ from specflow.stages.proposers.draft import DraftModelProposer, DraftProposerCon
 
 WEIGHTS = ("auto", "int4", "int8")
 PREFILLS = ("target", "own")
-AUTO_VOCAB_FROM = 32768        # draft_vocab=auto cuts vocabularies from this size to their half
-
-
-def draft_rows(setting, vocab: int) -> int | None:
-    """proposer.draft_vocab as the count of first token ids the draft proposes among, or None
-    for every token: auto halves a vocabulary of AUTO_VOCAB_FROM or more (there the LM head is
-    a large share of a small draft's bytes; SmolLM2's 49,152-row head is 34 MB of the ~100
-    its Q4_1 draft reads a step), keeps a smaller one whole."""
-    if setting is None:
-        return None
-    if setting == "auto":
-        return -(-vocab // 32) * 16 if vocab >= AUTO_VOCAB_FROM else None
-    return setting if setting < vocab else None
-
-
 @dataclass
 class SelfProposerConfig(DraftProposerConfig):
     name: str = "self"
@@ -58,9 +43,6 @@ class SelfProposerConfig(DraftProposerConfig):
                                    # auto: float32 on specflow's native block product)
     prefill: str = "target"        # the draft's cache of a prompt: target (the target's keys
                                    # and values, copied) | own (the draft's own prefill)
-    draft_vocab: str | int | None = "auto"   # the draft proposes among the vocabulary's first
-                                   # this many token ids (its LM head reads those rows): auto
-                                   # (half a vocabulary of 32768 or more) | null (every token)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -71,11 +53,6 @@ class SelfProposerConfig(DraftProposerConfig):
         if self.prefill not in PREFILLS:
             raise ConfigError(f"proposer.prefill={self.prefill!r}; use target (copy the "
                               f"target's cached prompt) or own (the draft's own prefill)")
-        if self.draft_vocab != "auto" and self.draft_vocab is not None and (
-                isinstance(self.draft_vocab, bool) or not isinstance(self.draft_vocab, int)
-                or self.draft_vocab < 1):
-            raise ConfigError(f"proposer.draft_vocab={self.draft_vocab!r}; use auto, null (every "
-                              f"token) or a count (>= 1) of the vocabulary's first token ids")
 
 
 def holds_q4(target) -> bool:
@@ -109,33 +86,9 @@ class SelfProposer(DraftModelProposer):
         ctx._draft, ctx.build_draft = None, lambda: build_draft(own, ctx)   # not cfg.draft's
         super().__init__(cfg, ctx)
         self.target = ctx.target
-        self._cut_head(cfg.draft_vocab)
         # the same checkpoint: its cache takes the target's unless a setting made them differ
         # (the target's max_model_len or slots); then it prefills on its own, as prefill=own
         self.adopts = cfg.prefill == "target" and self.model.can_adopt_cache(ctx.target) is None
-
-    def _cut_head(self, setting) -> None:
-        """The draft's LM head cut to the vocabulary's first token ids (draft_vocab): a draft
-        step reads those rows only. Byte-level BPE vocabularies list their tokens in merge
-        order, the most frequent pieces first, so the first half holds nearly every token text
-        needs (SmolLM2, 24,576 of 49,152: acceptance 0.978 -> 0.955, a draft step 17% fewer
-        bytes). A draft can never propose a token past them; the verifier decides as always,
-        so the output is unchanged (each draft is sampled from the q it is scored by: zero past
-        the first ids)."""
-        V = self.target.vocab_size
-        n = draft_rows(setting, V)
-        if n is None:
-            return
-        lean = getattr(self.model, "lean", None)
-        if lean is None or not lean.first_tokens(n):
-            if setting == "auto":
-                return
-            raise ConfigError(f"proposer.draft_vocab={setting}: the draft's LM head is held in a "
-                              f"layout it cannot be cut from (ATen's packed int4, oneDNN's packed "
-                              f"rows, or no lean forward); use proposer.draft_vocab=null")
-        if self.model.weights is not None:
-            self.model.weights += (f"; drafting among the first {lean.lm_head.shape[0]} of "
-                                   f"{V} tokens (proposer.draft_vocab)")
 
     @hookimpl
     def specflow_propose(self, batch, k):

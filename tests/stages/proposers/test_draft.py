@@ -128,3 +128,29 @@ def test_the_draft_proposer_says_what_each_row_must_catch_up_on(make_pipeline):
     prop.specflow_sync_cache(batch=batch, result=None)
     assert pipe.hook.specflow_catch_up_tokens(batch=batch) == [0, 0]
     assert make_pipeline("proposer=ngram").hook.specflow_catch_up_tokens(batch=batch) is None
+
+
+def test_a_draft_model_cut_to_its_first_token_ids_keeps_greedy_output():
+    """proposer.draft_vocab on a draft model of the target's tokenizer: its LM head's first rows
+    (rounded up to 16), the note in its weights, greedy output plain decoding's (chains and
+    trees, batch 3). pack=false: a head in oneDNN's packed rows is not cut."""
+    import pytest
+
+    from specflow import ConfigError, Pipeline
+
+    base = ["model=demo", "threads=1", "max_new_tokens=24", "show_progress=false", "pack=false",
+            "max_batch_size=3"]
+    prompts = ["def fib(n):\n", "import os\n", "class Stack:\n    def push(self, x):\n"]
+    plain = [r.token_ids for r in Pipeline.from_config([*base, "proposer=none", "draft=none"])
+             .generate(prompts)]
+    for tree in ([], ["proposer.topk=3", "proposer.num_draft_tokens=8"]):
+        pipe = Pipeline.from_config([*base, "proposer=draft", "proposer.draft_vocab=2040", *tree])
+        assert [r.token_ids for r in pipe.generate(prompts)] == plain
+        draft = _proposer(pipe).model
+        assert draft.lean.lm_head.shape[0] == 2048
+        assert draft.describe()["weights"].endswith(
+            "drafting among the first 2048 of 8192 tokens (proposer.draft_vocab)")
+    whole = _proposer(Pipeline.from_config([*base, "proposer=draft"])).model   # auto: 8192 stay
+    assert whole.lean.lm_head.shape[0] == 8192
+    with pytest.raises(ConfigError, match="proposer.draft_vocab='half'; use auto"):
+        Pipeline.from_config([*base, "proposer=draft", "proposer.draft_vocab=half"])

@@ -47,7 +47,7 @@ def test_greedy_self_drafting_equals_plain_decoding(plain_ids, extra):
 
 
 def test_draft_vocab_auto_halves_large_vocabularies_only():
-    from specflow.stages.proposers.self_draft import draft_rows
+    from specflow.stages.proposers.draft import draft_rows
 
     assert draft_rows("auto", 49152) == 24576 and draft_rows("auto", 32768) == 16384
     assert draft_rows("auto", 128256) == 64128                    # half, up to the tiles' 16

@@ -205,9 +205,8 @@ def main() -> None:
             # its proposer that names a none arm ("self bfloat16 whole vocabulary" -> "none
             # bfloat16")
             words = name.split()[2:]
-            twin = next((f"specflow none {' '.join(words[:i])}" for i in range(len(words), 0, -1)
-                         if f"specflow none {' '.join(words[:i])}" in runs),
-                        "specflow none float32")
+            twins = [f"specflow none {' '.join(words[:i])}" for i in range(len(words), 0, -1)]
+            twin = next((t for t in twins if t in runs), "specflow none float32")
             row["same_as_none_same_dtype"] = sum(
                 a.ids == b.ids for a, b in zip(rs, runs[twin])) / len(rs)
             row["same_as_none_float32"] = sum(a.ids == b for a, b in zip(rs, ref)) / len(rs)

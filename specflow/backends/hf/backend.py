@@ -398,11 +398,8 @@ class HFBackend(Backend):
         # LeanLlama.quantize's arguments: (bits, group size, activations[, blocks, head bits])
         activations = activation_dtype(cfg.activations)
         quantize = None if bits is None else (bits, cfg.group_size, activations)
-        if bf16_weight_only(cfg.dtype, cfg.activations, self.device, cfg.device_map):
-            # bf16_weights.py: the CPU's bfloat16 products unless activations=float32 asks
-            # for float32 arithmetic
-            quantize = (16, cfg.group_size, torch.float32, None, None, False,
-                        cfg.activations == "auto")
+        half = torch.bfloat16 if bf16_weight_only(cfg.dtype, cfg.activations, self.device,
+                                                  cfg.device_map) else None
         blocks = self._file_blocks(cfg) if cfg.dtype == "auto" else None
         if blocks is not None:               # the blocks' loading left freed temporaries
             file_products.release_freed()
@@ -413,10 +410,13 @@ class HFBackend(Backend):
             bits = max(w.bits for (layer, _), w in blocks[0].items() if layer >= 0)
             # a tied embedding looked up in the file's head blocks (LeanLlama.quantize)
             quantize = (bits, 32, activations, *blocks, True)
+        # a bf16 / f16 file's weights in their 16 bits under dtype=auto
         half_file = self._file_half(cfg) if blocks is None and cfg.dtype == "auto" else None
-        if half_file is not None:             # a bf16 / f16 file's weights in their 16 bits
+        half = half or half_file
+        if half is not None:     # bf16_weights.py: bfloat16 by the CPU's bfloat16 products
+            # unless activations=float32 asks for float32 arithmetic; float16 read as it is
             quantize = (16, cfg.group_size, torch.float32, None, None, False,
-                        cfg.activations == "auto", half_file)
+                        cfg.activations == "auto", half)
         # where each timed choice's times came from (backends/choice_cache.py): describe()'s
         # `choices`, "cache" or "timed"
         with choice_cache.recording() as self.choices:

@@ -68,6 +68,12 @@ class Bf16Weight(native.HeldWeight):
     def dequantize(self) -> torch.Tensor:
         return self.data.float()
 
+    def first_rows(self, n: int):
+        """The first n rows (a view of data): this class, float16's or float32's."""
+        cut = type(self).__new__(type(self))
+        cut.data, cut.shape = self.data[:n], torch.Size((n, self.shape[1]))
+        return cut
+
     def describe(self) -> str:
         return "bfloat16 weights"
 
@@ -118,6 +124,14 @@ class Bf16Tiles(native.HeldWeight):
 
     def nbytes(self) -> int:
         return self.shape[0] * self.shape[1] * 2          # the padding rows are not the weight's
+
+    def first_rows(self, n: int):
+        """The first n rows (n a multiple of 16: whole tiles, a view of data), or None."""
+        if n % TILE_ROWS:
+            return None
+        cut = Bf16Tiles.__new__(Bf16Tiles)
+        cut.data, cut.shape = self.data[:n * self.shape[1]], torch.Size((n, self.shape[1]))
+        return cut
 
     def describe(self) -> str:
         return "bfloat16 weights by bfloat16-rounded inputs (AVX512-BF16)"

@@ -37,7 +37,9 @@
    (768 bytes): 8 chunks of 64 bytes as Q8_0's (q unsigned), then float32 s of the 16 rows'
    first 16 weights, of their second 16, then m likewise. Of a BF16 block (1024 bytes): 16 chunks
    of 64 bytes, bytes 4i..4i+3 of chunk c row i's weights 2c and 2c + 1 (one `vdpbf16ps` lane's
-   pair), so that one multiplies 2 weights of each of the 16 rows by the same 2 activations. Rows past N are zero. The same scales, minimums and quantized weights as the file's blocks, moved.
+   pair), so that one multiplies 2 weights of each of the 16 rows by the same 2 activations.
+   Rows past N are zero. The same scales, minimums and quantized weights as the file's blocks,
+   moved.
 
    Every row of Y is computed by the same operations whatever M and the thread count are (its
    lane's sums in block order; a Q4_1 row's scaled sums and its minimums' term apart, added
@@ -369,7 +371,8 @@ __attribute__((noinline)) static void bf16_tile_##MR(const uint8_t *tile, const 
 #define BF16_DOT 1
 #else
 /* Portable, never chosen (Python holds bfloat16 weights this way only where the build has
-   `vdpbf16ps`): the same sums in the same order, each pair as two multiply-adds. */
+   `vdpbf16ps`): the same sums in the same order, each pair as two multiply-adds, whose
+   rounding may differ from the instruction's. */
 #define BF16_GROUP(MR)                                                                           \
 static void bf16_tile_##MR(const uint8_t *tile, const uint16_t *xb, float *y, int64_t N,         \
         int64_t K, int64_t G, uint16_t valid) {                                                  \

@@ -196,6 +196,14 @@ class BlockWeight(native.HeldWeight):
             values += m.astype(np.float32)[..., None]
         return torch.from_numpy(values.reshape(N, K))
 
+    def first_rows(self, n: int) -> BlockWeight | None:
+        """The first n rows (n a multiple of 16: whole tiles, a view of data), or None."""
+        if n % TR:
+            return None
+        tiles = self.data.numpy().reshape(-(-self.shape[0] // TR), self.shape[1] // QK, -1)
+        return BlockWeight.from_tiles(self.kind_code, tiles[:n // TR], n, self.group_size,
+                                      self.source)
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [...] long -> [..., K] float32: those rows' values (dequantize()'s, bit for bit),
         read from the tiles alone: an embedding table held in its blocks, looked up."""

@@ -106,26 +106,12 @@ def _gqa_in_sdpa() -> bool:
 
 def first_rows(w, n: int):
     """The first n rows of a weight W [N, K] as its layout holds them, sharing its memory: a
-    dense tensor's rows, a block weight's first n / 16 tiles, a 16-bit held weight's rows; None
-    where the layout cannot be cut so (oneDNN's packed rows, ATen's packed int4, n not a
-    multiple of a tiled layout's 16 rows)."""
-    from specflow.backends.lean import bf16_weights, blocks
-
+    dense tensor's rows, or a held weight's own cut (HeldWeight.first_rows); None where the
+    layout cannot be cut so (oneDNN's packed rows, ATen's packed int4, n off a tile's rows)."""
     if isinstance(w, torch.Tensor):
         return None if w.is_mkldnn or w.dim() != 2 else w[:n]
-    if isinstance(w, blocks.BlockWeight) and n % blocks.TR == 0:
-        tiles = w.data.numpy().reshape(-(-w.shape[0] // blocks.TR), w.shape[1] // blocks.QK, -1)
-        return blocks.BlockWeight.from_tiles(w.kind_code, tiles[:n // blocks.TR], n,
-                                             w.group_size, w.source)
-    if type(w) in (bf16_weights.Bf16Weight, bf16_weights.F16Weight, bf16_weights.F32Weight):
-        cut = type(w).__new__(type(w))
-        cut.data, cut.shape = w.data[:n], torch.Size((n, w.shape[1]))
-        return cut
-    if isinstance(w, bf16_weights.Bf16Tiles) and n % bf16_weights.TILE_ROWS == 0:
-        cut = bf16_weights.Bf16Tiles.__new__(bf16_weights.Bf16Tiles)
-        cut.data, cut.shape = w.data[:n * w.shape[1]], torch.Size((n, w.shape[1]))
-        return cut
-    return None
+    cut = getattr(w, "first_rows", None)
+    return None if cut is None else cut(n)
 
 
 class LeanLlama:

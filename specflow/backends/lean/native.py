@@ -231,6 +231,11 @@ class HeldWeight:
         """x [..., K] -> [..., N] (x's dtype)."""
         return held(self, x)
 
+    def first_rows(self, n: int):
+        """The first n rows as this layout holds them, sharing its memory, or None where it
+        cannot cut there (a layout's own override; none by default)."""
+        return None
+
 
 def held(w, x: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
     """x [..., K] times a held weight W [N, K]^T (`w`: GGUF blocks, backends/lean/blocks.py, or

@@ -857,7 +857,7 @@ static void attend_group(const float *q, int nh, const float *K, const float *V,
    [R, 2I] is row r's gate, then its up: gate / (1 + e^-gate) x up, e^ by exp8 (eight at a time;
    the tail by exp1, the same function), so an element's value does not depend on where a split
    falls. glibc's expf, one value at a time, made this the pass's largest serial step: 8% of a
-   5-position SmolLM2 pass, the other thread waiting. */
+   5-position SmolLM2 pass, the other thread waiting. layers() splits it among its threads. */
 static void silu_range(const float *gu, float *act, int64_t I, int64_t lo, int64_t hi) {
     for (int64_t r = lo / I; r * I < hi; r++) {
         const float *gate = gu + r * 2 * I, *up = gate + I;
@@ -871,15 +871,32 @@ static void silu_range(const float *gu, float *act, int64_t I, int64_t lo, int64
     }
 }
 
-/* SiLU x up over [R, I], split among the threads from SILU_SPLIT elements (fewer: one thread, a
-   parallel region costs more than it saves). Split from 2048, a 5-position pass's SiLU took half
-   the time and the pass did not gain (SmolLM2 Q4_1), or lost 3-4% (float32 and bfloat16 weights;
-   the region's fork and join and rows written by both threads are the likely costs). */
-#define SILU_SPLIT 8192
-static void silu_up(const float *gu, float *act, int64_t R, int64_t I, int threads) {
-    int64_t N = R * I;
-    if (N < SILU_SPLIT) threads = 1;
-    SPLIT(silu_range(gu, act, I, n0, n1))
+/* Thread t of T's share of a layer product inside layers()' one parallel region: Y [M, N] = X
+   [M, K] W^T over rows n0..n1 of W (float32 and 16-bit kinds, split by rows as SPLIT splits
+   them) or tiles t0..t1 (BLOCK_*: as block_product splits them), X quantized whole by every
+   thread into its own q (room_for_x's buffers, made once for the widest input): the same rows
+   by the same operations as product(), without a region's fork and join around each. */
+static void product_share(const void *W, int kind, const float *X, float *Y, int64_t N,
+                          int64_t K, int64_t M, int64_t t, int64_t T, quantized_x *q,
+                          int8_t *xq, uint8_t *xu, float *sx, float *xs, float *xs16,
+                          uint16_t *xb) {
+    if (kind == F32 || kind == BF16_WEIGHTS || kind == F16_WEIGHTS) {
+        int64_t per = (N + T - 1) / T, n0 = t * per, n1 = n0 + per < N ? n0 + per : N;
+        if (n0 >= N) return;
+        if (kind == F32) rows_f32((const float *)W, X, Y, n0, n1, N, K, M);
+        else if (kind == BF16_WEIGHTS) rows_bf16w((const uint16_t *)W, X, Y, n0, n1, N, K, M);
+#ifdef __FLT16_MAX__
+        else rows_f16w((const _Float16 *)W, X, Y, n0, n1, N, K, M);
+#endif
+        return;
+    }
+    *q = (quantized_x){X, M, K, K / QK, xq, kind == BLOCK_Q8_0 ? xu : NULL, sx, xs, xs16,
+                       kind == BLOCK_BF16 ? xb : NULL};
+    int64_t tiles = (N + TR - 1) / TR, per = (tiles + T - 1) / T;
+    int64_t a = t * per, z = a + per < tiles ? a + per : tiles;
+    if (a >= tiles) return;
+    quantize_part(q, 0, M * q->G);
+    block_rows(W, kind, q, Y, a, z, N);
 }
 
 /* x [R, E] (in/out): the residual stream entering layer 0, left as it leaves layer L-1.
@@ -891,7 +908,15 @@ static void silu_up(const float *gu, float *act, int64_t R, int64_t I, int threa
    capture [L]: -1, or j to copy the input of that layer into caps[j] [R, E]. side [R, E] or NULL:
    layer 0's q/k/v read [RMSNorm(side) x side_norm, RMSNorm(x) x G[0]] ([R, 2E]; its q/k/v
    weight [(H+2Hkv)D, 2E]): an EAGLE-3 head's layer, side the drafted tokens' embeddings.
-   Returns 0, 1 out of memory, 3 a column or visible key outside the cache. */
+   Returns 0, 1 out of memory, 3 a column or visible key outside the cache.
+
+   The threads stay one team for the whole pass: each keeps its own copy of the residual stream
+   and computes the norms, the residual adds and each product's quantized input itself (the same
+   values in every thread: a few microseconds a layer), and they meet at a barrier after each
+   step that writes what the others read (the q/k/v product, rotary and cache writes,
+   attention, the o product, the gate/up product, SiLU, the down product). A parallel region
+   per product and serial steps between them (the other thread waiting) cost ~20% of a
+   one-position pass of SmolLM2's Q4_1 blocks in waiting. */
 static int layers(float *x, int64_t R, int64_t E, int64_t H, int64_t Hkv, int64_t D, int64_t I,
                   int64_t L, const void *const *W, const int8_t *kinds, const float *const *G,
                   float eps,
@@ -904,63 +929,114 @@ static int layers(float *x, int64_t R, int64_t E, int64_t H, int64_t Hkv, int64_
     for (int64_t r = 0; r < R; r++)
         if (col[r] < 0 || col[r] >= C || below[r] < 0 || below[r] + S > C) return 3;
     int64_t QKV = (H + 2 * Hkv) * D, widest = QKV > 2 * I ? QKV : 2 * I;
+    int64_t in = side ? 2 * E : E;                   /* the widest product input */
+    if (H * D > in) in = H * D;
+    if (I > in) in = I;
     int nt = threads > 0 ? threads : 1;
-    float *xn = malloc((size_t)(R * (E > H * D ? E : H * D)) * sizeof(float));
+    /* shared: the products' outputs, attention's */
     float *wide = malloc((size_t)(R * widest) * sizeof(float));
     float *att = malloc((size_t)(R * H * D) * sizeof(float));
-    float *act = malloc((size_t)(R * (I > E ? I : E)) * sizeof(float));
+    float *act = malloc((size_t)(R * I) * sizeof(float));
+    float *sum = malloc((size_t)(R * E) * sizeof(float));            /* o's, then down's */
     float *scores = malloc((size_t)(nt * GH * C) * sizeof(float));
-    float *both = side ? malloc((size_t)(R * 2 * E) * sizeof(float)) : NULL;   /* [R, 2E] */
-    int failed = !xn || !wide || !att || !act || !scores || (side && !both);
-    float scale = 1.0f / sqrtf((float)D);
+    /* each thread's: its residual stream, normed input ([side, x] for a head's layer 0), the
+       input quantized (int8 and scales, uint8, bfloat16) */
+    int64_t Gin = in / QK + 1;
+    float *own = malloc((size_t)nt * (size_t)(R * (E + in)) * sizeof(float));
+    int8_t *xq = malloc((size_t)nt * (size_t)(R * in));
+    uint8_t *xu = malloc((size_t)nt * (size_t)(R * in));
+    uint16_t *xb = malloc((size_t)nt * (size_t)(R * in) * sizeof(uint16_t));
+    float *scale = malloc((size_t)nt * (size_t)(4 * R * Gin) * sizeof(float));
+    if (!wide || !att || !act || !sum || !scores || !own || !xq || !xu || !xb || !scale) {
+        free(wide); free(att); free(act); free(sum); free(scores); free(own); free(xq);
+        free(xu); free(xb); free(scale);
+        return 1;
+    }
+    float inv_sqrt = 1.0f / sqrtf((float)D);
     int64_t group = H / Hkv;
     /* attention units: a query's key/value head with up to GH of its query heads, the groups
        split further while there are fewer units than twice the threads (one query of 3 key heads
        on 2 threads: 6 units of 1-2 heads, not 3 of 3) */
     int64_t parts = (group + GH - 1) / GH;
     while (parts < group && R * Hkv * parts < 2 * nt) parts++;
-    for (int64_t l = 0; l < L && !failed; l++) {
-        const void *const *w = W + 4 * l;
-        const int8_t *kind = kinds + 4 * l;
-        float *kc = keys[l], *vc = values[l];
-        if (capture[l] >= 0) memcpy(caps + capture[l] * R * E, x, (size_t)(R * E) * sizeof(float));
-        rms_rows(x, G[2 * l], eps, R, E, xn);
-        if (side && l == 0) {                                /* [side normed, x normed] */
-            rms_rows(side, side_norm, eps, R, E, act);
-            for (int64_t r = 0; r < R; r++) {
-                memcpy(both + r * 2 * E, act + r * E, (size_t)E * sizeof(float));
-                memcpy(both + r * 2 * E + E, xn + r * E, (size_t)E * sizeof(float));
+    _Pragma("omp parallel num_threads(nt)")
+    {
+        int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
+        float *xp = own + t * R * (E + in), *xn = xp + R * E;
+        int8_t *q8 = xq + t * R * in;
+        uint8_t *u8 = xu + t * R * in;
+        uint16_t *b16 = xb + t * R * in;
+        float *sx = scale + t * 4 * R * Gin, *xs = sx + R * Gin, *xs16 = xs + R * Gin;
+        quantized_x q;
+#define SHARE(w, kind, X, Y, N, K) \
+        product_share(w, kind, X, Y, N, K, R, t, T, &q, q8, u8, sx, xs, xs16, b16)
+        memcpy(xp, x, (size_t)(R * E) * sizeof(float));
+        for (int64_t l = 0; l < L; l++) {
+            const void *const *w = W + 4 * l;
+            const int8_t *kind = kinds + 4 * l;
+            float *kc = keys[l], *vc = values[l];
+            if (t == 0 && capture[l] >= 0)
+                memcpy(caps + capture[l] * R * E, xp, (size_t)(R * E) * sizeof(float));
+            if (side && l == 0) {                            /* [side normed, x normed] */
+                for (int64_t r = 0; r < R; r++) {
+                    float *row = xn + r * 2 * E;
+                    memcpy(row, side + r * E, (size_t)E * sizeof(float));
+                    rms_in_place(row, side_norm, eps, F32, E);
+                    memcpy(row + E, xp + r * E, (size_t)E * sizeof(float));
+                    rms_in_place(row + E, G[2 * l], eps, F32, E);
+                }
+                SHARE(w[0], kind[0], xn, wide, QKV, 2 * E);
+            } else {
+                rms_rows(xp, G[2 * l], eps, R, E, xn);
+                SHARE(w[0], kind[0], xn, wide, QKV, E);                  /* [R, (H+2Hkv)D] */
             }
-            if (product(w[0], kind[0], both, wide, QKV, 2 * E, R, threads)) { failed = 1; break; }
-        } else if (product(w[0], kind[0], xn, wide, QKV, E, R, threads)) { failed = 1; break; } /* [R, (H+2Hkv)D] */
-        for (int64_t r = 0; r < R; r++) {
-            float *q = wide + r * QKV;
-            for (int64_t h = 0; h < H + Hkv; h++) rotary(q + h * D, cos + r * D, sin + r * D, D);
-            for (int64_t g = 0; g < Hkv; g++) {
-                int64_t at = ((slot[r] * Hkv + g) * C + col[r]) * D;
-                memcpy(kc + at, q + (H + g) * D, (size_t)D * sizeof(float));
-                memcpy(vc + at, q + (H + Hkv + g) * D, (size_t)D * sizeof(float));
+            _Pragma("omp barrier")
+            /* rotary on each query and key head, keys and values into the cache */
+            _Pragma("omp for schedule(static)")
+            for (int64_t u = 0; u < R * (H + 2 * Hkv); u++) {
+                int64_t r = u / (H + 2 * Hkv), h = u % (H + 2 * Hkv);
+                float *v = wide + r * QKV + h * D;
+                if (h < H + Hkv) rotary(v, cos + r * D, sin + r * D, D);
+                if (h >= H) {
+                    int64_t g = h < H + Hkv ? h - H : h - H - Hkv;
+                    int64_t at = ((slot[r] * Hkv + g) * C + col[r]) * D;
+                    memcpy((h < H + Hkv ? kc : vc) + at, v, (size_t)D * sizeof(float));
+                }
+            }                                                        /* (a barrier) */
+            _Pragma("omp for schedule(static)")
+            for (int64_t u = 0; u < R * Hkv * parts; u++) {
+                int64_t r = u / (Hkv * parts), g = u / parts % Hkv, part = u % parts;
+                int64_t h0 = g * group + part * group / parts;
+                int64_t h1 = g * group + (part + 1) * group / parts;
+                int64_t base = (slot[r] * Hkv + g) * C * D;
+                attend_group(wide + r * QKV + h0 * D, (int)(h1 - h0), kc + base, vc + base,
+                             below[r] + S, below[r], see ? see + r * S : NULL, D, inv_sqrt,
+                             scores + t * GH * C, att + (r * H + h0) * D);
+            }                                                        /* (a barrier) */
+            SHARE(w[1], kind[1], att, sum, E, H * D);                  /* [R, E] */
+            _Pragma("omp barrier")
+            for (int64_t i = 0; i < R * E; i++) xp[i] += sum[i];
+            rms_rows(xp, G[2 * l + 1], eps, R, E, xn);
+            SHARE(w[2], kind[2], xn, wide, 2 * I, E);                  /* [R, 2I] */
+            _Pragma("omp barrier")
+            {
+                int64_t n = R * I, per = (n + T - 1) / T, lo = t * per;
+                int64_t hi = lo + per < n ? lo + per : n;
+                if (lo < n) silu_range(wide, act, I, lo, hi);            /* [R, I] */
             }
+            _Pragma("omp barrier")
+            SHARE(w[3], kind[3], act, sum, E, I);                      /* [R, E] */
+            _Pragma("omp barrier")
+            for (int64_t i = 0; i < R * E; i++) xp[i] += sum[i];
+            /* (sum is written again after the next layer's barriers, once every thread has
+               added it) */
         }
-        _Pragma("omp parallel for num_threads(threads) schedule(static)")
-        for (int64_t u = 0; u < R * Hkv * parts; u++) {
-            int64_t r = u / (Hkv * parts), g = u / parts % Hkv, part = u % parts;
-            int64_t h0 = g * group + part * group / parts, h1 = g * group + (part + 1) * group / parts;
-            int64_t base = (slot[r] * Hkv + g) * C * D;
-            attend_group(wide + r * QKV + h0 * D, (int)(h1 - h0), kc + base, vc + base,
-                         below[r] + S, below[r], see ? see + r * S : NULL, D, scale,
-                         scores + (int64_t)omp_get_thread_num() * GH * C, att + (r * H + h0) * D);
-        }
-        if (product(w[1], kind[1], att, act, E, H * D, R, threads)) { failed = 1; break; } /* [R, E] */
-        for (int64_t i = 0; i < R * E; i++) x[i] += act[i];
-        rms_rows(x, G[2 * l + 1], eps, R, E, xn);
-        if (product(w[2], kind[2], xn, wide, 2 * I, E, R, threads)) { failed = 1; break; } /* [R, 2I] */
-        silu_up(wide, act, R, I, threads);                                   /* [R, I] */
-        if (product(w[3], kind[3], act, xn, E, I, R, threads)) { failed = 1; break; } /* [R, E] */
-        for (int64_t i = 0; i < R * E; i++) x[i] += xn[i];
+        if (t == 0) memcpy(x, xp, (size_t)(R * E) * sizeof(float));
+#undef SHARE
     }
-    free(xn); free(wide); free(att); free(act); free(scores); free(both);
-    return failed;
+    free(wide); free(att); free(act); free(sum); free(scores); free(own); free(xq); free(xu);
+    free(xb); free(scale);
+    return 0;
 }
 
 int specflow_layers(float *x, int64_t R, int64_t E, int64_t H, int64_t Hkv, int64_t D, int64_t I,

@@ -36,6 +36,8 @@ PREFILLS = ("target", "own")
 @dataclass
 class SelfProposerConfig(DraftProposerConfig):
     name: str = "self"
+    k: int = 6                     # it agrees ~95% of the time: longer chains pay (k = 8
+                                   # verifies 9 positions: two walks of a tiled weight, 8 rows each)
     dtype: str = "auto"            # the draft's weights: auto (a Q4 GGUF file's own blocks,
                                    # else int4) | int4 | int8
     group_size: int = 32           # int4: weights sharing one scale and zero

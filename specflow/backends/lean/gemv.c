@@ -873,13 +873,14 @@ static void silu_range(const float *gu, float *act, int64_t I, int64_t lo, int64
 
 /* Thread t of T's share of a layer product inside layers()' one parallel region: Y [M, N] = X
    [M, K] W^T over rows n0..n1 of W (float32 and 16-bit kinds, split by rows as SPLIT splits
-   them) or tiles t0..t1 (BLOCK_*: as block_product splits them), X quantized whole by every
+   them) or its tiles (BLOCK_*: block_product's static shares, or with two threads from both
+   ends, `taken` the count of tiles handed out, zero on entry), X quantized whole by every
    thread into its own q (room_for_x's buffers, made once for the widest input): the same rows
    by the same operations as product(), without a region's fork and join around each. */
 static void product_share(const void *W, int kind, const float *X, float *Y, int64_t N,
                           int64_t K, int64_t M, int64_t t, int64_t T, quantized_x *q,
                           int8_t *xq, uint8_t *xu, float *sx, float *xs, float *xs16,
-                          uint16_t *xb) {
+                          uint16_t *xb, int64_t *taken) {
     if (kind == F32 || kind == BF16_WEIGHTS || kind == F16_WEIGHTS) {
         int64_t per = (N + T - 1) / T, n0 = t * per, n1 = n0 + per < N ? n0 + per : N;
         if (n0 >= N) return;
@@ -893,10 +894,28 @@ static void product_share(const void *W, int kind, const float *X, float *Y, int
     *q = (quantized_x){X, M, K, K / QK, xq, kind == BLOCK_Q8_0 ? xu : NULL, sx, xs, xs16,
                        kind == BLOCK_BF16 ? xb : NULL};
     int64_t tiles = (N + TR - 1) / TR, per = (tiles + T - 1) / T;
-    int64_t a = t * per, z = a + per < tiles ? a + per : tiles;
-    if (a >= tiles) return;
+    if (T != 2) {
+        int64_t a = t * per, z = a + per < tiles ? a + per : tiles;
+        if (a >= tiles) return;
+        quantize_part(q, 0, M * q->G);
+        block_rows(W, kind, q, Y, a, z, N);
+        return;
+    }
+    /* two threads from the two ends: each takes a share of what is left (a third, at least
+       two tiles) from a shared count until none is; thread 0's tiles run up from the first,
+       thread 1's down from the last (each share in order), so the two meet wherever the
+       slower one has got to */
     quantize_part(q, 0, M * q->G);
-    block_rows(W, kind, q, Y, a, z, N);
+    for (int64_t done = 0;;) {
+        int64_t left = tiles - __atomic_load_n(taken, __ATOMIC_RELAXED);
+        int64_t want = left / 3 > 2 ? left / 3 : 2;
+        int64_t got = __atomic_fetch_add(taken, want, __ATOMIC_RELAXED);
+        if (got >= tiles) break;
+        int64_t n = got + want <= tiles ? want : tiles - got;
+        int64_t a = t == 0 ? done : tiles - done - n;
+        block_rows(W, kind, q, Y, a, a + n, N);
+        done += n;
+    }
 }
 
 /* x [R, E] (in/out): the residual stream entering layer 0, left as it leaves layer L-1.
@@ -947,9 +966,12 @@ static int layers(float *x, int64_t R, int64_t E, int64_t H, int64_t Hkv, int64_
     uint8_t *xu = malloc((size_t)nt * (size_t)(R * in));
     uint16_t *xb = malloc((size_t)nt * (size_t)(R * in) * sizeof(uint16_t));
     float *scale = malloc((size_t)nt * (size_t)(4 * R * Gin) * sizeof(float));
-    if (!wide || !att || !act || !sum || !scores || !own || !xq || !xu || !xb || !scale) {
+    /* each product's count of tiles handed out (product_share), a cache line apart */
+    int64_t *taken = calloc((size_t)(8 * 4 * L), sizeof(int64_t));
+    if (!wide || !att || !act || !sum || !scores || !own || !xq || !xu || !xb || !scale ||
+        !taken) {
         free(wide); free(att); free(act); free(sum); free(scores); free(own); free(xq);
-        free(xu); free(xb); free(scale);
+        free(xu); free(xb); free(scale); free(taken);
         return 1;
     }
     float inv_sqrt = 1.0f / sqrtf((float)D);
@@ -969,12 +991,14 @@ static int layers(float *x, int64_t R, int64_t E, int64_t H, int64_t Hkv, int64_
         float *sx = scale + t * 4 * R * Gin, *xs = sx + R * Gin, *xs16 = xs + R * Gin;
         quantized_x q;
 #define SHARE(w, kind, X, Y, N, K) \
-        product_share(w, kind, X, Y, N, K, R, t, T, &q, q8, u8, sx, xs, xs16, b16)
+        product_share(w, kind, X, Y, N, K, R, t, T, &q, q8, u8, sx, xs, xs16, b16, \
+                      taken + 8 * (4 * l + product++))
         memcpy(xp, x, (size_t)(R * E) * sizeof(float));
         for (int64_t l = 0; l < L; l++) {
             const void *const *w = W + 4 * l;
             const int8_t *kind = kinds + 4 * l;
             float *kc = keys[l], *vc = values[l];
+            int product = 0;                                   /* SHARE's counter index */
             if (t == 0 && capture[l] >= 0)
                 memcpy(caps + capture[l] * R * E, xp, (size_t)(R * E) * sizeof(float));
             if (side && l == 0) {                            /* [side normed, x normed] */
@@ -1035,7 +1059,7 @@ static int layers(float *x, int64_t R, int64_t E, int64_t H, int64_t Hkv, int64_
 #undef SHARE
     }
     free(wide); free(att); free(act); free(sum); free(scores); free(own); free(xq); free(xu);
-    free(xb); free(scale);
+    free(xb); free(scale); free(taken);
     return 0;
 }
 

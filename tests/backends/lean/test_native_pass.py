@@ -180,6 +180,38 @@ def test_a_query_does_not_depend_on_its_pass_or_the_threads(tmp_path, model):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("dtype", ["int4", "int8", "bfloat16"])
+def test_a_block_models_query_does_not_depend_on_its_pass_or_the_threads(tmp_path, monkeypatch,
+                                                                        dtype):
+    # weights in tiles (Q4_1, Q8_0, BF16 where the CPU multiplies bfloat16): on 2 threads each
+    # product's tiles go to the threads from both ends of a shared count, so which thread
+    # computes a row depends on timing; a row's bits must not
+    from specflow.backends.lean import blocks
+
+    if not blocks.available():
+        pytest.skip("no native block product here")
+    backend = HFBackend(HFModelConfig(path=tiny_llama(tmp_path, head_dim=64), dtype=dtype),
+                        torch.device("cpu"), slots=3)
+    spy = Spy(monkeypatch)
+    fed = torch.randint(1, 8000, (3, 4), generator=torch.Generator().manual_seed(5))
+    lengths = [20, 9, 64]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        together, _ = run(backend, lengths, fed, True, spy=spy)                       # [3, 4, V]
+        assert spy.calls == 1
+        for alone_threads in (1, 2, 1, 2):
+            torch.set_num_threads(alone_threads)
+            for b in range(len(lengths)):
+                prefill(backend, lengths)
+                slot = torch.tensor([b])
+                backend.forward(slot, fed[b:b + 1, :2], torch.tensor([2]), logits=False)
+                alone = backend.forward(slot, fed[b:b + 1, 2:3], torch.tensor([1]))[0, 0]
+                assert torch.equal(alone, together[b, 2]), (dtype, alone_threads, b)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_repacking_the_weights_rebuilds_the_native_tables(monkeypatch):
     # pack() and unpack() replace the layer tuples in place: tables built on the old ones would
     # read freed weights

@@ -871,16 +871,38 @@ static void silu_range(const float *gu, float *act, int64_t I, int64_t lo, int64
     }
 }
 
+/* Room for a layer product's input quantized (blocks.c's quantized_x), in slots of R x `in`
+   values: one a thread, and one more that the threads fill together. */
+typedef struct {
+    int8_t *xq; uint8_t *xu; uint16_t *xb; float *scale;
+    int64_t values, scales, together;     /* a slot's values and scales; the shared slot */
+} quant_room;
+
+static quantized_x room_x(const quant_room *room, int64_t slot, const float *X, int64_t M,
+                          int64_t K, int kind) {
+    float *sx = room->scale + slot * 4 * room->scales;
+    return (quantized_x){X, M, K, K / QK, room->xq + slot * room->values,
+                         kind == BLOCK_Q8_0 ? room->xu + slot * room->values : NULL, sx,
+                         sx + room->scales, sx + 2 * room->scales,
+                         kind == BLOCK_BF16 ? room->xb + slot * room->values : NULL};
+}
+
+/* An input of at least this many values is quantized by the threads together (each its share
+   of the blocks, then a barrier) rather than whole by each: a prefill's 120 rows quantized
+   twice cost 3% of it (Q4_1 blocks); a decoding pass's one to a few rows are quicker quantized
+   twice than met at a barrier. */
+#define QUANT_SPLIT 4096
+
 /* Thread t of T's share of a layer product inside layers()' one parallel region: Y [M, N] = X
    [M, K] W^T over rows n0..n1 of W (float32 and 16-bit kinds, split by rows as SPLIT splits
    them) or its tiles (BLOCK_*: block_product's static shares, or with two threads from both
-   ends, `taken` the count of tiles handed out, zero on entry), X quantized whole by every
-   thread into its own q (room_for_x's buffers, made once for the widest input): the same rows
-   by the same operations as product(), without a region's fork and join around each. */
+   ends, `taken` the count of tiles handed out, zero on entry), X quantized into the thread's
+   own slot of `room` (or, from QUANT_SPLIT values, into the shared one by every thread): the
+   same rows by the same operations as product(), without a region's fork and join around each.
+   Every thread of the team calls it for every product (it may meet them at a barrier). */
 static void product_share(const void *W, int kind, const float *X, float *Y, int64_t N,
-                          int64_t K, int64_t M, int64_t t, int64_t T, quantized_x *q,
-                          int8_t *xq, uint8_t *xu, float *sx, float *xs, float *xs16,
-                          uint16_t *xb, int64_t *taken) {
+                          int64_t K, int64_t M, int64_t t, int64_t T, const quant_room *room,
+                          int64_t *taken) {
     if (kind == F32 || kind == BF16_WEIGHTS || kind == F16_WEIGHTS) {
         int64_t per = (N + T - 1) / T, n0 = t * per, n1 = n0 + per < N ? n0 + per : N;
         if (n0 >= N) return;
@@ -891,21 +913,27 @@ static void product_share(const void *W, int kind, const float *X, float *Y, int
 #endif
         return;
     }
-    *q = (quantized_x){X, M, K, K / QK, xq, kind == BLOCK_Q8_0 ? xu : NULL, sx, xs, xs16,
-                       kind == BLOCK_BF16 ? xb : NULL};
+    int together = T > 1 && M * K >= QUANT_SPLIT;
+    quantized_x qx = room_x(room, together ? room->together : t, X, M, K, kind), *q = &qx;
+    int64_t blocks = M * q->G;
+    if (together) {
+        int64_t share = (blocks + T - 1) / T, b0 = t * share;
+        int64_t b1 = b0 + share < blocks ? b0 + share : blocks;
+        if (b0 < blocks) quantize_part(q, b0, b1);
+        _Pragma("omp barrier")
+    } else {
+        quantize_part(q, 0, blocks);
+    }
     int64_t tiles = (N + TR - 1) / TR, per = (tiles + T - 1) / T;
     if (T != 2) {
         int64_t a = t * per, z = a + per < tiles ? a + per : tiles;
-        if (a >= tiles) return;
-        quantize_part(q, 0, M * q->G);
-        block_rows(W, kind, q, Y, a, z, N);
+        if (a < tiles) block_rows(W, kind, q, Y, a, z, N);
         return;
     }
     /* two threads from the two ends: each takes a share of what is left (a third, at least
        two tiles) from a shared count until none is; thread 0's tiles run up from the first,
        thread 1's down from the last (each share in order), so the two meet wherever the
        slower one has got to */
-    quantize_part(q, 0, M * q->G);
     for (int64_t done = 0;;) {
         int64_t left = tiles - __atomic_load_n(taken, __ATOMIC_RELAXED);
         int64_t want = left / 3 > 2 ? left / 3 : 2;
@@ -930,8 +958,9 @@ static void product_share(const void *W, int kind, const float *X, float *Y, int
    Returns 0, 1 out of memory, 3 a column or visible key outside the cache.
 
    The threads stay one team for the whole pass: each keeps its own copy of the residual stream
-   and computes the norms, the residual adds and each product's quantized input itself (the same
-   values in every thread: a few microseconds a layer), and they meet at a barrier after each
+   and computes the norms, the residual adds and (below QUANT_SPLIT values) each product's
+   quantized input itself (the same values in every thread: a few microseconds a layer of a
+   decoding pass), and they meet at a barrier after each
    step that writes what the others read (the q/k/v product, rotary and cache writes,
    attention, the o product, the gate/up product, SiLU, the down product). A parallel region
    per product and serial steps between them (the other thread waiting) cost ~20% of a
@@ -960,12 +989,13 @@ static int layers(float *x, int64_t R, int64_t E, int64_t H, int64_t Hkv, int64_
     float *scores = malloc((size_t)(nt * GH * C) * sizeof(float));
     /* each thread's: its residual stream, normed input ([side, x] for a head's layer 0), the
        input quantized (int8 and scales, uint8, bfloat16) */
-    int64_t Gin = in / QK + 1;
+    int64_t Gin = in / QK + 1, slots = nt + 1;          /* + 1: the slot filled together */
     float *own = malloc((size_t)nt * (size_t)(R * (E + in)) * sizeof(float));
-    int8_t *xq = malloc((size_t)nt * (size_t)(R * in));
-    uint8_t *xu = malloc((size_t)nt * (size_t)(R * in));
-    uint16_t *xb = malloc((size_t)nt * (size_t)(R * in) * sizeof(uint16_t));
-    float *scale = malloc((size_t)nt * (size_t)(4 * R * Gin) * sizeof(float));
+    int8_t *xq = malloc((size_t)slots * (size_t)(R * in));
+    uint8_t *xu = malloc((size_t)slots * (size_t)(R * in));
+    uint16_t *xb = malloc((size_t)slots * (size_t)(R * in) * sizeof(uint16_t));
+    float *scale = malloc((size_t)slots * (size_t)(4 * R * Gin) * sizeof(float));
+    quant_room room = {xq, xu, xb, scale, R * in, R * Gin, nt};
     /* each product's count of tiles handed out (product_share), a cache line apart */
     int64_t *taken = calloc((size_t)(8 * 4 * L), sizeof(int64_t));
     if (!wide || !att || !act || !sum || !scores || !own || !xq || !xu || !xb || !scale ||
@@ -985,14 +1015,8 @@ static int layers(float *x, int64_t R, int64_t E, int64_t H, int64_t Hkv, int64_
     {
         int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
         float *xp = own + t * R * (E + in), *xn = xp + R * E;
-        int8_t *q8 = xq + t * R * in;
-        uint8_t *u8 = xu + t * R * in;
-        uint16_t *b16 = xb + t * R * in;
-        float *sx = scale + t * 4 * R * Gin, *xs = sx + R * Gin, *xs16 = xs + R * Gin;
-        quantized_x q;
 #define SHARE(w, kind, X, Y, N, K) \
-        product_share(w, kind, X, Y, N, K, R, t, T, &q, q8, u8, sx, xs, xs16, b16, \
-                      taken + 8 * (4 * l + product++))
+        product_share(w, kind, X, Y, N, K, R, t, T, &room, taken + 8 * (4 * l + product++))
         memcpy(xp, x, (size_t)(R * E) * sizeof(float));
         for (int64_t l = 0; l < L; l++) {
             const void *const *w = W + 4 * l;

@@ -185,7 +185,8 @@ def test_a_block_models_query_does_not_depend_on_its_pass_or_the_threads(tmp_pat
                                                                         dtype):
     # weights in tiles (Q4_1, Q8_0, BF16 where the CPU multiplies bfloat16): on 2 threads each
     # product's tiles go to the threads from both ends of a shared count, so which thread
-    # computes a row depends on timing; a row's bits must not
+    # computes a row depends on timing, and the 48 queries' inputs are quantized by both
+    # threads together (a query's alone by each); a row's bits must not change
     from specflow.backends.lean import blocks
 
     if not blocks.available():
@@ -193,13 +194,15 @@ def test_a_block_models_query_does_not_depend_on_its_pass_or_the_threads(tmp_pat
     backend = HFBackend(HFModelConfig(path=tiny_llama(tmp_path, head_dim=64), dtype=dtype),
                         torch.device("cpu"), slots=3)
     spy = Spy(monkeypatch)
-    fed = torch.randint(1, 8000, (3, 4), generator=torch.Generator().manual_seed(5))
+    fed = torch.randint(1, 8000, (3, 16), generator=torch.Generator().manual_seed(5))
     lengths = [20, 9, 64]
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        together, _ = run(backend, lengths, fed, True, spy=spy)                       # [3, 4, V]
+        together, _ = run(backend, lengths, fed, True, spy=spy)                      # [3, 16, V]
         assert spy.calls == 1
+        torch.set_num_threads(1)
+        assert torch.equal(run(backend, lengths, fed, True)[0], together)
         for alone_threads in (1, 2, 1, 2):
             torch.set_num_threads(alone_threads)
             for b in range(len(lengths)):

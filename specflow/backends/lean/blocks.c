@@ -421,32 +421,56 @@ typedef struct {
     uint16_t *xb;        /* [M, K] X rounded to bfloat16 (BF16 products: then nothing else) */
 } quantized_x;
 
-static void free_quantized(quantized_x *q) {
-    free(q->xq); free(q->xu); free(q->sx); free(q->xs); free(q->xs16); free(q->xb);
-    memset(q, 0, sizeof *q);
+/* the weight kinds after gemv.c's F32/BF16/F16; BF16_WEIGHTS, F16_WEIGHTS: bfloat16 or float16 W
+   read against float32 X (gemv.c's product()) */
+enum { BLOCK_Q4_1 = 3, BLOCK_Q8_0 = 4, BF16_WEIGHTS = 5, BLOCK_Q4_K = 6, BLOCK_U8 = 7,
+       F16_WEIGHTS = 8, BLOCK_BF16 = 9 };
+
+/* Room for inputs of up to `values` values quantized, in slots: one a thread, and (index
+   `together`) one the threads fill together. Each slot holds the int8 layout and its scales
+   (`values` / 32 + 1 of each kind), the uint8 one (Q8_0 products) and the bfloat16 one (BF16
+   products), where wanted. */
+typedef struct {
+    int8_t *xq; uint8_t *xu; uint16_t *xb; float *scale;
+    int64_t values, scales, together;
+} quant_room;
+
+static void room_free(quant_room *room) {
+    free(room->xq); free(room->xu); free(room->xb); free(room->scale);
 }
 
-/* Room for X [M, K] quantized (block_product fills it): 0, or 1 out of memory. want_bf16: X in
-   bfloat16 only (a BF16 product). */
-static int room_for_x(const float *X, int64_t M, int64_t K, int want_u8, int want_bf16,
-                      quantized_x *q) {
-    memset(q, 0, sizeof *q);
-    q->X = X;
-    q->M = M; q->K = K; q->G = K / QK;
-    if (want_bf16) {
-        q->xb = malloc((size_t)(M * K) * sizeof(uint16_t));
-        return q->xb == NULL;
+/* 0, or 1 out of memory (nothing left allocated). */
+static int room_alloc(quant_room *room, int64_t values, int64_t slots, int64_t together,
+                      int want_q, int want_u8, int want_bf16) {
+    *room = (quant_room){NULL, NULL, NULL, NULL, values, values / QK + 1, together};
+    if (want_q) {
+        room->xq = malloc((size_t)(slots * values));
+        room->scale = malloc((size_t)(slots * 4 * room->scales) * sizeof(float));
     }
-    q->xq = malloc((size_t)(M * K));
-    q->sx = malloc((size_t)(M * q->G) * sizeof(float));
-    q->xs = malloc((size_t)(M * q->G) * sizeof(float));
-    q->xs16 = malloc((size_t)(2 * M * q->G) * sizeof(float));
-    if (want_u8) q->xu = malloc((size_t)(M * K));
-    if (!q->xq || !q->sx || !q->xs || !q->xs16 || (want_u8 && !q->xu)) {
-        free_quantized(q);
+    if (want_u8) room->xu = malloc((size_t)(slots * values));
+    if (want_bf16) room->xb = malloc((size_t)(slots * values) * sizeof(uint16_t));
+    if ((want_q && (!room->xq || !room->scale)) || (want_u8 && !room->xu) ||
+        (want_bf16 && !room->xb)) {
+        room_free(room);
         return 1;
     }
     return 0;
+}
+
+/* X [M, K] as a product of `kind` reads it once quantized into slot `slot` of room. */
+static quantized_x room_x(const quant_room *room, int64_t slot, const float *X, int64_t M,
+                          int64_t K, int kind) {
+    quantized_x q = {X, M, K, K / QK, NULL, NULL, NULL, NULL, NULL, NULL};
+    if (kind == BLOCK_BF16) {
+        q.xb = room->xb + slot * room->values;
+        return q;
+    }
+    q.xq = room->xq + slot * room->values;
+    q.sx = room->scale + slot * 4 * room->scales;
+    q.xs = q.sx + room->scales;
+    q.xs16 = q.sx + 2 * room->scales;
+    if (kind == BLOCK_Q8_0) q.xu = room->xu + slot * room->values;
+    return q;
 }
 
 /* Blocks b0..b1 of q->X quantized into q (and xu, xq + 128, where a Q8_0 product wants it). */
@@ -459,11 +483,6 @@ static void quantize_part(quantized_x *q, int64_t b0, int64_t b1) {
     if (q->xu)
         for (int64_t i = b0 * QK; i < b1 * QK; i++) q->xu[i] = (uint8_t)((int)q->xq[i] + 128);
 }
-
-/* the weight kinds after gemv.c's F32/BF16/F16; BF16_WEIGHTS, F16_WEIGHTS: bfloat16 or float16 W
-   read against float32 X (gemv.c's product()) */
-enum { BLOCK_Q4_1 = 3, BLOCK_Q8_0 = 4, BF16_WEIGHTS = 5, BLOCK_Q4_K = 6, BLOCK_U8 = 7,
-       F16_WEIGHTS = 8, BLOCK_BF16 = 9 };
 
 static int64_t tile_bytes(int kind) {
     return kind == BLOCK_Q4_1 ? Q4_TILE : kind == BLOCK_Q4_K ? Q4K_TILE :
@@ -505,22 +524,49 @@ static void block_rows(const void *W, int kind, const quantized_x *x, float *Y, 
     }
 }
 
-/* Y [M, N] = X W^T: each thread quantizes its share of X's blocks, then (after a barrier, every
-   block in place) multiplies its share of W's tiles by all of X; a serial quantization had the
-   other thread waiting through it. */
-static void block_product(const void *W, int kind, quantized_x *x, float *Y, int64_t N,
-                          int threads) {
-    int64_t tiles = (N + TR - 1) / TR, blocks = x->M * x->G;
-    _Pragma("omp parallel num_threads(threads)")
-    {
-        int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
+/* An input of at least this many values is quantized by the threads together (each its share
+   of the blocks, then a barrier) rather than whole by each: a prefill's 120 rows quantized
+   twice cost 3% of it (Q4_1 blocks); a decoding pass's one to a few rows are quicker quantized
+   twice than met at a barrier. */
+#define QUANT_SPLIT 4096
+
+/* Thread t of T's share of Y [M, N] = X W^T for a block weight W of `kind`, inside a parallel
+   region every thread of which calls it (it may meet them at a barrier): X quantized into the
+   thread's own slot of `room`, or from QUANT_SPLIT values into the shared one by all of them;
+   then W's tiles, static shares, or with two threads from both ends: each takes a share of
+   what is left (a third, at least two tiles) from the count `taken` (zero on entry), thread
+   0's tiles running up from the first and thread 1's down from the last (each share in order),
+   so the two meet wherever the slower one has got to. Which thread computes a row changes
+   nothing in it. */
+static void block_share(const void *W, int kind, const float *X, float *Y, int64_t N, int64_t K,
+                        int64_t M, int64_t t, int64_t T, const quant_room *room,
+                        int64_t *taken) {
+    int together = T > 1 && M * K >= QUANT_SPLIT;
+    quantized_x qx = room_x(room, together ? room->together : t, X, M, K, kind), *q = &qx;
+    int64_t blocks = M * q->G;
+    if (together) {
         int64_t share = (blocks + T - 1) / T, b0 = t * share;
         int64_t b1 = b0 + share < blocks ? b0 + share : blocks;
-        if (b0 < blocks) quantize_part(x, b0, b1);
+        if (b0 < blocks) quantize_part(q, b0, b1);
         _Pragma("omp barrier")
-        int64_t per = (tiles + T - 1) / T;
+    } else {
+        quantize_part(q, 0, blocks);
+    }
+    int64_t tiles = (N + TR - 1) / TR, per = (tiles + T - 1) / T;
+    if (T != 2) {
         int64_t a = t * per, z = a + per < tiles ? a + per : tiles;
-        if (a < tiles) block_rows(W, kind, x, Y, a, z, N);
+        if (a < tiles) block_rows(W, kind, q, Y, a, z, N);
+        return;
+    }
+    for (int64_t done = 0;;) {
+        int64_t left = tiles - __atomic_load_n(taken, __ATOMIC_RELAXED);
+        int64_t want = left / 3 > 2 ? left / 3 : 2;
+        int64_t got = __atomic_fetch_add(taken, want, __ATOMIC_RELAXED);
+        if (got >= tiles) break;
+        int64_t n = got + want <= tiles ? want : tiles - got;
+        int64_t a = t == 0 ? done : tiles - done - n;
+        block_rows(W, kind, q, Y, a, a + n, N);
+        done += n;
     }
 }
 

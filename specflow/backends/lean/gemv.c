@@ -563,11 +563,6 @@ int specflow_argmax(const float *x, int64_t R, int64_t V, int64_t *out) {
    over its visible keys in column order (a tree node's ancestors come in the same order as the
    same tokens' keys in a chain, so it scores as the chain does). */
 
-static void product_f32(const float *W, const float *X, float *Y, int64_t N, int64_t K, int64_t M,
-                        int threads) {
-    SPLIT(rows_f32(W, X, Y, n0, n1, N, K, M))
-}
-
 static void rms_rows(const float *X, const float *G, float eps, int64_t M, int64_t K, float *out) {
     memcpy(out, X, (size_t)(M * K) * sizeof(float));
     for (int64_t m = 0; m < M; m++) rms_in_place(out + m * K, G, eps, F32, K);
@@ -608,29 +603,43 @@ static inline void dot4(const float *a, const float *b, int64_t D, float s[4]) {
 
 #include "blocks.c"      /* GGUF blocks: their product (after dot(), which it uses) */
 
-/* Y [M, N] = X [M, K] W^T for a layer weight of `kind`: F32, BF16_WEIGHTS (bfloat16 W widened
-   as it is read, X and Y float32), or blocks.c's BLOCK_* tiles (X quantized per block first).
-   0, or 1 out of memory. */
+/* Thread t of T's share of Y [M, N] = X [M, K] W^T for a weight of `kind` (F32, BF16_WEIGHTS:
+   bfloat16 W widened as it is read, F16_WEIGHTS, or blocks.c's BLOCK_* tiles: block_share),
+   inside a parallel region every thread of which calls it: W's rows split as SPLIT splits
+   them; a row's result does not depend on the split. */
+static void product_share(const void *W, int kind, const float *X, float *Y, int64_t N,
+                          int64_t K, int64_t M, int64_t t, int64_t T, const quant_room *room,
+                          int64_t *taken) {
+    if (kind != F32 && kind != BF16_WEIGHTS && kind != F16_WEIGHTS) {
+        block_share(W, kind, X, Y, N, K, M, t, T, room, taken);
+        return;
+    }
+    int64_t per = (N + T - 1) / T, n0 = t * per, n1 = n0 + per < N ? n0 + per : N;
+    if (n0 >= N) return;
+    if (kind == F32) rows_f32((const float *)W, X, Y, n0, n1, N, K, M);
+    else if (kind == BF16_WEIGHTS) rows_bf16w((const uint16_t *)W, X, Y, n0, n1, N, K, M);
+#ifdef __FLT16_MAX__
+    else rows_f16w((const _Float16 *)W, X, Y, n0, n1, N, K, M);
+#endif
+}
+
+/* Y [M, N] = X [M, K] W^T for a weight of `kind` (product_share) in a parallel region of its
+   own. 0, or 1 out of memory. */
 static int product(const void *W, int kind, const float *X, float *Y, int64_t N, int64_t K,
                    int64_t M, int threads) {
-    if (kind == F32) {
-        product_f32((const float *)W, X, Y, N, K, M, threads);
-        return 0;
+    int nt = threads > 0 ? threads : 1;
+    quant_room room = {0};
+    if (kind != F32 && kind != BF16_WEIGHTS && kind != F16_WEIGHTS) {
+        int together = M * K >= QUANT_SPLIT;     /* one slot the threads fill, or one each */
+        if (room_alloc(&room, M * K, together ? 1 : nt, 0, kind != BLOCK_BF16,
+                       kind == BLOCK_Q8_0, kind == BLOCK_BF16))
+            return 1;
     }
-    if (kind == BF16_WEIGHTS) {
-        SPLIT(rows_bf16w((const uint16_t *)W, X, Y, n0, n1, N, K, M))
-        return 0;
-    }
-    if (kind == F16_WEIGHTS) {
-#ifdef __FLT16_MAX__
-        SPLIT(rows_f16w((const _Float16 *)W, X, Y, n0, n1, N, K, M))
-#endif
-        return 0;
-    }
-    quantized_x q;
-    if (room_for_x(X, M, K, kind == BLOCK_Q8_0, kind == BLOCK_BF16, &q)) return 1;
-    block_product(W, kind, &q, Y, N, threads);
-    free_quantized(&q);
+    int64_t taken = 0;
+    _Pragma("omp parallel num_threads(nt)")
+    product_share(W, kind, X, Y, N, K, M, omp_get_thread_num(), omp_get_num_threads(), &room,
+                  &taken);
+    room_free(&room);
     return 0;
 }
 
@@ -871,81 +880,6 @@ static void silu_range(const float *gu, float *act, int64_t I, int64_t lo, int64
     }
 }
 
-/* Room for a layer product's input quantized (blocks.c's quantized_x), in slots of R x `in`
-   values: one a thread, and one more that the threads fill together. */
-typedef struct {
-    int8_t *xq; uint8_t *xu; uint16_t *xb; float *scale;
-    int64_t values, scales, together;     /* a slot's values and scales; the shared slot */
-} quant_room;
-
-static quantized_x room_x(const quant_room *room, int64_t slot, const float *X, int64_t M,
-                          int64_t K, int kind) {
-    float *sx = room->scale + slot * 4 * room->scales;
-    return (quantized_x){X, M, K, K / QK, room->xq + slot * room->values,
-                         kind == BLOCK_Q8_0 ? room->xu + slot * room->values : NULL, sx,
-                         sx + room->scales, sx + 2 * room->scales,
-                         kind == BLOCK_BF16 ? room->xb + slot * room->values : NULL};
-}
-
-/* An input of at least this many values is quantized by the threads together (each its share
-   of the blocks, then a barrier) rather than whole by each: a prefill's 120 rows quantized
-   twice cost 3% of it (Q4_1 blocks); a decoding pass's one to a few rows are quicker quantized
-   twice than met at a barrier. */
-#define QUANT_SPLIT 4096
-
-/* Thread t of T's share of a layer product inside layers()' one parallel region: Y [M, N] = X
-   [M, K] W^T over rows n0..n1 of W (float32 and 16-bit kinds, split by rows as SPLIT splits
-   them) or its tiles (BLOCK_*: block_product's static shares, or with two threads from both
-   ends, `taken` the count of tiles handed out, zero on entry), X quantized into the thread's
-   own slot of `room` (or, from QUANT_SPLIT values, into the shared one by every thread): the
-   same rows by the same operations as product(), without a region's fork and join around each.
-   Every thread of the team calls it for every product (it may meet them at a barrier). */
-static void product_share(const void *W, int kind, const float *X, float *Y, int64_t N,
-                          int64_t K, int64_t M, int64_t t, int64_t T, const quant_room *room,
-                          int64_t *taken) {
-    if (kind == F32 || kind == BF16_WEIGHTS || kind == F16_WEIGHTS) {
-        int64_t per = (N + T - 1) / T, n0 = t * per, n1 = n0 + per < N ? n0 + per : N;
-        if (n0 >= N) return;
-        if (kind == F32) rows_f32((const float *)W, X, Y, n0, n1, N, K, M);
-        else if (kind == BF16_WEIGHTS) rows_bf16w((const uint16_t *)W, X, Y, n0, n1, N, K, M);
-#ifdef __FLT16_MAX__
-        else rows_f16w((const _Float16 *)W, X, Y, n0, n1, N, K, M);
-#endif
-        return;
-    }
-    int together = T > 1 && M * K >= QUANT_SPLIT;
-    quantized_x qx = room_x(room, together ? room->together : t, X, M, K, kind), *q = &qx;
-    int64_t blocks = M * q->G;
-    if (together) {
-        int64_t share = (blocks + T - 1) / T, b0 = t * share;
-        int64_t b1 = b0 + share < blocks ? b0 + share : blocks;
-        if (b0 < blocks) quantize_part(q, b0, b1);
-        _Pragma("omp barrier")
-    } else {
-        quantize_part(q, 0, blocks);
-    }
-    int64_t tiles = (N + TR - 1) / TR, per = (tiles + T - 1) / T;
-    if (T != 2) {
-        int64_t a = t * per, z = a + per < tiles ? a + per : tiles;
-        if (a < tiles) block_rows(W, kind, q, Y, a, z, N);
-        return;
-    }
-    /* two threads from the two ends: each takes a share of what is left (a third, at least
-       two tiles) from a shared count until none is; thread 0's tiles run up from the first,
-       thread 1's down from the last (each share in order), so the two meet wherever the
-       slower one has got to */
-    for (int64_t done = 0;;) {
-        int64_t left = tiles - __atomic_load_n(taken, __ATOMIC_RELAXED);
-        int64_t want = left / 3 > 2 ? left / 3 : 2;
-        int64_t got = __atomic_fetch_add(taken, want, __ATOMIC_RELAXED);
-        if (got >= tiles) break;
-        int64_t n = got + want <= tiles ? want : tiles - got;
-        int64_t a = t == 0 ? done : tiles - done - n;
-        block_rows(W, kind, q, Y, a, a + n, N);
-        done += n;
-    }
-}
-
 /* x [R, E] (in/out): the residual stream entering layer 0, left as it leaves layer L-1.
    W: 4 weights per layer (q/k/v stacked [(H+2Hkv)D, E], o [E, HD], gate/up stacked [2I, E],
    down [E, I]), each of kinds[i]: F32, BF16_WEIGHTS, or blocks.c's BLOCK_* tiles (the input
@@ -989,19 +923,14 @@ static int layers(float *x, int64_t R, int64_t E, int64_t H, int64_t Hkv, int64_
     float *scores = malloc((size_t)(nt * GH * C) * sizeof(float));
     /* each thread's: its residual stream, normed input ([side, x] for a head's layer 0), the
        input quantized (int8 and scales, uint8, bfloat16) */
-    int64_t Gin = in / QK + 1, slots = nt + 1;          /* + 1: the slot filled together */
     float *own = malloc((size_t)nt * (size_t)(R * (E + in)) * sizeof(float));
-    int8_t *xq = malloc((size_t)slots * (size_t)(R * in));
-    uint8_t *xu = malloc((size_t)slots * (size_t)(R * in));
-    uint16_t *xb = malloc((size_t)slots * (size_t)(R * in) * sizeof(uint16_t));
-    float *scale = malloc((size_t)slots * (size_t)(4 * R * Gin) * sizeof(float));
-    quant_room room = {xq, xu, xb, scale, R * in, R * Gin, nt};
-    /* each product's count of tiles handed out (product_share), a cache line apart */
+    /* each product's count of tiles handed out (block_share), a cache line apart */
     int64_t *taken = calloc((size_t)(8 * 4 * L), sizeof(int64_t));
-    if (!wide || !att || !act || !sum || !scores || !own || !xq || !xu || !xb || !scale ||
-        !taken) {
-        free(wide); free(att); free(act); free(sum); free(scores); free(own); free(xq);
-        free(xu); free(xb); free(scale); free(taken);
+    quant_room room;                          /* a slot a thread, + 1 the threads fill together */
+    int no_room = room_alloc(&room, R * in, nt + 1, nt, 1, 1, 1);
+    if (!wide || !att || !act || !sum || !scores || !own || !taken || no_room) {
+        free(wide); free(att); free(act); free(sum); free(scores); free(own); free(taken);
+        if (!no_room) room_free(&room);
         return 1;
     }
     float inv_sqrt = 1.0f / sqrtf((float)D);
@@ -1016,13 +945,13 @@ static int layers(float *x, int64_t R, int64_t E, int64_t H, int64_t Hkv, int64_
         int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
         float *xp = own + t * R * (E + in), *xn = xp + R * E;
 #define SHARE(w, kind, X, Y, N, K) \
-        product_share(w, kind, X, Y, N, K, R, t, T, &room, taken + 8 * (4 * l + product++))
+        product_share(w, kind, X, Y, N, K, R, t, T, &room, taken + 8 * (4 * l + nth++))
         memcpy(xp, x, (size_t)(R * E) * sizeof(float));
         for (int64_t l = 0; l < L; l++) {
             const void *const *w = W + 4 * l;
             const int8_t *kind = kinds + 4 * l;
             float *kc = keys[l], *vc = values[l];
-            int product = 0;                                   /* SHARE's counter index */
+            int nth = 0;                              /* the layer's product, for SHARE */
             if (t == 0 && capture[l] >= 0)
                 memcpy(caps + capture[l] * R * E, xp, (size_t)(R * E) * sizeof(float));
             if (side && l == 0) {                            /* [side normed, x normed] */
@@ -1082,8 +1011,8 @@ static int layers(float *x, int64_t R, int64_t E, int64_t H, int64_t Hkv, int64_
         if (t == 0) memcpy(x, xp, (size_t)(R * E) * sizeof(float));
 #undef SHARE
     }
-    free(wide); free(att); free(act); free(sum); free(scores); free(own); free(xq); free(xu);
-    free(xb); free(scale); free(taken);
+    free(wide); free(att); free(act); free(sum); free(scores); free(own); free(taken);
+    room_free(&room);
     return 0;
 }
 

@@ -1,13 +1,22 @@
 """Shared fixtures: tiny fixed-seed synthetic pipelines; no network, no installed plugins."""
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 # tests see only specflow's built-ins unless a test installs a plugin itself
 os.environ.setdefault("SPECFLOW_DISABLE_PLUGIN_AUTOLOAD", "1")
-# tests time the choices made at start afresh (many fake the clock): nothing is read back from,
-# or kept in, the cache of timed choices (tests/backends/test_choice_cache.py turns it on)
-os.environ.setdefault("SPECFLOW_CHOICE_CACHE", "0")
+# The choices timed when a pipeline is built (threads, native, pack, product forms: ~1.5 s of a
+# demo-pair build, most of a test that builds two) are kept for this test run only, in a
+# temporary folder (never the user's cache; workers and the commands tests start share it), so
+# the hundreds of pipelines built on the same files time each choice once. A fake clock's times
+# are never kept (backends/choice.py); tests that replace what is timed (time_pass, a kernel's
+# timer) are marked `times_choices` or use `linear_clock`, and time with nothing kept or read.
+if not os.environ.get("SPECFLOW_CHOICE_DIR"):
+    os.environ["SPECFLOW_CHOICE_DIR"] = tempfile.mkdtemp(prefix="specflow-test-choices-")
+    atexit.register(shutil.rmtree, os.environ["SPECFLOW_CHOICE_DIR"], True)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -28,6 +37,14 @@ def _short_pack_timing():
     packing.REPS = packing.DRAFT_REPS = 3
     yield
     packing.REPS, packing.DRAFT_REPS = saved
+
+
+@pytest.fixture(autouse=True)
+def _choices_timed_afresh(request, monkeypatch):
+    """A test marked `times_choices`, or one with `linear_clock`, neither reads nor keeps the
+    times of choices: what it times is replaced, and a later test must not decide from it."""
+    if request.node.get_closest_marker("times_choices") or "linear_clock" in request.fixturenames:
+        monkeypatch.setenv("SPECFLOW_CHOICE_CACHE", "0")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -54,7 +54,9 @@ class Decided:
 def times(choice: Choice, clock: Clock = time.perf_counter) -> dict:
     """{way: least times} for `choice`, measured in turns or read back (choice_cache)."""
     deadline = None if choice.budget_s is None else clock() + choice.budget_s
-    kept = {} if choice.key is None else {"choice": choice.name, "key": dict(choice.key)}
+    # only the real clock's times are kept: a fake clock's (a test's) mean nothing to a later run
+    real = clock is time.perf_counter
+    kept = {} if choice.key is None or not real else {"choice": choice.name, "key": dict(choice.key)}
     best = in_turns([lambda w=w: choice.measure(w, clock) for w in choice.ways], choice.rounds,
                     deadline, choice.min_rounds, warm_up=choice.warm_up, clock=clock, **kept)
     return dict(zip(choice.ways, best))

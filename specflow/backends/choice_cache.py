@@ -24,8 +24,10 @@ entry at once leave one whole file.
 `retime` in the config (or `SPECFLOW_RETIME=1`) times every choice again and rewrites what is
 kept: the first run after the machine was busy keeps what it measured then (a neighbour's load
 turns a timing, backends/turns.py); the benchmarks (bench/*.py) time every choice again unless
-SPECFLOW_RETIME is set. `SPECFLOW_CHOICE_CACHE=0` neither reads nor writes (the test
-suite's default: tests that fake the clock must time). Where each choice's times came from is
+SPECFLOW_RETIME is set. `SPECFLOW_CHOICE_CACHE=0` neither reads nor writes;
+`SPECFLOW_CHOICE_DIR` keeps the times in a folder of its own (the test suite keeps a run's in a
+temporary one). Only times read from the real clock are kept (a test's fake clock times afresh:
+backends/choice.py). Where each choice's times came from is
 recorded (`recording()`): a backend's `describe()` and metrics.json say `cache` or `timed`.
 """
 from __future__ import annotations
@@ -41,6 +43,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 RETIME_ENV = "SPECFLOW_RETIME"        # 1: time every choice again and rewrite what is kept
 ENABLE_ENV = "SPECFLOW_CHOICE_CACHE"  # 0: neither read nor write
+FOLDER_ENV = "SPECFLOW_CHOICE_DIR"    # where the times are kept, if not <cache_root>/choices
 FOLDER = "choices"
 FORMAT = 1                            # bumped when what an entry holds changes
 
@@ -141,9 +144,11 @@ def _canonical(value: Any) -> Any:
 
 
 def folder() -> pathlib.Path:
+    """$SPECFLOW_CHOICE_DIR where set (a test run keeps its own), else `<cache_root>/choices`."""
     from specflow.paths import cache_root
 
-    return cache_root() / FOLDER
+    own = os.environ.get(FOLDER_ENV)
+    return pathlib.Path(own) if own else cache_root() / FOLDER
 
 
 def entry(choice: str, key: Mapping) -> tuple[pathlib.Path, dict]:

@@ -11,6 +11,9 @@ from specflow.backends import choice_cache
 from specflow.backends.choice import (Choice, Decided, decide, first_of_lasting_wins, mean_ratio,
                                       record, time_ends)
 
+# what the choices at build time measure is replaced here: nothing is read back or kept
+pytestmark = pytest.mark.times_choices
+
 
 class Clock:
     """Moves only when a way runs: each way costs what `cost` says, nothing sleeps."""
@@ -51,21 +54,30 @@ def test_a_decided_value_is_returned_untimed_and_described_as_given():
 
 def test_the_times_are_kept_per_key_and_read_back_without_timing(monkeypatch, tmp_path):
     monkeypatch.setenv(choice_cache.ENABLE_ENV, "1")
-    monkeypatch.setenv("SPECFLOW_CACHE", str(tmp_path))
-    clock = Clock({"a": 2.0, "b": 1.0})
+    monkeypatch.setenv(choice_cache.FOLDER_ENV, str(tmp_path))
+    runs = []
 
-    def build(key):
-        return Choice("kept", ("a", "b"), clock.measure, lambda best: min(best, key=best.get),
+    def measure(way, clock):                    # read from the real clock: kept
+        runs.append(way)
+        return [{"a": 2.0, "b": 1.0}[way]]
+
+    def build(key, measure=measure):
+        return Choice("kept", ("a", "b"), measure, lambda best: min(best, key=best.get),
                       key=key, rounds=1, min_rounds=1)
 
     with choice_cache.recording() as seen:
-        assert decide(build({"n": 1}), clock) == "b"
-    assert seen == {"kept": "timed"} and len(clock.order) == 2
+        assert decide(build({"n": 1})) == "b"
+    assert seen == {"kept": "timed"} and len(runs) == 2
     with choice_cache.recording() as seen:
-        assert decide(build({"n": 1}), clock) == "b"
-    assert seen == {"kept": "cache"} and len(clock.order) == 2      # nothing ran
-    decide(build({"n": 2}), clock)                                  # another key: timed
-    assert len(clock.order) == 4
+        assert decide(build({"n": 1})) == "b"
+    assert seen == {"kept": "cache"} and len(runs) == 2                 # nothing ran
+    decide(build({"n": 2}))                                             # another key: timed
+    assert len(runs) == 4 and len(list(tmp_path.iterdir())) == 2
+    # a fake clock's times mean nothing to a later run: neither read back nor kept
+    clock = Clock({"a": 1.0, "b": 2.0})
+    assert decide(build({"n": 1}, clock.measure), clock) == "a"
+    assert decide(build({"n": 3}, clock.measure), clock) == "a"
+    assert len(clock.order) == 4 and len(list(tmp_path.iterdir())) == 2
 
 
 def test_rules_shared_by_choosers():

@@ -10,6 +10,9 @@ from specflow.backends.lean import kernels
 from specflow.backends.lean import native
 from specflow.backends.lean.kernels import FORMS, Kernels, can_pack, grouped_attention, pack, packed, pick
 
+# what the choices at build time measure is replaced here: nothing is read back or kept
+pytestmark = pytest.mark.times_choices
+
 # fp32: the bound; bf16 carries ~3 significant digits, so a different product shape
 # may move a logit by a few units of its last place
 TOLERANCE = {"float32": 1e-5, "bfloat16": 0.15}

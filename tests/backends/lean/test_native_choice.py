@@ -15,7 +15,9 @@ from specflow.backends.choice import decide
 from specflow.backends.lean.native_choice import plan
 from specflow.backends.lean.native_pass import NativePass
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler with OpenMP here")
+# what the choices at build time measure is replaced here: nothing is read back or kept
+pytestmark = [pytest.mark.skipif(not native.available(), reason="no C compiler with OpenMP here"),
+              pytest.mark.times_choices]
 
 DEMO = ["model=demo", "threads=2", "max_new_tokens=6", "show_progress=false", "max_batch_size=1",
         "pack=false"]

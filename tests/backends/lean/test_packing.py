@@ -11,6 +11,9 @@ from specflow import ConfigError, Pipeline
 from specflow.backends.hf.backend import HFBackend
 from specflow.backends.lean.kernels import can_pack
 
+# what the choices at build time measure is replaced here: nothing is read back or kept
+pytestmark = pytest.mark.times_choices
+
 needs_onednn = pytest.mark.skipif(not can_pack(torch.float32),
                                   reason="this torch build has no oneDNN packed linear")
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from specflow.backends.lean.native import argmax
-from specflow.stages.sampling import Generators, position_exponentials, row_uniforms, sample_categorical
+from specflow.stages.sampling import Generators, position_weights, row_uniforms, sample_categorical
 from specflow.state import PAD
 
 def verify(draft_token_ids: torch.Tensor, target_probs: torch.Tensor,
@@ -130,4 +130,4 @@ def position_targets(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.
     sampling draws at each position: p / E(seed, position). Greedy verification of these
     weights commits exactly the plain-sampled tokens (drafts drawn with the same E match them
     as often as the draws allow), so the committed stream is Categorical(p) at every position."""
-    return probs / position_exponentials(seeds, positions, probs.shape[-1])        # [B, P, V]
+    return position_weights(probs, seeds, positions)                               # [B, P, V]

@@ -10,7 +10,7 @@ import pytest
 import torch
 from specflow.experiments.chi_square import goodness_of_fit
 
-from specflow.stages.sampling import position_choice, position_exponentials
+from specflow.stages.sampling import position_choice, position_exponentials, position_weights
 
 M = 0xFFFFFFFF
 
@@ -54,6 +54,29 @@ def test_draws_are_independent_exponentials():
     for a, b in ((e[..., :-1], e[..., 1:]), (e[:, :-1], e[:, 1:]), (e[0], e[1])):
         r = np.corrcoef(a.flatten().numpy(), b.flatten().numpy())[0, 1]
         assert abs(r) < 0.01
+
+
+def test_a_sparse_round_draws_only_its_support_and_gets_the_same_weights_bit_for_bit():
+    """After top-p / top-k most tokens weigh 0: their draws are skipped, nothing else moves."""
+    gen = torch.Generator().manual_seed(0)
+    B, P, V = 3, 4, 4000
+    seeds = torch.tensor([7, 2 ** 40 + 3, 12345])
+    positions = torch.arange(P)[None, :] + torch.tensor([[0], [50], [999]])   # [B, P]
+    probs = torch.zeros(B, P, V)
+    for b in range(B):                          # each row its own few tokens, one row one-hot
+        for q in range(P):
+            ids = torch.randperm(V, generator=gen)[:1 if b == 2 else 40]
+            probs[b, q, ids] = torch.rand(len(ids), generator=gen).softmax(0)
+    dense = probs / position_exponentials(seeds, positions, V)
+    got = position_weights(probs, seeds, positions)
+    assert torch.equal(got, dense) and got.abs().sum() > 0
+    assert torch.equal(position_choice(probs, seeds, positions), dense.argmax(-1))
+    ids = torch.tensor([0, 5, 3999])
+    assert torch.equal(position_exponentials(seeds, positions, V, ids),
+                       position_exponentials(seeds, positions, V)[..., ids])
+    full = probs + 1e-3                          # a dense round: every token drawn, as before
+    assert torch.equal(position_weights(full, seeds, positions),
+                       full / position_exponentials(seeds, positions, V))
 
 
 def test_choice_is_categorical_and_a_function_of_seed_and_position():

@@ -66,9 +66,9 @@ def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
             out.scatter_(-1, idx, keep)
         else:
             out[rows] = out[rows].scatter(-1, idx, keep)
-        if not wider.any():
+        if not wider.any():                                                    # cpu only
             break
-        rows = wider.nonzero()[:, 0] if rows is None else rows[wider]
+        rows = wider.nonzero()[:, 0] if rows is None else rows[wider]          # cpu only
     return out.reshape(logits.shape)
 
 

@@ -91,7 +91,7 @@ def position_weights(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.
     support's size would be read back) every token's."""
     V = probs.shape[-1]
     if probs.device.type == "cpu":
-        support = (probs.reshape(-1, V).amax(0) > 0).nonzero()[:, 0]               # [S] ascending
+        support = (probs.reshape(-1, V).amax(0) > 0).nonzero()[:, 0]     # [S] ascending; cpu only
         if len(support) * 4 <= V:
             out = torch.zeros_like(probs)                                          # [B, P, V]
             out[..., support] = probs[..., support] / position_exponentials(

@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 PLUGINS := plugins/specflow-suffix plugins/specflow-trace
 
 # the example plugins' tests run in their own pytest session (autoload on)
-.PHONY: demo test test-slow test-all test-vllm vllm bench bench-policies bench-real bench-precision bench-drafters bench-vllm llama-cpp sim calibrate demo-head smollm2 smollm2-head smollm2-head-data smollm2-head-user-data head-curve wheel-check clean
+.PHONY: demo test test-slow test-all test-vllm vllm bench bench-policies bench-real bench-precision bench-sampling bench-drafters bench-vllm llama-cpp sim calibrate demo-head smollm2 smollm2-head smollm2-head-data smollm2-head-user-data head-curve wheel-check clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -161,6 +161,11 @@ bench-real: smollm2
 # file's, ngram and proposer=self, against llama.cpp on the same files (make llama-cpp first)
 bench-precision: smollm2
 	$(PY) bench/precision.py
+
+# make bench-sampling: SmolLM2 sampled (temperature 0.8, top-p 0.9) as chat users run it, none,
+# ngram and proposer=self, against llama.cpp sampling the same files alike (make llama-cpp first)
+bench-sampling: smollm2
+	$(PY) bench/sampling.py
 
 # make bench-drafters: each drafter's tokens/s, tau and c (a draft step over a target pass) on the
 # demo pair (EAGLE head at auto = int8, as saved, int4; draft model) and SmolLM2 (its head, fp32 and Q4_1)

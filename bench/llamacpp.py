@@ -30,11 +30,14 @@ def peer_env() -> dict[str, str]:
 class LlamaCpp:
     """The binaries in `bin_dir` running `gguf` with `threads` threads."""
 
-    def __init__(self, bin_dir: str, gguf: str, threads: int = 1, context: int = 2048):
+    def __init__(self, bin_dir: str, gguf: str, threads: int = 1, context: int = 2048,
+                 sampling: list[str] | None = None):
         self.bin = pathlib.Path(bin_dir)
         self.gguf = str(gguf)
         self.threads = threads
         self.context = context
+        # the sampler's flags (greedy unless given: --temp 0)
+        self.sampling = list(sampling) if sampling else ["--temp", "0"]
         for name in ("llama-completion", "llama-lookup"):
             if not (self.bin / name).is_file():
                 raise SystemExit(f"--llama-cpp {bin_dir}: no {name} there; run make llama-cpp")
@@ -50,9 +53,10 @@ class LlamaCpp:
         for _ in range(2):
             proc = subprocess.run(
                 [str(self.bin / tool), "-m", self.gguf, "-p", prompt, "--no-escape",
-                 "-n", str(new_tokens), "--temp", "0", "-t", str(self.threads),
+                 "-n", str(new_tokens), *self.sampling, "-t", str(self.threads),
                  "-c", str(self.context), "--ignore-eos", *extra],
-                capture_output=True, text=True, env=env, timeout=600)
+                # errors="replace": a sampled token may end inside a multi-byte character
+                capture_output=True, text=True, errors="replace", env=env, timeout=600)
             if proc.returncode != 0:
                 raise RuntimeError(f"{tool} exited {proc.returncode}: {proc.stderr[-400:]}")
             if (m := timings.search(proc.stderr)) is not None:

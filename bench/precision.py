@@ -152,14 +152,20 @@ def memory_table(T: int) -> dict:
             for name, mb in memory.items()}
 
 
-def main() -> None:
-    retime_unless_told()     # choices kept from a busy machine would distort the arms
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def smollm2_parser(doc: str) -> argparse.ArgumentParser:
+    """The options of a SmolLM2 run against llama.cpp (this file's, bench/sampling.py's)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=12)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--llama-cpp", default=str(LLAMA_CPP / "build" / "bin"))
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    return ap
+
+
+def main() -> None:
+    retime_unless_told()     # choices kept from a busy machine would distort the arms
+    ap = smollm2_parser(__doc__)
     ap.add_argument("--memory-only", action="store_true",
                     help="only the peak-memory table (precision_memory.md): no timing, so it "
                          "may run on a busy machine")

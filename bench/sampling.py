@@ -11,7 +11,6 @@ Writes bench/results/sampling.{json,md}.
 """
 from __future__ import annotations
 
-import argparse
 import pathlib
 import platform
 import sys
@@ -29,7 +28,8 @@ from specflow.io import atomic_write_json, atomic_write_text  # noqa: E402
 from specflow.paths import DEMO_DIR  # noqa: E402
 
 from llamacpp import LlamaCpp  # noqa: E402
-from precision import LLAMA_CPP, Q4_1, interleaved, llama_arm, specflow_arm, summary  # noqa: E402
+from precision import (LLAMA_CPP, Q4_1, interleaved, llama_arm, smollm2_parser,  # noqa: E402
+                       specflow_arm, summary)
 from real import chat_prompts  # noqa: E402
 
 TEMPERATURE, TOP_P = 0.8, 0.9
@@ -47,13 +47,7 @@ PEER_SAMPLING = ["--temp", str(TEMPERATURE), "--top-p", str(TOP_P), "--top-k", "
 
 def main() -> None:
     retime_unless_told()
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=int, default=12)
-    ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--llama-cpp", default=str(LLAMA_CPP / "build" / "bin"))
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
-    args = ap.parse_args()
+    args = smollm2_parser(__doc__).parse_args()
     N, T = args.new_tokens, args.threads
     base = ["model=smollm2", "show_progress=false", f"threads={T}", "max_batch_size=1", *SAMPLING]
     pipes = {name: Pipeline.from_config([*base, *over]) for name, over in ARMS.items()}

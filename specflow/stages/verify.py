@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from specflow.backends.lean.native import argmax
-from specflow.stages.sampling import Generators, position_weights, row_uniforms, sample_categorical
+from specflow.stages.sampling import Generators, row_uniforms, sample_categorical
 from specflow.state import PAD
 
 def verify(draft_token_ids: torch.Tensor, target_probs: torch.Tensor,
@@ -124,10 +124,3 @@ def _greedy_on_host(draft_token_ids: torch.Tensor, best: torch.Tensor
     return (torch.tensor(out, dtype=torch.long).view(len(out), K + 1),         # [B, K+1]
             torch.tensor(accepted, dtype=torch.long))                           # [B]
 
-
-def position_targets(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """The target's distributions [B, P, V] turned into weights whose argmax is the token plain
-    sampling draws at each position: p / E(seed, position). Greedy verification of these
-    weights commits exactly the plain-sampled tokens (drafts drawn with the same E match them
-    as often as the draws allow), so the committed stream is Categorical(p) at every position."""
-    return position_weights(probs, seeds, positions)                               # [B, P, V]
